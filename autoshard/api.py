@@ -1,0 +1,39 @@
+"""`autoshard()`: the compile, as a straight line of passes.
+
+capture (torch.export) -> annotate (sharding analysis, writes node.meta) -> rewrite (one graph per
+rank) -> emit (a module per rank holding its parameter shards). Annotation comes before any rewrite
+so that every rank's program is cut from one decision; rewriting is per rank so that ranks can be
+built lazily (a torchrun process builds only its own).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .capture import infer_example_inputs, normalize_inputs
+from .errors import ShardingError
+from .program import ShardedProgram
+
+__all__ = ["autoshard"]
+
+
+def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = None,
+              example_kwargs: dict | None = None) -> ShardedProgram:
+    """Shard an unmodified single-device model Megatron-style over `tp` tensor-parallel ranks.
+
+    >>> from autoshard.models import GPT, GPTConfig
+    >>> import torch
+    >>> model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32))
+    >>> prog = autoshard(model, tp=2)
+    >>> ids = torch.randint(0, 128, (2, 16))
+    >>> torch.allclose(prog.simulate(ids)[0], model(ids)[0], atol=1e-5)
+    True
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ShardingError(f"tp must be a positive integer, got {tp!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
+    if example_inputs is None and example_kwargs is None:
+        args, kwargs = infer_example_inputs(model)
+    else:
+        args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs))

@@ -1,0 +1,160 @@
+"""Capture: an nn.Module -> one FX graph with parameters as get_attr nodes, shapes in node.meta.
+
+torch.export (non-strict) traces with fake tensors, so a model built on the meta device compiles
+without materializing anything. Batch and sequence dims are exported dynamic (Dim.AUTO) where the
+model allows; whatever export had to specialize is recorded in `Signature`, and a call whose inputs
+do not match is compiled again for them (the program keeps one graph per signature).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import Dim
+
+from .errors import CaptureError
+
+__all__ = ["Captured", "Signature", "capture", "normalize_inputs", "infer_example_inputs"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a call must look like to reuse a graph: the pytree spec, static dims, constant values."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple[tuple, ...]   # per leaf: ("tensor", dtype, dims) with dims int or str symbol; ("const", v)
+
+    def matches(self, flat: list[object], spec: pytree.TreeSpec) -> bool:
+        if spec != self.spec or len(flat) != len(self.leaves):
+            return False
+        symbols: dict[str, int] = {}
+        for leaf, want in zip(flat, self.leaves):
+            if want[0] == "const":
+                if isinstance(leaf, torch.Tensor) or leaf != want[1]:
+                    return False
+                continue
+            if not isinstance(leaf, torch.Tensor) or leaf.dtype != want[1] or leaf.dim() != len(want[2]):
+                return False
+            for size, d in zip(leaf.shape, want[2]):
+                if isinstance(d, int):
+                    if size != d:
+                        return False
+                elif size < 2 or symbols.setdefault(d, size) != size:   # export's dims start at 2
+                    return False
+        return True
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    param_names: dict[str, str]      # get_attr target -> canonical parameter name
+    signature: Signature
+    out_spec: pytree.TreeSpec
+
+
+def normalize_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, object]:
+    """Bind a call to `model.forward`'s parameter names; HF models get use_cache=False (training)."""
+    sig = inspect.signature(model.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise CaptureError(f"inputs do not match {type(model).__name__}.forward{sig}: {e}") from None
+    named = dict(bound.arguments)
+    if "use_cache" in sig.parameters and "use_cache" not in named and _is_hf(model):
+        named["use_cache"] = False
+    return named
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def infer_example_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    """Example inputs when none are given: HF models from their config; fx-traceable modules whose
+    first input feeds an embedding (token ids). Anything else must be given `example_inputs`."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = torch.device("cpu") if device.type == "meta" else device
+    cfg = getattr(model, "config", None)
+    if _is_hf(model) and getattr(cfg, "vocab_size", None):
+        return (), {"input_ids": torch.randint(0, cfg.vocab_size, (2, 8), device=device)}
+    try:
+        traced = fx.symbolic_trace(model)
+    except Exception as e:
+        raise CaptureError(f"cannot infer example inputs for {type(model).__name__}: torch.fx could not "
+                           f"trace it ({type(e).__name__}: {e}); pass example_inputs=(...)") from e
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    first = placeholders[0] if placeholders else None
+    for user in (first.users if first else ()):
+        if user.op == "call_module" and isinstance(traced.get_submodule(user.target), nn.Embedding):
+            emb = traced.get_submodule(user.target)
+            return (torch.randint(0, emb.num_embeddings, (2, 8), device=device),), {}
+    raise CaptureError(f"cannot infer example inputs for {type(model).__name__}: its first input does not "
+                       f"feed an nn.Embedding; pass example_inputs=(...)")
+
+
+def _dynamic(named: dict[str, object]) -> dict[str, object]:
+    def spec(x):
+        return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+    return {k: pytree.tree_map(spec, v) if not isinstance(v, torch.Tensor) else spec(v)
+            for k, v in named.items()}
+
+
+def capture(model: nn.Module, named: dict[str, object]) -> Captured:
+    errors = []
+    for dynamic in (True, False):
+        try:
+            ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dynamic else None,
+                                     strict=False)
+            break
+        except Exception as e:  # the tracer's own reason is what the user needs to see
+            errors.append(e)
+    else:
+        e = errors[-1]
+        raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+    gm = ep.module()
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            gm.graph.erase_node(n)
+    gm.graph._codegen = fx.graph.CodeGen()   # flat inputs: the program flattens calls itself
+    for n in [n for n in gm.graph.nodes if n.op == "get_attr" and n.users]:
+        first = min(n.users, key=_order(gm.graph))
+        first.prepend(n)                      # read each weight where it is used: readable code
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    canonical = {}
+    for name, p in model.named_parameters():
+        canonical.setdefault(id(p), name)
+    param_names = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = _get(gm, n.target)
+            if isinstance(obj, nn.Parameter) or (isinstance(obj, torch.Tensor) and id(obj) in canonical):
+                param_names[n.target] = canonical.get(id(obj), n.target)
+    flat, spec = pytree.tree_flatten(((), named))
+    leaves = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for leaf, ph in zip(flat, placeholders):
+        if isinstance(leaf, torch.Tensor):
+            dims = tuple(int(s) if not isinstance(s, torch.SymInt) else str(s.node.expr)
+                         for s in ph.meta["val"].shape)
+            leaves.append(("tensor", leaf.dtype, dims))
+        else:
+            leaves.append(("const", leaf))
+    return Captured(gm, param_names, Signature(spec, tuple(leaves)), ep.call_spec.out_spec)
+
+
+def _order(graph: fx.Graph):
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    return pos.__getitem__
+
+
+def _get(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

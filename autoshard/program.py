@@ -1,0 +1,174 @@
+"""ShardedProgram: the result of `autoshard()`: per-rank programs, simulation and reassembly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from tabulate import tabulate
+from torch import nn
+
+from .capture import Captured, capture, normalize_inputs
+from .errors import ShardingError
+from .passes.annotate import ShardingPlan, annotate
+from .passes.rewrite import rewrite_rank
+from .rank import RankProgram, slice_layout
+from .simulate import join_replicated, run_lockstep
+
+__all__ = ["ShardedProgram"]
+
+
+@dataclass
+class _Compiled:
+    captured: Captured
+    plan: ShardingPlan
+
+
+class ShardedProgram:
+    """Per-rank programs for one model at tensor-parallel degree `tp` (see `autoshard`)."""
+
+    def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object]):
+        self.model, self.tp = model, tp
+        self._ranks: dict[int, RankProgram] = {}
+        self._compiled: list[_Compiled] = []
+        self._compile(named_inputs)
+
+    # ---- compile -----------------------------------------------------------------------------
+    def _compile(self, named: dict[str, object]) -> _Compiled:
+        cap = capture(self.model, named)
+        plan = annotate(cap.gm, self.tp, cap.param_names)   # analysis: writes node.meta["sharding"]
+        if self._compiled and plan.params != self.plan.params:
+            raise ShardingError("inputs of a new shape shard the parameters differently from the example "
+                                "inputs; compile a separate program for them")
+        entry = _Compiled(cap, plan)
+        self._compiled.append(entry)
+        for r, rank in self._ranks.items():
+            self._add_graph(rank, entry)
+        return entry
+
+    @property
+    def plan(self) -> ShardingPlan:
+        return self._compiled[0].plan
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    def _add_graph(self, rank: RankProgram, entry: _Compiled) -> None:
+        cap = entry.captured
+        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, rank.rank)   # rewrite: a new graph
+        attrs: dict[str, object] = dict(rg.restrict_buffers)
+        for n in cap.gm.graph.nodes:
+            if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
+                obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else _fetch(cap.gm, n.target)
+                attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.syncs, cap.out_spec)
+
+    # ---- ranks -------------------------------------------------------------------------------
+    def rank(self, r: int) -> RankProgram:
+        """Rank r's module: its parameter shards and its graph(s); `.code` prints them."""
+        if not 0 <= r < self.tp:
+            raise IndexError(f"rank {r} out of range for world size {self.tp}")
+        if r not in self._ranks:
+            params = {}
+            for name, p in self.model.named_parameters():
+                use = self.plan.params.get(name)
+                local = slice_layout(p.detach(), use.dim, use.layout[r]) if use else p.detach()
+                params[name] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
+            rank = RankProgram(r, self.tp, params, lambda a, k: normalize_inputs(self.model, a, k))
+            object.__setattr__(rank, "_compile_for", self._compile)
+            for entry in self._compiled:
+                self._add_graph(rank, entry)
+            self._ranks[r] = rank
+        return self._ranks[r]
+
+    def ranks(self) -> list[RankProgram]:
+        return [self.rank(r) for r in range(self.tp)]
+
+    def distributed(self, group: dist.ProcessGroup | None = None) -> RankProgram:
+        """This process's rank module, its collectives bound to `group` (default: WORLD)."""
+        size = dist.get_world_size(group)
+        if size != self.tp:
+            raise ShardingError(f"the process group has {size} ranks but the program was built for tp={self.tp}")
+        return self.rank(dist.get_rank(group)).bind(group)
+
+    # ---- simulation and reassembly -----------------------------------------------------------
+    def simulate(self, *args, **kwargs):
+        """Run all ranks in this process; returns what `model(*args, **kwargs)` returns.
+
+        Outputs are replicated, so every rank holds the same values; a loss computed from the result
+        back-propagates into every rank, as each rank's own loss does under torch.distributed.
+        """
+        outs, out_spec = self._run_all(args, kwargs)
+        return pytree.tree_unflatten([join_replicated(list(leaf)) for leaf in zip(*outs)], out_spec)
+
+    def simulate_all(self, *args, **kwargs) -> list[object]:
+        """Every rank's own output, unjoined (for checking that the copies agree)."""
+        outs, out_spec = self._run_all(args, kwargs)
+        return [pytree.tree_unflatten(list(o), out_spec) for o in outs]
+
+    def _run_all(self, args: tuple, kwargs: dict):
+        picked = [rank.graph_for(args, kwargs) for rank in self.ranks()]
+        return run_lockstep([p[0] for p in picked], picked[0][1]), picked[0][2]
+
+    def _assemble(self, read) -> dict[str, torch.Tensor | None]:
+        out = {}
+        for name, p in self.model.named_parameters():
+            locals_ = [read(dict(rank.named_parameters())[name]) for rank in self.ranks()]
+            use = self.plan.params.get(name)
+            if any(t is None for t in locals_):
+                out[name] = None
+            elif use is None:
+                out[name] = locals_[0]
+            else:
+                full = locals_[0].new_zeros(p.shape)
+                for t, ranges in zip(locals_, use.layout):
+                    pos = 0
+                    for a, b in ranges:
+                        full.narrow(use.dim, a, b - a).copy_(t.narrow(use.dim, pos, b - a))
+                        pos += b - a
+                out[name] = full
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Gradients reassembled to full shapes, keyed by the model's own parameter names."""
+        return self._assemble(lambda p: None if p.grad is None else p.grad.detach())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters reassembled to full shapes, keyed by the model's own parameter names."""
+        return self._assemble(lambda p: p.detach())
+
+    # ---- printing ----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        rows = []
+        for name, p in self.model.named_parameters():
+            use = self.plan.params.get(name)
+            if use is None:
+                rows.append([name, tuple(p.shape), "replicated", tuple(p.shape)])
+                continue
+            local = list(p.shape)
+            local[use.dim] = sum(b - a for a, b in use.layout[0])
+            kind = "shared rows" if len({r for rs in use.layout for r in rs}) < sum(len(rs) for rs in use.layout) \
+                else "split"
+            rows.append([name, tuple(p.shape), f"{kind} dim {use.dim}", tuple(local)])
+        head = f"autoshard program: tp={self.tp}, world size {self.world_size}"
+        table = tabulate(rows, headers=["parameter", "full shape", "sharding", "per-rank shape"])
+        gm = self.rank(0).graph_module
+        counts = {k: sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(k))
+                  for k in ("f", "g", "sync_")}
+        notes = [f"collectives per rank per step: {counts['f']} f (all-reduce in backward), {counts['g']} g "
+                 f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
+        notes += [f"fallback (replicated): {', '.join(f.roots)}: {f.reason}" for f in self.plan.fallbacks]
+        notes += [f"not sharded: {s}" for s in self.plan.skipped]
+        return "\n".join([head, table, *notes])
+
+    __repr__ = __str__
+
+
+def _fetch(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,109 @@
+"""One rank's program: an nn.Module holding exactly that rank's parameter shards and its graph(s).
+
+Parameters are registered under the model's own names (`named_parameters()` reads like the original
+model's), each a slice of the original tensor. Graphs are kept one per input signature; they read
+the same Parameter objects, so training one rank module trains all its graphs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .capture import Signature
+from .collectives import (CommHandle, Communicator, CopyToTensorParallelRegion, ProcessGroupComm,
+                          ReduceFromTensorParallelRegion, SyncReplicatedShard)
+
+__all__ = ["RankProgram", "slice_layout"]
+
+
+def slice_layout(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """This rank's part of `t`: the listed index ranges along `dim`, concatenated."""
+    parts = [t.narrow(dim, a, b - a) for a, b in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _assign(root: nn.Module, path: str, value: object) -> None:
+    *mods, leaf = path.split(".")
+    for m in mods:
+        if not hasattr(root, m):
+            root.add_module(m, nn.Module())
+        root = getattr(root, m)
+    if isinstance(value, nn.Parameter):
+        root.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        root.register_buffer(leaf, value)
+    else:
+        setattr(root, leaf, value)
+
+
+class RankProgram(nn.Module):
+    """Rank `rank` of `world_size`: call it like the original model (inside a torchrun job)."""
+
+    def __init__(self, rank: int, world_size: int, params: dict[str, nn.Parameter],
+                 normalize: Callable[[tuple, dict], dict]):
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+        self.handle = CommHandle(rank)
+        for name, p in params.items():
+            _assign(self, name, p)
+        self.f = CopyToTensorParallelRegion(self.handle)
+        self.g = ReduceFromTensorParallelRegion(self.handle)
+        object.__setattr__(self, "_graphs", [])      # (Signature, GraphModule, out_spec); not submodules
+        object.__setattr__(self, "_normalize", normalize)
+        object.__setattr__(self, "_compile_for", None)
+
+    # ---- graphs ------------------------------------------------------------------------------
+    def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], syncs, out_spec) -> fx.GraphModule:
+        for name, value in attrs.items():
+            if not _has(self, name):
+                _assign(self, name, value)
+        for s in syncs:
+            if not hasattr(self, s.module):
+                self.add_module(s.module, SyncReplicatedShard(self.handle, s.dim, s.size, s.ranges))
+        gm = fx.GraphModule(self, graph, class_name=f"Rank{self.rank}Program")
+        self._graphs.append((sig, gm, out_spec))
+        return gm
+
+    def graph_for(self, args: tuple, kwargs: dict):
+        named = self._normalize(args, kwargs)
+        flat, spec = pytree.tree_flatten(((), named))
+        for sig, gm, out_spec in self._graphs:
+            if sig.matches(flat, spec):
+                return gm, flat, out_spec
+        if self._compile_for is None:
+            raise ValueError(f"rank {self.rank} has no graph for these inputs and cannot compile one")
+        self._compile_for(named)
+        return self.graph_for(args, kwargs)
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The graph compiled for the example inputs."""
+        return self._graphs[0][1]
+
+    @property
+    def code(self) -> str:
+        return "\n".join(gm.code for _, gm, _ in self._graphs)
+
+    # ---- running -----------------------------------------------------------------------------
+    def bind(self, comm: Communicator | torch.distributed.ProcessGroup | None) -> "RankProgram":
+        """Run collectives on `comm` (a Communicator, or a torch.distributed group; None: WORLD)."""
+        self.handle.comm = comm if hasattr(comm, "all_reduce") else ProcessGroupComm(comm)
+        return self
+
+    def forward(self, *args, **kwargs):
+        gm, flat, out_spec = self.graph_for(args, kwargs)
+        return pytree.tree_unflatten(list(gm(*flat)), out_spec)
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        obj = root
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return True
+    except AttributeError:
+        return False

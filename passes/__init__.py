@@ -1,0 +1,1 @@
+"""Graph passes (installed as `autoshard.passes`): sharding analysis, then per-rank rewrite."""

@@ -1,0 +1,230 @@
+"""Sharding analysis: writes `node.meta["sharding"]` on every node and returns the plan. No rewrite.
+
+Nodes are visited in order and each op's rule (the table in `op_table`) gives its placement. Two
+signals move the visit back instead of forward, always to the start of the region concerned, so the
+work stays linear in the number of layers:
+- Abandon: a region meets an op the table cannot shard; its column-parallel roots are pinned
+  replicated (a correct fallback, reported) and the region is visited again.
+- Demand: a consumer needs the root's layout cut differently (a fused QKV split, a head view); the
+  root's recipe is refined and the region is visited again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import lcm
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..errors import ShardingError
+from .index_sets import Layout, LayoutError, Segment, layout_from_segments
+from .op_table import rule_for
+from .placement import REPLICATE, Abandon, Demand, NodeSharding, Origin, ParamUse, Placement, Shard
+from .shape_algebra import to_sympy
+
+__all__ = ["ShardingPlan", "Fallback", "annotate", "module_path", "param_read"]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A region left replicated, and why."""
+
+    roots: tuple[str, ...]
+    reason: str
+
+
+@dataclass
+class ShardingPlan:
+    tp: int
+    params: dict[str, ParamUse]                  # every parameter read sharded: its dim and layout
+    fallbacks: list[Fallback] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)   # matmuls with indivisible output features
+
+
+def param_read(arg: object, param_names: dict[str, str]) -> tuple[str, bool] | None:
+    """(parameter name, transposed) when `arg` reads a parameter directly or through a 2-D transpose."""
+    if not isinstance(arg, fx.Node):
+        return None
+    if arg.op == "get_attr" and arg.target in param_names:
+        return param_names[arg.target], False
+    name = getattr(arg.target, "__name__", "")
+    if arg.op == "call_function" and (name in ("t.default", "numpy_T.default") or
+                                      (name == "transpose.int" and len(arg.meta["val"].shape) == 2)):
+        inner = param_read(arg.args[0], param_names)
+        return (inner[0], not inner[1]) if inner else None
+    return None
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<top>"
+    path, cls = list(stack.values())[-1]
+    cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return f"{path or '<top>'} ({cls.rsplit('.', 1)[-1]})"
+
+
+class _Analysis:
+    def __init__(self, gm: fx.GraphModule, tp: int, param_names: dict[str, str]):
+        self.gm, self.tp, self.param_names = gm, tp, param_names
+        self.nodes = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.by_name = {n.name: n for n in self.nodes}
+        self.pinned: set[str] = set()
+        self.recipes: dict[str, list[Segment]] = {}
+        self.recipe_why: dict[str, str] = {}
+        self.uses: dict[str, dict[int, ParamUse]] = {}
+        self.fallbacks: list[Fallback] = []
+        self.skipped: dict[str, str] = {}
+        self.current = 0
+
+    # ---- RuleContext -------------------------------------------------------------------------
+    def place(self, arg: object) -> Placement:
+        if isinstance(arg, fx.Node):
+            return arg.meta.get("sharding", NodeSharding()).placement
+        return REPLICATE
+
+    def shape(self, node: fx.Node) -> list[sympy.Expr]:
+        return [to_sympy(s) for s in node.meta["val"].shape]
+
+    def param(self, arg: object) -> tuple[str, bool] | None:
+        return param_read(arg, self.param_names)
+
+    def where(self, node: fx.Node) -> str:
+        return f"node {node.name} (module {module_path(node)})"
+
+    def root_layout(self, node: fx.Node, size: int) -> Layout | None:
+        if node.name in self.pinned:
+            return None
+        recipe = self.recipes.get(node.name, [Segment(0, size)])
+        try:
+            return layout_from_segments(recipe, self.tp)
+        except LayoutError as e:
+            if node.name not in self.recipes:
+                self.skipped[node.name] = (f"{self.where(node)}: output features {size} not divisible "
+                                           f"by tp={self.tp}; left replicated")
+                return None
+            raise ShardingError(f"tp={self.tp} cannot shard {self.where(node)}: {e}; "
+                                f"required by {self.recipe_why[node.name]}") from None
+
+    def require_cuts(self, origin, cuts, size, roots, reason) -> None:
+        if origin is None:
+            raise Abandon(roots, reason + " (layout not traceable to its root)")
+        root_cuts = [origin.offset + c * origin.scale for c in cuts]
+        segs = self._recipe(origin.root)
+        new = _cut(segs, root_cuts)
+        if new != segs:
+            raise Demand(origin.root, reason, cuts=tuple(root_cuts))
+
+    def require_granularity(self, origin, size, granularity, roots, reason) -> None:
+        if origin is None:
+            raise Abandon(roots, reason + " (layout not traceable to its root)")
+        lo, hi = origin.offset, origin.offset + size * origin.scale
+        raise Demand(origin.root, reason, granularity=(lo, hi, granularity * origin.scale))
+
+    # ---- driver ------------------------------------------------------------------------------
+    def _recipe(self, root: str) -> list[Segment]:
+        size = int(self.by_name[root].meta["val"].shape[-1])
+        return self.recipes.get(root, [Segment(0, size)])
+
+    def run(self) -> None:
+        i = 0
+        while i < len(self.nodes):
+            node = self.nodes[i]
+            self.current = i
+            try:
+                result = rule_for(node)(self, node) if node.op in ("call_function", "call_module", "output") \
+                    else NodeSharding(REPLICATE)
+                result.region = _region(self, node, result)
+                self._record_params(node, result)
+            except Abandon as a:
+                i = self._abandon(a.roots, a.reason)
+                continue
+            except Demand as d:
+                i = self._demand(d)
+                continue
+            node.meta["sharding"] = result
+            i += 1
+
+    def _abandon(self, roots: frozenset[str], reason: str) -> int:
+        self.pinned |= roots
+        self.fallbacks.append(Fallback(tuple(sorted(roots)), reason))
+        return min(self.index[self.by_name[r]] for r in roots)
+
+    def _demand(self, d: Demand) -> int:
+        old = self._recipe(d.root)
+        new = _cut(old, list(d.cuts))
+        if d.granularity:
+            lo, hi, g = d.granularity
+            new = [Segment(s.start, s.size, lcm(s.granularity, g)) if lo <= s.start < hi else s
+                   for s in _cut(new, [lo, hi])]
+        if new == old:
+            return self._abandon(frozenset([d.root]), d.reason + " (no layout of the root satisfies it)")
+        self.recipes[d.root] = new
+        self.recipe_why[d.root] = d.reason
+        return self.index[self.by_name[d.root]]
+
+    def _record_params(self, node: fx.Node, result: NodeSharding) -> None:
+        named = {u.name for u in result.params}
+        for a in node.all_input_nodes:
+            prm = self.param(a)
+            if prm and prm[0] not in named and not self._is_param_view(node):
+                result.params.append(ParamUse(prm[0]))
+                named.add(prm[0])
+        i = self.index[node]
+        roots = result.region
+        for use in result.params:
+            earlier = {j: u for j, u in self.uses.get(use.name, {}).items() if j < i}
+            for j, u in earlier.items():
+                if u == use:
+                    continue
+                if use.layout is None:      # read whole here, sharded earlier: undo the earlier region
+                    raise Abandon(self.nodes[j].meta["sharding"].region,
+                                  f"parameter {use.name} is also read whole at {self.where(node)}")
+                raise Abandon(roots or frozenset([node.name]),
+                              f"parameter {use.name} is also read "
+                              f"{'whole' if u.layout is None else 'split differently'} at {self.where(self.nodes[j])}")
+            self.uses.setdefault(use.name, {})[i] = use
+
+    def _is_param_view(self, node: fx.Node) -> bool:
+        return self.param(node) is not None
+
+
+def _region(ctx: _Analysis, node: fx.Node, result: NodeSharding) -> frozenset[str]:
+    """The column-parallel roots whose region this node is part of (inputs or outputs sharded)."""
+    outs = result.placement if isinstance(result.placement, tuple) else (result.placement,)
+    places = [ctx.place(a) for a in node.all_input_nodes] + list(outs)
+    flat = [q for p in places for q in (p if isinstance(p, tuple) else (p,))]
+    return frozenset().union(*(p.roots for p in flat if isinstance(p, Shard)))
+
+
+def _cut(segs: list[Segment], cuts: list[int]) -> list[Segment]:
+    out: list[Segment] = []
+    for s in segs:
+        inner = sorted(c for c in set(cuts) if s.start < c < s.start + s.size)
+        bounds = [s.start, *inner, s.start + s.size]
+        out += [Segment(a, b - a, s.granularity) for a, b in zip(bounds, bounds[1:])]
+    return out
+
+
+def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str]) -> ShardingPlan:
+    """Annotate every node of `gm` with its tensor-parallel placement for `tp` ranks.
+
+    `param_names` maps get_attr targets to the model's canonical parameter names (tied weights map
+    to one name). Returns the plan: which parameters are read sharded, and what fell back.
+    """
+    if tp == 1:
+        for n in gm.graph.nodes:
+            n.meta["sharding"] = NodeSharding(REPLICATE)
+        return ShardingPlan(tp, {})
+    a = _Analysis(gm, tp, param_names)
+    a.run()
+    params: dict[str, ParamUse] = {}
+    for name, uses in a.uses.items():
+        final = [u for j, u in uses.items() if a.nodes[j].meta.get("sharding") is not None]
+        sharded = {u for u in final if u.layout is not None}
+        if sharded and len(sharded) == len(set(final)) == 1:
+            params[name] = sharded.pop()
+    fallbacks = list({f.roots: f for f in a.fallbacks}.values())
+    return ShardingPlan(tp, params, fallbacks, sorted(a.skipped.values()))

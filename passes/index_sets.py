@@ -1,0 +1,126 @@
+"""Per-rank index sets over one tensor dimension.
+
+A sharded dimension of global size S is described by a *layout*: for every tensor-parallel rank,
+the sorted, disjoint ranges of global indices that rank holds. Megatron's plain split, its strided
+split of fused QKV weights, and the grouped-query case where several ranks share one kv head are all
+layouts, so a single algebra moves them through views, splits and head reshapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Ranges", "Layout", "Segment", "even_layout", "layout_from_segments", "expand", "compress",
+    "window", "positions_within", "is_partition", "local_size", "LayoutError",
+]
+
+Ranges = tuple[tuple[int, int], ...]   # sorted, disjoint, merged [start, stop) ranges
+Layout = tuple[Ranges, ...]            # one Ranges per rank
+
+
+class LayoutError(ValueError):
+    """A layout cannot be built with the numbers asked for (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch [start, start+size) of a root's output dimension, split in blocks of `granularity`."""
+
+    start: int
+    size: int
+    granularity: int = 1
+
+
+def _merge(ranges: list[tuple[int, int]]) -> Ranges:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def even_layout(size: int, tp: int) -> Layout:
+    if size % tp:
+        raise LayoutError(f"size {size} is not divisible by tp={tp}")
+    step = size // tp
+    return tuple(((r * step, (r + 1) * step),) for r in range(tp))
+
+
+def layout_from_segments(segments: list[Segment], tp: int) -> Layout:
+    """Each segment is cut into blocks of `granularity`; blocks are dealt to ranks in order.
+
+    With nblocks divisible by tp every rank gets nblocks/tp consecutive blocks (Megatron's split);
+    with tp divisible by nblocks, tp/nblocks consecutive ranks share one block (kv heads < tp).
+    """
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(tp)]
+    for seg in segments:
+        if seg.size % seg.granularity:
+            raise LayoutError(f"segment of {seg.size} is not a whole number of blocks of {seg.granularity}")
+        nblocks = seg.size // seg.granularity
+        g = seg.granularity
+        if nblocks % tp == 0:
+            step = nblocks // tp
+            for r in range(tp):
+                per_rank[r].append((seg.start + r * step * g, seg.start + (r + 1) * step * g))
+        elif tp % nblocks == 0:
+            for r in range(tp):
+                b = r * nblocks // tp
+                per_rank[r].append((seg.start + b * g, seg.start + (b + 1) * g))
+        else:
+            raise LayoutError(f"tp={tp} does not divide {nblocks} blocks of {g} "
+                              f"(and {nblocks} blocks cannot be shared evenly by {tp} ranks)")
+    return tuple(_merge(rs) for rs in per_rank)
+
+
+def expand(layout: Layout, inner: int) -> Layout:
+    """Index i of a dim becomes indices [i*inner, (i+1)*inner) of a flattened (dim, inner) pair."""
+    return tuple(tuple((a * inner, b * inner) for a, b in rs) for rs in layout)
+
+
+def compress(layout: Layout, inner: int) -> Layout | None:
+    """Inverse of expand; None when some range is not made of whole blocks of `inner`."""
+    out = []
+    for rs in layout:
+        if any(a % inner or b % inner for a, b in rs):
+            return None
+        out.append(tuple((a // inner, b // inner) for a, b in rs))
+    return tuple(out)
+
+
+def window(layout: Layout, lo: int, hi: int) -> Layout:
+    """The part of each rank's set inside [lo, hi), shifted to start at 0 (a slice of the dim)."""
+    return tuple(_merge([(max(a, lo) - lo, min(b, hi) - lo) for a, b in rs]) for rs in layout)
+
+
+def positions_within(held: Ranges, needed: Ranges) -> Ranges | None:
+    """Local positions (in `held` order) of the `needed` indices; None if not all are held."""
+    out: list[tuple[int, int]] = []
+    for na, nb in needed:
+        offset = 0
+        for ha, hb in held:
+            if ha <= na and nb <= hb:
+                out.append((offset + na - ha, offset + nb - ha))
+                break
+            offset += hb - ha
+        else:
+            return None
+    return _merge(out)
+
+
+def local_size(layout: Layout) -> int | None:
+    """The number of indices each rank holds, or None when ranks hold different counts."""
+    sizes = {sum(b - a for a, b in rs) for rs in layout}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def is_partition(layout: Layout, size: int) -> bool:
+    """True when the ranks' sets are disjoint and together cover [0, size)."""
+    flat = sorted(r for rs in layout for r in rs)
+    pos = 0
+    for a, b in flat:
+        if a != pos:
+            return False
+        pos = b
+    return pos == size

@@ -1,0 +1,118 @@
+"""What the sharding analysis writes on a node: its placement, and the edits the rewrite will make.
+
+Placements follow the paper's vocabulary: a value is replicated on every tensor-parallel rank, or
+sharded along one dim with a per-rank layout. Partial sums never outlive the row-parallel matmul
+that makes them: the rewrite reduces them at once (Megatron's g), before the bias is added.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .index_sets import Layout
+
+__all__ = [
+    "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Demand",
+    "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict",
+]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "R"
+
+
+REPLICATE = Replicate()
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Index i of this value's sharded dim covers root indices [offset + i*scale, offset + (i+1)*scale)."""
+
+    root: str
+    offset: int
+    scale: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    size: int                     # global size of the sharded dim
+    layout: Layout
+    roots: frozenset[str]         # the column-parallel matmuls whose region this value belongs to
+    origin: Origin | None = None  # how to send a layout demand back to the root, when invertible
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+Placement = Replicate | Shard
+
+
+class Abandon(Exception):
+    """The region of `roots` meets something the table cannot shard: those weights stay replicated."""
+
+    def __init__(self, roots: frozenset[str], reason: str):
+        super().__init__(reason)
+        self.roots, self.reason = roots, reason
+
+
+class Demand(Exception):
+    """A consumer needs the root's layout cut at `cuts` and/or in blocks of `granularity` over [lo, hi)."""
+
+    def __init__(self, root: str, reason: str, *, cuts: tuple[int, ...] = (),
+                 granularity: tuple[int, int, int] | None = None):
+        super().__init__(reason)
+        self.root, self.reason, self.cuts, self.granularity = root, reason, cuts, granularity
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    """Parameter `name` is read at this node sharded along `dim` (None: whole) with `layout`."""
+
+    name: str
+    dim: int | None = None
+    layout: Layout | None = None
+
+
+@dataclass(frozen=True)
+class ColumnInput:
+    """Argument `arg` is the replicated input of a column-parallel matmul: route it through f."""
+
+    arg: int
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """This matmul contracts a sharded dim: drop the bias argument `bias_arg`, apply g, add the bias."""
+
+    bias_arg: int | None
+    bias_kwarg: str | None = None
+
+
+@dataclass(frozen=True)
+class ArgEdit:
+    """Replace a literal: positional `arg` (and `item` inside a list argument) gets per-rank values."""
+
+    arg: int
+    values: tuple[object, ...]     # one per rank
+    item: int | None = None
+
+
+@dataclass(frozen=True)
+class Restrict:
+    """Argument `arg` (`item` in a list) holds more of `dim` than this node needs: keep `keep[r]`."""
+
+    arg: int
+    dim: int
+    keep: tuple[tuple[tuple[int, int], ...], ...]
+    item: int | None = None
+
+
+@dataclass
+class NodeSharding:
+    placement: Placement | tuple[Placement, ...] = REPLICATE
+    params: list[ParamUse] = field(default_factory=list)
+    edits: list[ColumnInput | RowParallel | ArgEdit | Restrict] = field(default_factory=list)
+    role: str | None = None        # "column" / "row" for the printed table
+    region: frozenset[str] = frozenset()   # roots of the regions this node touches (set by the driver)

@@ -1,0 +1,164 @@
+"""Rewrite: the annotated graph -> rank r's graph. Reads `node.meta["sharding"]`, changes nothing else.
+
+Every rank's graph has the same nodes in the same order (only literals differ), which is what lets
+the simulator run all ranks in lockstep. The collectives appear as calls to the rank's modules
+`f`, `g` and `sync_<param>`, so printed code reads like Megatron's layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from .index_sets import Ranges, is_partition
+from .placement import ArgEdit, ColumnInput, NodeSharding, ParamUse, Restrict, RowParallel, Shard
+from .annotate import ShardingPlan, param_read
+
+__all__ = ["RankGraph", "rewrite_rank", "SyncSpec"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    module: str
+    param: str
+    dim: int
+    size: int
+    ranges: Ranges
+
+
+@dataclass
+class RankGraph:
+    graph: fx.Graph
+    syncs: list[SyncSpec]
+    restrict_buffers: dict[str, torch.Tensor]
+
+
+def _set(container, edit_item, value):
+    if edit_item is None:
+        return value
+    seq = list(container)
+    seq[edit_item] = value
+    return seq
+
+
+def _sync_name(param: str) -> str:
+    return "sync_" + param.replace(".", "_")
+
+
+def _sharded_out(ns: NodeSharding) -> bool:
+    outs = ns.placement if isinstance(ns.placement, tuple) else (ns.placement,)
+    return any(isinstance(p, Shard) for p in outs)
+
+
+def _replicated(n: fx.Node) -> bool:
+    ns = n.meta.get("sharding")
+    return ns is None or not _sharded_out(ns)
+
+
+def grad_flow(gm: fx.GraphModule) -> Callable[[fx.Node], bool]:
+    """Which nodes can carry a gradient: from trainable parameters and floating-point inputs."""
+    memo: dict[fx.Node, bool] = {}
+
+    def needs(n: fx.Node) -> bool:
+        if n not in memo:
+            val = n.meta.get("val")
+            floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+            if n.op == "get_attr":
+                obj = gm
+                for part in n.target.split("."):
+                    obj = getattr(obj, part)
+                memo[n] = isinstance(obj, torch.nn.Parameter) and obj.requires_grad
+            elif n.op == "placeholder":
+                memo[n] = floating
+            else:
+                memo[n] = floating and any(needs(a) for a in n.all_input_nodes)
+        return memo[n]
+
+    for n in gm.graph.nodes:     # in order, so the recursion stays shallow
+        needs(n)
+    return needs
+
+
+def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, str], r: int) -> RankGraph:
+    g = fx.Graph()
+    needs_grad = grad_flow(gm)
+    env: dict[fx.Node, fx.Node] = {}
+    f_of: dict[fx.Node, fx.Node] = {}
+    syncs: list[SyncSpec] = []
+    buffers: dict[str, torch.Tensor] = {}
+
+    def restrict(x: fx.Node, e: Restrict, base: str) -> fx.Node:
+        keep = e.keep[r]
+        if all(len(k) == 1 for k in e.keep):
+            (a, b), = keep
+            return g.call_function(aten.slice.Tensor, (x, e.dim, a, b))
+        name = f"_keep_{base}_{e.arg}"
+        buffers[name] = torch.tensor([i for a, b in keep for i in range(a, b)])
+        return g.call_function(aten.index_select.default, (x, e.dim, g.get_attr(name)))
+
+    for node in gm.graph.nodes:
+        ns: NodeSharding = node.meta.get("sharding", NodeSharding())
+        if node.op == "get_attr" and node.target in param_names:
+            name = param_names[node.target]
+            new = g.get_attr(name)
+            use = plan.params.get(name)
+            if use is not None and not is_partition(use.layout, _size_of(gm, node.target, use)):
+                spec = SyncSpec(_sync_name(name), name, use.dim, _size_of(gm, node.target, use), use.layout[r])
+                syncs.append(spec)
+                new = g.call_module(spec.module, (new,))
+            env[node] = new
+            continue
+        # Megatron's rule: every replicated value entering a sharded region goes through f, so that
+        # its gradient (each rank holds only its own part of it) is summed over the group.
+        entering = _sharded_out(ns)
+
+        def read(n: fx.Node) -> fx.Node:
+            read_param = param_read(n, param_names)
+            local_shard = read_param is not None and read_param[0] in plan.params
+            if entering and _replicated(n) and needs_grad(n) and not local_shard:
+                if n not in f_of:
+                    f_of[n] = g.call_module("f", (env[n],))
+                return f_of[n]
+            return env[n]
+
+        args = list(fx.map_arg(node.args, read))
+        kwargs = dict(fx.map_arg(node.kwargs, read))
+        row: RowParallel | None = None
+        for e in ns.edits:
+            if isinstance(e, ArgEdit):
+                args[e.arg] = _set(args[e.arg], e.item, e.values[r])
+            elif isinstance(e, Restrict):
+                src = args[e.arg] if e.item is None else args[e.arg][e.item]
+                args[e.arg] = _set(args[e.arg], e.item, restrict(src, e, node.name))
+            elif isinstance(e, ColumnInput):
+                x = node.args[e.arg]
+                if x not in f_of:
+                    f_of[x] = g.call_module("f", (env[x],))
+                args[e.arg] = f_of[x]
+            elif isinstance(e, RowParallel):
+                row = e
+        bias = None
+        target = node.target
+        if row is not None and row.bias_arg is not None and len(args) > row.bias_arg:
+            bias = args[row.bias_arg]
+            if target == aten.addmm.default:        # addmm(b, x, W) -> mm(x, W) + b
+                target, args = aten.mm.default, args[1:3]
+            else:
+                args = args[:row.bias_arg]
+        new = g.create_node(node.op, target, tuple(args), kwargs, name=node.name)
+        new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        if row is not None:
+            new = g.call_module("g", (new,))
+            if bias is not None:
+                new = g.call_function(aten.add.Tensor, (new, bias))
+        env[node] = new
+    g.lint()
+    return RankGraph(g, syncs, buffers)
+
+
+def _size_of(gm: fx.GraphModule, target: str, use: ParamUse) -> int:
+    return int(gm.get_parameter(target).shape[use.dim])

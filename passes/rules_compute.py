@@ -1,0 +1,261 @@
+"""Rules for ops that compute: elementwise arithmetic, matmuls against parameters, attention, norms.
+
+A matmul against a parameter whose input is replicated starts a column-parallel region (its output
+features are sharded); one whose input is sharded on the contraction dim is the row-parallel end
+of that region (partial sums, reduced by g). Everything between must be in this table.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .index_sets import is_partition, local_size, positions_within
+from .placement import (REPLICATE, Abandon, ColumnInput, NodeSharding, Origin, ParamUse, Restrict,
+                        RowParallel, Shard)
+from ..errors import ShardingError
+from .rule_context import RuleContext
+from .rules_shape import norm_dim, sharded_inputs
+
+__all__ = ["COMPUTE_RULES", "row_parallel_error"]
+
+
+def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None, object]]) -> NodeSharding:
+    """Elementwise alignment of (arg index, list item, value) operands broadcast to the node's rank."""
+    out_nd = len(ctx.shape(node))
+    shards = [(ctx.place(v), len(ctx.shape(v))) for _, _, v in tensors]
+    lead = next(((p, nd) for p, nd in shards if isinstance(p, Shard)), None)
+    if lead is None:
+        return NodeSharding(REPLICATE)
+    p0, nd0 = lead
+    od = p0.dim + out_nd - nd0
+    roots = frozenset().union(*(p.roots for p, _ in shards if isinstance(p, Shard)))
+    res = NodeSharding(Shard(od, p0.size, p0.layout, roots, p0.origin))
+    for (arg, item, v), (p, nd) in zip(tensors, shards):
+        d = od - (out_nd - nd)
+        if isinstance(p, Shard):
+            if p.dim != d or p.layout != p0.layout:
+                raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
+            continue
+        if d < 0 or ctx.shape(v)[d] == 1:
+            continue  # broadcast along the sharded dim
+        prm = ctx.param(v)
+        if prm is not None and not prm[1]:
+            res.params.append(ParamUse(prm[0], d, p0.layout))
+        else:
+            res.edits.append(Restrict(arg, d, p0.layout, item=item))
+    return res
+
+
+def elementwise(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    tensors = [(i, None, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node) and "val" in a.meta
+               and hasattr(a.meta["val"], "shape")]
+    return _align(ctx, node, tensors)
+
+
+def cat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    items = [(0, i, a) for i, a in enumerate(node.args[0])]
+    res = _align(ctx, node, items)
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    if isinstance(res.placement, Shard) and res.placement.dim == dim:
+        raise Abandon(res.placement.roots, f"{ctx.where(node)} concatenates along a sharded dim")
+    return res
+
+
+def _reduce_over(ctx: RuleContext, node: fx.Node, dims: list[int], keepdim: bool) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(node.args[0]))
+    dims = [norm_dim(d, nd) for d in dims] if dims else list(range(nd))
+    if p.dim in dims:
+        raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
+    d = p.dim if keepdim else p.dim - sum(1 for x in dims if x < p.dim)
+    return NodeSharding(Shard(d, p.size, p.layout, p.roots, p.origin))
+
+
+def reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return _reduce_over(ctx, node, dims, bool(keep))
+
+
+def softmax(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    return _reduce_over(ctx, node, [node.args[1]], True)
+
+
+def layer_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    nd = len(ctx.shape(node))
+    k = len(node.args[1])
+    return _reduce_over(ctx, node, list(range(nd - k, nd)), True)
+
+
+def row_parallel_error(ctx: RuleContext, node: fx.Node, p: Shard) -> Exception:
+    return ShardingError(
+        f"tp={ctx.tp} cannot split the input of {ctx.where(node)}: its {p.size} features would be "
+        f"shared between ranks (blocks fewer than ranks), so the row-parallel sum would count them "
+        f"twice. The attention heads (or blocks) feeding it must be divisible by tp={ctx.tp}.")
+
+
+def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out_dim: int,
+                  bias_arg: int | None) -> NodeSharding:
+    """x @ W with W a parameter; `w_out_dim` is W's output-feature dim (0 for linear, 1 for mm)."""
+    x = node.args[x_arg]
+    w_name, transposed = ctx.param(node.args[w_arg])
+    w_out = w_out_dim ^ int(transposed)   # dim of the stored parameter
+    bias = node.args[bias_arg] if bias_arg is not None and len(node.args) > bias_arg else None
+    b_name = ctx.param(bias)[0] if bias is not None and ctx.param(bias) is not None else None
+    p = ctx.place(x)
+    nd = len(ctx.shape(node))
+    if not isinstance(p, Shard):
+        size = int(ctx.shape(node)[-1])
+        layout = ctx.root_layout(node, size)
+        if layout is None or (bias is not None and b_name is None):
+            return NodeSharding(REPLICATE)
+        res = NodeSharding(Shard(nd - 1, size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
+                           role="column", edits=[ColumnInput(x_arg)])
+        res.params.append(ParamUse(w_name, w_out, layout))
+        if b_name is not None:
+            res.params.append(ParamUse(b_name, 0, layout))
+        return res
+    if p.dim != len(ctx.shape(x)) - 1:  # a token dim: every row is computed where it lives
+        return NodeSharding(Shard(p.dim, p.size, p.layout, p.roots, p.origin))
+    if not is_partition(p.layout, p.size):
+        raise row_parallel_error(ctx, node, p)
+    res = NodeSharding(REPLICATE, role="row", edits=[RowParallel(bias_arg if bias is not None else None)])
+    res.params.append(ParamUse(w_name, 1 - w_out, p.layout))
+    return res
+
+
+def linear(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    if ctx.param(node.args[1]) is None:
+        return _generic_matmul(ctx, node, transposed_b=True)
+    return _param_matmul(ctx, node, 0, 1, 0, 2)
+
+
+def addmm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    if ctx.param(node.args[2]) is None or len(ctx.shape(node.args[0])) != 1:
+        return default(ctx, node)
+    return _param_matmul(ctx, node, 1, 2, 1, 0)
+
+
+def mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    b = node.args[1]
+    if ctx.param(b) is not None and len(ctx.shape(b)) == 2:
+        return _param_matmul(ctx, node, 0, 1, 1, None)
+    return _generic_matmul(ctx, node, transposed_b=False)
+
+
+def _generic_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) -> NodeSharding:
+    """Activation x activation (attention scores, attention x values): batch dims shard through;
+    a sharded contraction gives partial sums, reduced by g; a sharded row of one side shards out."""
+    a, b = node.args[0], node.args[1]
+    pa, pb = ctx.place(a), ctx.place(b)
+    na, nb, no = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
+    if na < 2 or nb < 2:
+        return default(ctx, node)
+    roots = frozenset().union(*(p.roots for p in (pa, pb) if isinstance(p, Shard)))
+    if not roots:
+        return NodeSharding(REPLICATE)
+    # Role of each operand dim: batch dims align right of the last two; then (row, k) and (k, col).
+    b_k = nb - 1 if transposed_b else nb - 2
+    b_col = nb - 2 if transposed_b else nb - 1
+    if isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard) and pb.dim == b_k \
+            and pa.layout == pb.layout and is_partition(pa.layout, pa.size):
+        return NodeSharding(REPLICATE, role="row", edits=[RowParallel(None)])
+    out: Shard | None = None
+    for p, nd, row_or_col, out_pos in ((pa, na, na - 2, no - 2), (pb, nb, b_col, no - 1)):
+        if not isinstance(p, Shard):
+            continue
+        if p.dim == row_or_col:
+            cand = Shard(out_pos, p.size, p.layout, roots, p.origin)
+        elif p.dim < nd - 2:
+            cand = Shard(p.dim + no - nd, p.size, p.layout, roots, p.origin)
+        else:
+            raise Abandon(roots, f"{ctx.where(node)} contracts a sharded dim against a replicated one")
+        if out is not None and (out.dim != cand.dim or out.layout != cand.layout or cand.dim >= no - 2):
+            raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
+        out = cand
+    res = NodeSharding(out)
+    if out.dim < no - 2:  # a batch dim: the replicated operand must be cut the same way
+        for i, (p, nd) in enumerate(((pa, na), (pb, nb))):
+            d = out.dim - (no - nd)
+            if not isinstance(p, Shard) and d >= 0 and ctx.shape(node.args[i])[d] != 1:
+                res.edits.append(Restrict(i, d, out.layout))
+    return res
+
+
+def sdpa(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """q (.., Hq, L, E), k/v (.., Hk, S, E): heads (or batch) shard through; kv may hold more heads."""
+    q, k, v = node.args[:3]
+    pq = ctx.place(q)
+    others = [ctx.place(t) for t in (k, v)]
+    if not isinstance(pq, Shard):
+        if any(isinstance(p, Shard) for p in others):
+            raise Abandon(frozenset().union(*(p.roots for p in others if isinstance(p, Shard))),
+                          f"{ctx.where(node)}: keys/values are sharded but queries are not")
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(q))
+    if pq.dim >= nd - 2:
+        raise Abandon(pq.roots, f"{ctx.where(node)}: queries sharded along sequence or features")
+    roots = pq.roots.union(*(p.roots for p in others if isinstance(p, Shard)))
+    res = NodeSharding(Shard(pq.dim, pq.size, pq.layout, roots, pq.origin))
+    gqa = node.kwargs.get("enable_gqa", False)
+    for i, (t, p) in enumerate(zip((k, v), others), start=1):
+        hk = int(ctx.shape(t)[pq.dim])
+        group = pq.size // hk if gqa else 1
+        needed = tuple(tuple(sorted({(a // group, -(-b // group)) for a, b in rs})) for rs in pq.layout)
+        if gqa and group > 1 and any(local_size(pq.layout) != group * sum(b - a for a, b in rs)
+                                     for rs in needed):
+            raise Abandon(roots, f"{ctx.where(node)}: grouped heads do not line up per rank")
+        if not isinstance(p, Shard):
+            if hk > 1:
+                res.edits.append(Restrict(i, pq.dim, needed))
+            continue
+        if p.dim != pq.dim:
+            raise Abandon(roots, f"{ctx.where(node)}: keys/values sharded on another dim than queries")
+        if p.layout != needed:
+            keep = [positions_within(h, n) for h, n in zip(p.layout, needed)]
+            if any(kp is None for kp in keep):
+                raise Abandon(roots, f"{ctx.where(node)}: a rank lacks the kv heads its queries need")
+            res.edits.append(Restrict(i, pq.dim, tuple(keep)))
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        pm = ctx.place(mask)
+        md = pq.dim - (nd - len(ctx.shape(mask)))
+        if isinstance(pm, Shard):
+            raise Abandon(roots, f"{ctx.where(node)}: sharded attention mask")
+        if md >= 0 and ctx.shape(mask)[md] != 1:
+            res.edits.append(Restrict(3, md, pq.layout))
+    return res
+
+
+def sym_size(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if isinstance(p, Shard) and norm_dim(node.args[1], len(ctx.shape(node.args[0]))) == p.dim:
+        raise Abandon(p.roots, f"{ctx.where(node)} reads the size of a sharded dim")
+    return NodeSharding(REPLICATE)
+
+
+def default(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    shards = sharded_inputs(ctx, node)
+    if shards:
+        raise Abandon(frozenset().union(*(p.roots for p in shards)),
+                      f"{ctx.where(node)}: no sharding rule for {node.target}")
+    return NodeSharding(REPLICATE)
+
+
+_ELEMENTWISE = (
+    "add", "sub", "rsub", "mul", "div", "where", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
+    "minimum", "pow", "masked_fill", "__and__", "__or__", "logical_and", "logical_or", "fmod",
+    "remainder", "clamp_min", "clamp_max", "copysign", "atan2", "lerp", "addcmul", "addcdiv",
+    "bitwise_and", "bitwise_or", "hypot", "xlogy", "gelu_backward", "threshold",
+)
+
+COMPUTE_RULES = {
+    **{name: elementwise for name in _ELEMENTWISE},
+    "cat": cat, "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
+    "var": reduction, "std": reduction, "prod": reduction, "_softmax": softmax, "softmax": softmax,
+    "log_softmax": softmax, "_log_softmax": softmax, "layer_norm": layer_norm,
+    "native_layer_norm": layer_norm, "rms_norm": layer_norm, "linear": linear, "addmm": addmm,
+    "mm": mm, "matmul": mm, "bmm": mm, "scaled_dot_product_attention": sdpa, "sym_size": sym_size,
+}
