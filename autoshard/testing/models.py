@@ -1,0 +1,48 @@
+"""Small configurations of the models autoshard is checked against, with dropout off.
+
+Dropout draws different masks in a sharded program than in the single-device one (the RNG rules
+are a separate issue), so equivalence is checked with dropout disabled.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models import GPT, GPTConfig
+
+__all__ = ["MODEL_NAMES", "build_model"]
+
+MODEL_NAMES = ("nanogpt", "gpt2", "llama", "bert")
+VOCAB = 128
+
+
+def build_model(name: str, *, seed: int = 0, layers: int = 2, heads: int = 8, kv_heads: int = 2,
+                hidden: int = 64) -> nn.Module:
+    """A seeded small model; `kv_heads` < `heads` gives Llama grouped-query attention."""
+    torch.manual_seed(seed)
+    if name == "nanogpt":
+        return GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=VOCAB, block_size=64))
+    import transformers as hf
+    if name == "gpt2":
+        cfg = hf.GPT2Config(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=VOCAB, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return hf.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = hf.LlamaConfig(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             hidden_size=hidden, intermediate_size=2 * hidden, vocab_size=VOCAB,
+                             max_position_embeddings=64)
+        return hf.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = hf.BertConfig(num_hidden_layers=layers, num_attention_heads=heads, hidden_size=hidden,
+                            intermediate_size=2 * hidden, vocab_size=VOCAB, max_position_embeddings=64,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return hf.BertForMaskedLM(cfg)
+    raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
+
+
+def input_name(name: str) -> str:
+    return "idx" if name == "nanogpt" else "input_ids"
+
+
+def logits_of(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
