@@ -160,7 +160,7 @@ class ShardedProgram:
                   for k in ("f", "g", "sync_")}
         notes = [f"collectives per rank per step: {counts['f']} f (all-reduce in backward), {counts['g']} g "
                  f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
-        notes += [f"fallback (replicated): {', '.join(f.roots)}: {f.reason}" for f in self.plan.fallbacks]
+        notes += [f"fallback (replicated): {', '.join(f.modules)}: {f.reason}" for f in self.plan.fallbacks]
         notes += [f"not sharded: {s}" for s in self.plan.skipped]
         return "\n".join([head, table, *notes])
 

@@ -30,7 +30,8 @@ __all__ = ["ShardingPlan", "Fallback", "annotate", "module_path", "param_read"]
 class Fallback:
     """A region left replicated, and why."""
 
-    roots: tuple[str, ...]
+    roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
+    modules: tuple[str, ...]        # their module paths
     reason: str
 
 
@@ -149,16 +150,21 @@ class _Analysis:
 
     def _abandon(self, roots: frozenset[str], reason: str) -> int:
         self.pinned |= roots
-        self.fallbacks.append(Fallback(tuple(sorted(roots)), reason))
+        names = tuple(sorted(roots))
+        self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason))
         return min(self.index[self.by_name[r]] for r in roots)
 
     def _demand(self, d: Demand) -> int:
         old = self._recipe(d.root)
         new = _cut(old, list(d.cuts))
         if d.granularity:
+            # Pieces of a fused weight that have the demanded piece's size (q, k, v of a fused QKV)
+            # share its head size: refine them together, so the split still sees equal pieces.
             lo, hi, g = d.granularity
-            new = [Segment(s.start, s.size, lcm(s.granularity, g)) if lo <= s.start < hi else s
-                   for s in _cut(new, [lo, hi])]
+            new = _cut(new, [lo, hi])
+            sizes = {s.size for s in new if lo <= s.start < hi}
+            new = [Segment(s.start, s.size, lcm(s.granularity, g)) if lo <= s.start < hi or s.size in sizes else s
+                   for s in new]
         if new == old:
             return self._abandon(frozenset([d.root]), d.reason + " (no layout of the root satisfies it)")
         self.recipes[d.root] = new

@@ -1,0 +1,50 @@
+"""Other Hugging Face decoders, built from small configs: each shards correctly or is refused."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autoshard import ShardingError, autoshard
+from autoshard.testing import grad_errors, max_rel
+
+hf = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128)
+CASES = {
+    "Mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2)),
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=4)),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8)),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0)),
+    "GPTNeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "OPT": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, dropout=0.0, attention_dropout=0.0,
+                                                 word_embed_proj_dim=64, max_position_embeddings=64)),
+    "Gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=8)),
+    "GPTJ": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=8, rotary_dim=4,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "Falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+}
+# The ones that must shard their attention and MLP weights (others may fall back, correctly).
+MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT"}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_shards_correctly_or_refuses(arch, tp):
+    cfg_name, model_name, extra = CASES[arch]
+    torch.manual_seed(0)
+    model = getattr(hf, model_name)(getattr(hf, cfg_name)(**{**COMMON, **extra})).eval()
+    ids, labels = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    try:
+        prog = autoshard(model, tp=tp, example_kwargs={"input_ids": ids})
+    except ShardingError as e:
+        assert f"tp={tp}" in str(e) and "module" in str(e)
+        assert arch not in MUST_SHARD
+        return
+    ref = model(input_ids=ids).logits
+    F.cross_entropy(ref.reshape(-1, 128), labels.reshape(-1)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out = prog.simulate(input_ids=ids).logits
+    assert max_rel(out, ref) <= 1e-5
+    F.cross_entropy(out.reshape(-1, 128), labels.reshape(-1)).backward()
+    assert max(grad_errors(prog.full_grads(), ref_grads).values()) <= 1e-4
+    if arch in MUST_SHARD:
+        assert any("mlp" in n or ".fc" in n for n in prog.plan.params) and any("attn" in n or "attention" in n for n in prog.plan.params)

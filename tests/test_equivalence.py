@@ -1,0 +1,73 @@
+"""Tier (b): all ranks simulated in one process against the single-device model."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autoshard import autoshard
+from autoshard.testing import build_model, grad_errors, max_rel
+from autoshard.testing.models import VOCAB, input_name, logits_of
+
+HEADS = {"nanogpt": 8, "gpt2": 8, "llama": 8, "bert": 8}
+
+
+def _loss(out, labels):
+    return F.cross_entropy(logits_of(out).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama", "bert"])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_outputs_and_gradients_match(name, tp):
+    model = build_model(name, heads=HEADS[name], kv_heads=2)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    labels = torch.randint(0, VOCAB, (2, 16))
+    kw = {input_name(name): ids}
+    ref_out = model(**kw)
+    _loss(ref_out, labels).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    prog = autoshard(model, tp=tp, example_kwargs=kw)
+    out = prog.simulate(**kw)
+    assert type(out) is type(ref_out)
+    assert max_rel(logits_of(out), logits_of(ref_out)) <= 1e-5
+    _loss(out, labels).backward()
+    errs = grad_errors(prog.full_grads(), ref_grads)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-4, f"{worst}: {errs[worst]:.2e}"
+    if tp > 1:
+        assert prog.plan.params, "nothing was sharded"
+
+
+def test_every_rank_computes_the_same_output():
+    prog = autoshard(build_model("llama", kv_heads=2), tp=4)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    outs = [o.logits for o in prog.simulate_all(input_ids=ids)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_several_optimizer_steps_match(name):
+    model, ref = build_model(name), build_model(name)
+    prog = autoshard(model, tp=4)
+    params = [p for r in prog.ranks() for p in r.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        ids = torch.randint(0, VOCAB, (2, 16))
+        labels = torch.randint(0, VOCAB, (2, 16))
+        loss, ref_loss = _loss(prog.simulate(input_ids=ids), labels), _loss(ref(input_ids=ids), labels)
+        assert max_rel(loss, ref_loss) <= 1e-5, f"step {step}"
+        for o, l in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+    errs = grad_errors(prog.full_state_dict(), dict(ref.named_parameters()))
+    assert max(errs.values()) <= 1e-5
+
+
+def test_full_state_dict_reassembles_the_model():
+    model = build_model("gpt2")
+    prog = autoshard(model, tp=4)
+    sd = prog.full_state_dict()
+    for n, p in model.named_parameters():
+        assert torch.equal(sd[n], p.detach()), n

@@ -1,0 +1,88 @@
+"""Bad input gets a clear error; what cannot be sharded runs replicated and correct."""
+import pytest
+import torch
+from torch import nn
+
+from autoshard import CaptureError, ShardingError, autoshard
+from autoshard.testing import build_model, max_rel
+
+
+@pytest.mark.parametrize("tp", [0, -2, 1.5, True])
+def test_tp_must_be_a_positive_integer(tp):
+    with pytest.raises(ShardingError, match="tp must be a positive integer"):
+        autoshard(build_model("nanogpt"), tp=tp)
+
+
+def test_tp_not_dividing_heads_names_module_node_and_numbers():
+    # 6 heads of 8 over 4 ranks
+    with pytest.raises(ShardingError) as e:
+        autoshard(build_model("nanogpt", heads=6, hidden=48), tp=4)
+    msg = str(e.value)
+    assert "tp=4" in msg and "6 blocks of 8" in msg and "h.0.attn" in msg and "node view" in msg
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_fewer_query_heads_than_ranks_is_refused(name):
+    with pytest.raises(ShardingError, match=r"tp=8 cannot split the input of node .*(c_proj|o_proj).*divisible by tp=8"):
+        autoshard(build_model(name, heads=4, kv_heads=4), tp=8)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:            # data-dependent control flow: neither tracer can follow it
+            return self.lin(x)
+        return x
+
+
+def test_untraceable_model_shows_the_tracers_reason():
+    with pytest.raises(CaptureError, match="torch.export could not trace _Branchy: .*data-dependent"):
+        autoshard(_Branchy(), tp=2, example_inputs=(torch.randn(2, 8),))
+
+
+def test_missing_example_inputs_are_asked_for():
+    with pytest.raises(CaptureError, match="pass example_inputs"):
+        autoshard(_Branchy(), tp=2)
+
+
+def test_inputs_not_matching_forward_are_refused():
+    with pytest.raises(CaptureError, match="inputs do not match"):
+        autoshard(build_model("nanogpt"), tp=2, example_kwargs={"tokens": torch.zeros(2, 4, dtype=torch.long)})
+
+
+class _NoMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.scale = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return torch.softmax(self.norm(x) * self.scale, dim=-1)
+
+
+def test_model_without_parameter_matmuls_runs_replicated_and_correct():
+    model = _NoMatmul()
+    x = torch.randn(3, 5, 16)
+    prog = autoshard(model, tp=2, example_inputs=(x,))
+    assert not prog.plan.params
+    out = prog.simulate(x)
+    assert max_rel(out, model(x)) <= 1e-6
+    out.sum().backward()
+    model(x).sum().backward()
+    for n, g in prog.full_grads().items():
+        assert max_rel(g, model.get_parameter(n).grad) <= 1e-5
+
+
+def test_rank_out_of_range():
+    prog = autoshard(build_model("nanogpt"), tp=2)
+    with pytest.raises(IndexError, match="rank 2 out of range for world size 2"):
+        prog.rank(2)
+
+
+def test_running_a_rank_without_a_process_group_says_how():
+    prog = autoshard(build_model("nanogpt"), tp=2)
+    with pytest.raises(RuntimeError, match="no process group: run it with prog.distributed"):
+        prog.rank(0)(torch.randint(0, 128, (2, 8)))

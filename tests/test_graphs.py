@@ -1,0 +1,74 @@
+"""Tier (a): what each rank's graph and parameters look like, checked in one process."""
+import pytest
+import torch
+
+from autoshard import autoshard
+from autoshard.testing import build_model
+
+ATTN_MLP = ("attn", "mlp", "attention", "intermediate", "output.dense", "self_attn")
+
+
+def _is_block_weight(name: str) -> bool:
+    return any(k in name for k in ATTN_MLP) and "norm" not in name.lower() and "ln" not in name.split(".")[-2]
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama", "bert"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_holds_one_tp_th_of_attention_and_mlp(name, tp):
+    model = build_model(name, kv_heads=8)   # kv heads >= tp: every weight splits evenly
+    prog = autoshard(model, tp=tp)
+    full = dict(model.named_parameters())
+    for r in range(tp):
+        local = dict(prog.rank(r).named_parameters())
+        assert local.keys() == full.keys()
+        for pname, p in full.items():
+            if p.dim() == 2 and _is_block_weight(pname):
+                assert local[pname].numel() * tp == p.numel(), f"{pname} on rank {r}: {tuple(local[pname].shape)}"
+
+
+def test_rank_weights_are_slices_of_the_original():
+    model = build_model("gpt2", heads=4)
+    prog = autoshard(model, tp=2)
+    w = model.transformer.h[0].attn.c_attn.weight     # Conv1D: (in, 3*out), q|k|v along dim 1
+    r1 = prog.rank(1).get_parameter("transformer.h.0.attn.c_attn.weight")
+    # strided: rank 1 holds the second half of q, of k and of v
+    want = torch.cat([w[:, 32:64], w[:, 96:128], w[:, 160:192]], dim=1)
+    assert torch.equal(r1, want)
+
+
+def test_code_reads_like_megatron():
+    prog = autoshard(build_model("nanogpt"), tp=2)
+    code = prog.rank(0).code
+    assert "self.f(" in code and "self.g(" in code
+    # heads per rank rewritten in the view: 8 heads / 2 ranks
+    assert "[sym_size_int_4, sym_size_int_5, 4, 8]" in code or ", 4, 8]" in code
+    # the row-parallel bias is added once, after g
+    g_line = next(line for line in code.splitlines() if "self.g(" in line)
+    nxt = code.splitlines()[code.splitlines().index(g_line) + 1]
+    assert "aten.add.Tensor(g" in nxt
+
+
+def test_ranks_have_identical_graph_structure():
+    prog = autoshard(build_model("llama", kv_heads=2), tp=4)
+    shapes = [[(n.op, str(n.target)) for n in prog.rank(r).graph_module.graph.nodes] for r in range(4)]
+    assert all(s == shapes[0] for s in shapes)
+
+
+def test_gqa_kv_heads_shared_between_ranks():
+    model = build_model("llama", heads=8, kv_heads=2)
+    prog = autoshard(model, tp=4)
+    k = "model.layers.0.self_attn.k_proj.weight"     # (2 heads * 8, 64)
+    rows = [prog.rank(r).get_parameter(k) for r in range(4)]
+    full = model.get_parameter(k)
+    assert [tuple(t.shape) for t in rows] == [(8, 64)] * 4
+    assert torch.equal(rows[0], full[:8]) and torch.equal(rows[1], full[:8])
+    assert torch.equal(rows[2], full[8:]) and torch.equal(rows[3], full[8:])
+    assert "sync_model_layers_0_self_attn_k_proj_weight" in prog.rank(0).code
+
+
+def test_printed_table_names_parameters_and_collectives():
+    text = str(autoshard(build_model("gpt2"), tp=2))
+    assert "transformer.h.0.attn.c_attn.weight" in text
+    assert "split dim 1" in text        # Conv1D weights are (in, out): column split on dim 1
+    assert "collectives per rank" in text
+    assert "fallback (replicated)" in text and "lm_head" in text   # the tied LM head, with its reason

@@ -1,0 +1,56 @@
+"""Dynamic batch/sequence sizes, re-specialization, meta-device compile, inferred inputs."""
+import time
+
+import pytest
+import torch
+
+from autoshard import autoshard
+from autoshard.testing import build_model, max_rel
+from autoshard.testing.models import VOCAB
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_other_batch_and_sequence_sizes_reuse_the_graph(name):
+    model = build_model(name)
+    prog = autoshard(model, tp=2, example_kwargs={"input_ids": torch.randint(0, VOCAB, (2, 8))})
+    for shape in [(1 + 2, 5), (4, 17), (2, 33)]:
+        ids = torch.randint(0, VOCAB, shape)
+        assert max_rel(prog.simulate(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
+    assert len(prog._compiled) == 1     # batch and sequence were exported dynamic
+
+
+def test_a_specialized_size_compiles_again_transparently():
+    model = build_model("nanogpt")
+    prog = autoshard(model, tp=2, example_inputs=(torch.randint(0, VOCAB, (2, 8)),))
+    ids = torch.randint(0, VOCAB, (1, 8))      # export's dynamic dims start at 2: batch 1 is new
+    assert max_rel(prog.simulate(ids)[0], model(ids)[0]) <= 1e-5
+    assert len(prog._compiled) == 2
+    assert len(prog.rank(0)._graphs) == 2
+
+
+def test_meta_device_model_compiles_without_materializing():
+    with torch.device("meta"):
+        model = build_model("llama", layers=2)
+    prog = autoshard(model, tp=4)
+    p = prog.rank(3).get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert p.is_meta and tuple(p.shape) == (16, 64)
+
+
+def test_compile_cost_is_linear_in_layers_not_quadratic():
+    # a loose guard against quadratic blow-ups; the measured slope is in benchmarks/RESULTS.md
+    def cost(layers):
+        with torch.device("meta"):
+            model = build_model("gpt2", layers=layers)
+        t = time.perf_counter()
+        autoshard(model, tp=4).rank(0)
+        return time.perf_counter() - t
+    cost(2)
+    small, large = cost(4), cost(16)
+    assert large < 4 * small * 2.5, f"4 layers {small:.2f}s, 16 layers {large:.2f}s"
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "bert"])
+def test_inputs_inferred_when_not_given(name):
+    model = build_model(name)
+    prog = autoshard(model, tp=2)
+    assert prog.plan.params
