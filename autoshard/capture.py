@@ -18,7 +18,7 @@ from torch.export import Dim
 
 from .errors import CaptureError
 
-__all__ = ["Captured", "Signature", "capture", "normalize_inputs", "infer_example_inputs"]
+__all__ = ["Captured", "Signature", "capture", "normalize_inputs", "infer_example_inputs", "fetch_attr"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def capture(model: nn.Module, named: dict[str, object]) -> Captured:
     param_names = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            obj = _get(gm, n.target)
+            obj = fetch_attr(gm, n.target)
             if isinstance(obj, nn.Parameter) or (isinstance(obj, torch.Tensor) and id(obj) in canonical):
                 param_names[n.target] = canonical.get(id(obj), n.target)
     flat, spec = pytree.tree_flatten(((), named))
@@ -153,7 +153,8 @@ def _order(graph: fx.Graph):
     return pos.__getitem__
 
 
-def _get(root: nn.Module, target: str):
+def fetch_attr(root: nn.Module, target: str):
+    """The object at a dotted get_attr target ("h.0.attn.c_attn.weight") under `root`."""
     obj = root
     for part in target.split("."):
         obj = getattr(obj, part)

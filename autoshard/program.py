@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from tabulate import tabulate
 from torch import nn
 
-from .capture import Captured, capture, normalize_inputs
+from .capture import Captured, capture, fetch_attr, normalize_inputs
 from .errors import ShardingError
 from .passes.annotate import ShardingPlan, annotate
 from .passes.rewrite import rewrite_rank
@@ -62,7 +62,7 @@ class ShardedProgram:
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
-                obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else _fetch(cap.gm, n.target)
+                obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
         rank.add_graph(cap.signature, rg.graph, attrs, rg.syncs, cap.out_spec)
 
@@ -165,10 +165,3 @@ class ShardedProgram:
         return "\n".join([head, table, *notes])
 
     __repr__ = __str__
-
-
-def _fetch(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

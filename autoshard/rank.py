@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import Signature
+from .capture import Signature, fetch_attr
 from .collectives import (CommHandle, Communicator, CopyToTensorParallelRegion, ProcessGroupComm,
                           ReduceFromTensorParallelRegion, SyncReplicatedShard)
 
@@ -101,9 +101,7 @@ class RankProgram(nn.Module):
 
 def _has(root: nn.Module, path: str) -> bool:
     try:
-        obj = root
-        for part in path.split("."):
-            obj = getattr(obj, part)
+        fetch_attr(root, path)
         return True
     except AttributeError:
         return False

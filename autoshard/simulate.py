@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .capture import fetch_attr
 from .collectives import (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard,
                           scatter_into_full, take_from_full)
 
@@ -74,13 +75,6 @@ class _JoinN(torch.autograd.Function):
         return tuple(grad for _ in range(ctx.n))
 
 
-def _fetch(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list[object]) -> list[object]:
     """Run rank graphs `gms` on the same flat inputs; returns each rank's flat outputs."""
     node_lists = [list(gm.graph.nodes) for gm in gms]
@@ -117,5 +111,5 @@ def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list[object]) -> list[o
                 env[n] = m(*a, **kw)
             continue
         for gm, env, n, (a, kw) in zip(gms, envs, column, args):
-            env[n] = _fetch(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
+            env[n] = fetch_attr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
     raise RuntimeError("graph has no output node")

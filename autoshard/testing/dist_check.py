@@ -39,9 +39,9 @@ def _optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str) -> dict:
-    ref = build_model(name)
-    model = build_model(name)
+def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str, shape: dict) -> dict:
+    ref = build_model(name, **shape)
+    model = build_model(name, **shape)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen))
                for _ in range(steps)]
@@ -79,12 +79,16 @@ def main() -> int:
     ap.add_argument("--param-tol", type=float, default=1e-5, help="scaled error allowed on parameters")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=8)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ok = True
     for name in args.models:
-        res = check_model(name, args.steps, rank, world, args.lr, args.optim)
+        shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
+        res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape)
         good = res["loss_rel"] <= args.tol and res["param_rel"] <= args.param_tol
         ok &= good
         flags = torch.tensor([0 if good else 1])

@@ -1,0 +1,76 @@
+"""Compile time of autoshard against bare torch.export, as layers grow (meta-device models).
+
+    .venv/bin/python benchmarks/compile_scaling.py [--layers 2 4 8 16 32] [--tp 4] [--append]
+
+Both are timed side by side in one run, on GPT-2-small-shaped models (hidden 768, 12 heads) built on
+the meta device, so nothing is materialized. "autoshard" is the whole call plus building rank 0's
+module (capture, analysis, rewrite, emit); "export" is torch.export.export alone with the same
+dynamic-shape settings. The slope is a least-squares fit of seconds against layers.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import resource
+import time
+
+import torch
+from tabulate import tabulate
+from torch.export import Dim
+
+from autoshard import autoshard
+
+
+def gpt2(layers: int):
+    import transformers as hf
+    with torch.device("meta"):
+        return hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257))
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--tp", type=int, default=4, help="12 heads: tp in 1, 2, 3, 4, 6, 12")
+    ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = ap.parse_args()
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    kw = {"input_ids": ids, "use_cache": False}
+    dyn = {"input_ids": {0: Dim.AUTO, 1: Dim.AUTO}, "use_cache": None}
+    timed(lambda: autoshard(gpt2(1), tp=args.tp).rank(0))          # warm-up: imports, first export
+    rows, ex, au = [], [], []
+    for n in args.layers:
+        model = gpt2(n)
+        t_export = timed(lambda: torch.export.export(model, (), kw, dynamic_shapes=dyn, strict=False))
+        t_auto = timed(lambda: autoshard(model, tp=args.tp).rank(0))
+        ex.append(t_export)
+        au.append(t_auto)
+        rows.append([n, f"{t_export:.2f}", f"{t_auto:.2f}", f"{t_auto / t_export:.2f}"])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    table = tabulate(rows, headers=["layers", "export s", "autoshard s", "ratio"], tablefmt="github")
+    fit = (f"slope: export {slope(args.layers, ex):.3f} s/layer, autoshard {slope(args.layers, au):.3f} s/layer; "
+           f"autoshard / export at {args.layers[-1]} layers: {au[-1] / ex[-1]:.2f}; peak RSS {rss:.2f} GiB")
+    print(table)
+    print(fit)
+    if args.append:
+        with open("benchmarks/RESULTS.md", "a") as f:
+            f.write(f"\n### Compile scaling, {datetime.date.today()}, {platform.node()} "
+                    f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+                    f"torch {torch.__version__}\n\n`.venv/bin/python benchmarks/compile_scaling.py "
+                    f"--layers {' '.join(map(str, args.layers))} --tp {args.tp} --append` "
+                    f"(GPT-2-small shape on meta, tp={args.tp})\n\n{table}\n\n{fit}\n")
+
+
+if __name__ == "__main__":
+    main()
