@@ -7,6 +7,9 @@ work stays linear in the number of layers:
   replicated (a correct fallback, reported) and the region is visited again.
 - Demand: a consumer needs the root's layout cut differently (a fused QKV split, a head view); the
   root's recipe is refined and the region is visited again.
+Before a region is abandoned, a reshape in it that reads two ways ([B, T, 8] -> [B, T, 1, 8]: an
+unsqueeze, or one kv head of 8) is read the other way once and the region visited again; this is
+what lets multi-query attention shard.
 """
 from __future__ import annotations
 
@@ -78,6 +81,8 @@ class _Analysis:
         self.uses: dict[str, dict[int, ParamUse]] = {}
         self.fallbacks: list[Fallback] = []
         self.skipped: dict[str, str] = {}
+        self.unit_outer: set[str] = set()                   # reshapes read as one-head views
+        self.alternatives: dict[str, frozenset[str]] = {}   # reshape -> roots it could help
         self.current = 0
 
     # ---- RuleContext -------------------------------------------------------------------------
@@ -94,6 +99,12 @@ class _Analysis:
 
     def where(self, node: fx.Node) -> str:
         return f"node {node.name} (module {module_path(node)})"
+
+    def prefers_unit_outer(self, node: fx.Node) -> bool:
+        return node.name in self.unit_outer
+
+    def note_alternative(self, node: fx.Node, roots: frozenset[str]) -> None:
+        self.alternatives.setdefault(node.name, roots)
 
     def root_layout(self, node: fx.Node, size: int) -> Layout | None:
         if node.name in self.pinned:
@@ -149,6 +160,13 @@ class _Analysis:
             i += 1
 
     def _abandon(self, roots: frozenset[str], reason: str) -> int:
+        # Before giving a region up, read one of its ambiguous reshapes the other way (each once).
+        for name, alt_roots in self.alternatives.items():
+            if name not in self.unit_outer and alt_roots & roots:
+                self.unit_outer.add(name)
+                for r in roots | alt_roots:     # layouts demanded under the other reading
+                    self.recipes.pop(r, None)
+                return min(self.index[self.by_name[r]] for r in roots | alt_roots)
         self.pinned |= roots
         names = tuple(sorted(roots))
         self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason))

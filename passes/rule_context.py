@@ -27,5 +27,9 @@ class RuleContext(Protocol):
     def require_granularity(self, origin: Origin | None, size: int, granularity: int,
                             roots: frozenset[str], reason: str) -> None:
         """Ask that the root's layout be made of whole blocks of `granularity` of this value's dim."""
+    def prefers_unit_outer(self, node: fx.Node) -> bool:
+        """Whether this reshape should put the shard on a leading size-1 dim (one kv head)."""
+    def note_alternative(self, node: fx.Node, roots: frozenset[str]) -> None:
+        """This reshape could also read the other way; try that before abandoning `roots`."""
     def where(self, node: fx.Node) -> str:
         """'node view_3 (module transformer.h.0.attn)' for messages."""

@@ -45,7 +45,11 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if not isinstance(p, Shard):
         return NodeSharding(REPLICATE)
     src, dst = ctx.shape(node.args[0]), ctx.shape(node)
-    m = map_reshape_dim(src, dst, p.dim)
+    m = map_reshape_dim(src, dst, p.dim, unit_outer=ctx.prefers_unit_outer(node))
+    if m is not None and not ctx.prefers_unit_outer(node):
+        other = map_reshape_dim(src, dst, p.dim, unit_outer=True)
+        if other is not None and other.out_dim != m.out_dim:
+            ctx.note_alternative(node, p.roots)
     if m is None or not dst[m.out_dim].is_Integer:
         raise Abandon(p.roots, f"{ctx.where(node)} reshapes sharded dim {p.dim} of {src} into {dst}")
     flat = expand(p.layout, m.in_inner)

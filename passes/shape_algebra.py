@@ -43,19 +43,27 @@ def _prefix(shape: list[sympy.Expr]) -> list[sympy.Expr]:
     return out
 
 
-def map_reshape_dim(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim: int) -> ReshapeMap | None:
-    """None when the sharded dim is not the outermost non-unit dim of its reshape group."""
+def map_reshape_dim(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim: int,
+                    *, unit_outer: bool = False) -> ReshapeMap | None:
+    """None when the sharded dim is not the outermost non-unit dim of its reshape group.
+
+    The shard goes to the group's first non-unit output dim, or with `unit_outer` to its first
+    dim even if that has size 1: [B, T, 8] -> [B, T, 1, 8] is an unsqueeze of 8 features, or one
+    head of 8 (multi-query attention); only what follows tells, so the caller may ask for both.
+    """
     pin, pout = _prefix(in_shape), _prefix(out_shape)
     # The group starts at the last boundary at or before `dim` that both shapes share.
     start_in = next((a for a in range(dim, -1, -1) if pin[a] in pout), None)
     if start_in is None or any(in_shape[k] != 1 for k in range(start_in, dim)):
         return None
     start_out = pout.index(pin[start_in])
-    end_in = next((b for b in range(dim + 1, len(pin)) if pin[b] in pout), None)
+    # ... and ends at the first shared boundary past it where the product has grown (a size-1
+    # sharded dim, one kv head, is merged with what follows it).
+    end_in = next((b for b in range(dim + 1, len(pin)) if pin[b] in pout and pin[b] != pin[dim]), None)
     if end_in is None:
         return None
     end_out = len(pout) - 1 - pout[::-1].index(pin[end_in])
-    out_dims = [j for j in range(start_out, end_out) if out_shape[j] != 1]
+    out_dims = [j for j in range(start_out, end_out) if out_shape[j] != 1 or unit_outer]
     if not out_dims:
         return None
     j = out_dims[0]
@@ -64,3 +72,4 @@ def map_reshape_dim(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim
     if not (in_inner.is_Integer and out_inner.is_Integer):
         return None  # a symbolic size is merged with the sharded one: not a head split
     return ReshapeMap(dim, j, int(in_inner), int(out_inner))
+

@@ -23,7 +23,7 @@ CASES = {
     "Falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
 }
 # The ones that must shard their attention and MLP weights (others may fall back, correctly).
-MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT"}
+MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma"}
 
 
 @pytest.mark.parametrize("tp", [2, 4])

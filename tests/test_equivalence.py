@@ -38,6 +38,22 @@ def test_outputs_and_gradients_match(name, tp):
         assert prog.plan.params, "nothing was sharded"
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_multi_and_grouped_query_attention_with_fewer_kv_heads_than_ranks(kv_heads, tp):
+    model = build_model("llama", heads=8, kv_heads=kv_heads)
+    ids, labels = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    _loss(model(input_ids=ids), labels).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    prog = autoshard(model, tp=tp)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert k in prog.plan.params and prog.rank(0).get_parameter(k).shape[0] == 8   # one kv head each
+    out = prog.simulate(input_ids=ids)
+    assert max_rel(out.logits, model(input_ids=ids).logits) <= 1e-5
+    _loss(out, labels).backward()
+    assert max(grad_errors(prog.full_grads(), ref_grads).values()) <= 1e-4
+
+
 def test_every_rank_computes_the_same_output():
     prog = autoshard(build_model("llama", kv_heads=2), tp=4)
     ids = torch.randint(0, VOCAB, (2, 16))
