@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 from torch import nn
@@ -44,7 +43,7 @@ class ShardedProgram:
                                 "inputs; compile a separate program for them")
         entry = _Compiled(cap, plan)
         self._compiled.append(entry)
-        for r, rank in self._ranks.items():
+        for rank in self._ranks.values():
             self._add_graph(rank, entry)
         return entry
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from math import lcm
 
 import sympy
-import torch
 import torch.fx as fx
 
 from ..errors import ShardingError
 from .index_sets import Layout, LayoutError, Segment, layout_from_segments
 from .op_table import rule_for
-from .placement import REPLICATE, Abandon, Demand, NodeSharding, Origin, ParamUse, Placement, Shard
+from .placement import REPLICATE, Abandon, Demand, NodeSharding, ParamUse, Placement, Shard
 from .shape_algebra import to_sympy
 
 __all__ = ["ShardingPlan", "Fallback", "annotate", "module_path", "param_read"]

@@ -91,6 +91,16 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
     syncs: list[SyncSpec] = []
     buffers: dict[str, torch.Tensor] = {}
 
+    def read_entering(n: fx.Node) -> fx.Node:
+        """An input of a node whose output is sharded: replicated values come in through f."""
+        read_param = param_read(n, param_names)
+        local_shard = read_param is not None and read_param[0] in plan.params
+        if _replicated(n) and needs_grad(n) and not local_shard:
+            if n not in f_of:
+                f_of[n] = g.call_module("f", (env[n],))
+            return f_of[n]
+        return env[n]
+
     def restrict(x: fx.Node, e: Restrict, base: str) -> fx.Node:
         keep = e.keep[r]
         if all(len(k) == 1 for k in e.keep):
@@ -114,17 +124,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             continue
         # Megatron's rule: every replicated value entering a sharded region goes through f, so that
         # its gradient (each rank holds only its own part of it) is summed over the group.
-        entering = _sharded_out(ns)
-
-        def read(n: fx.Node) -> fx.Node:
-            read_param = param_read(n, param_names)
-            local_shard = read_param is not None and read_param[0] in plan.params
-            if entering and _replicated(n) and needs_grad(n) and not local_shard:
-                if n not in f_of:
-                    f_of[n] = g.call_module("f", (env[n],))
-                return f_of[n]
-            return env[n]
-
+        read = read_entering if _sharded_out(ns) else env.__getitem__
         args = list(fx.map_arg(node.args, read))
         kwargs = dict(fx.map_arg(node.kwargs, read))
         row: RowParallel | None = None

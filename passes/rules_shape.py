@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .index_sets import compress, expand, local_size, window
-from .placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Placement, Shard
+from .placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from .rule_context import RuleContext
 from .shape_algebra import map_reshape_dim
 
