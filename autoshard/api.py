@@ -11,14 +11,20 @@ from torch import nn
 
 from .capture import infer_example_inputs, normalize_inputs
 from .errors import ShardingError
+from .passes.annotate import ShardOptions
 from .program import ShardedProgram
 
 __all__ = ["autoshard"]
 
 
 def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = None,
-              example_kwargs: dict | None = None) -> ShardedProgram:
+              example_kwargs: dict | None = None, vocab_parallel: bool = True,
+              gather_output: bool = True) -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over `tp` tensor-parallel ranks.
+
+    vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
+    gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
+    False each rank returns its own shard and no rank materializes full logits.
 
     >>> from autoshard.models import GPT, GPTConfig
     >>> import torch
@@ -36,4 +42,5 @@ def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = N
         args, kwargs = infer_example_inputs(model)
     else:
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
-    return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs))
+    options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output)
+    return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options)

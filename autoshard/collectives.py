@@ -27,6 +27,9 @@ class Communicator(Protocol):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the tensor-parallel group; returns a new tensor."""
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over the group; returns a new tensor."""
+
 
 class ProcessGroupComm:
     """All-reduce on a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
@@ -37,6 +40,11 @@ class ProcessGroupComm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         out = t.contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from .capture import Captured, capture, fetch_attr, normalize_inputs
 from .errors import ShardingError
-from .passes.annotate import ShardingPlan, annotate
+from .collectives import scatter_into_full
+from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.rewrite import rewrite_rank
 from .rank import RankProgram, slice_layout
 from .simulate import join_replicated, run_lockstep
@@ -28,8 +29,9 @@ class _Compiled:
 class ShardedProgram:
     """Per-rank programs for one model at tensor-parallel degree `tp` (see `autoshard`)."""
 
-    def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object]):
-        self.model, self.tp = model, tp
+    def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object],
+                 options: ShardOptions = ShardOptions()):
+        self.model, self.tp, self.options = model, tp, options
         self._ranks: dict[int, RankProgram] = {}
         self._compiled: list[_Compiled] = []
         self._compile(named_inputs)
@@ -37,7 +39,7 @@ class ShardedProgram:
     # ---- compile -----------------------------------------------------------------------------
     def _compile(self, named: dict[str, object]) -> _Compiled:
         cap = capture(self.model, named)
-        plan = annotate(cap.gm, self.tp, cap.param_names)   # analysis: writes node.meta["sharding"]
+        plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
         if self._compiled and plan.params != self.plan.params:
             raise ShardingError("inputs of a new shape shard the parameters differently from the example "
                                 "inputs; compile a separate program for them")
@@ -63,7 +65,7 @@ class ShardedProgram:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
                 obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
-        rank.add_graph(cap.signature, rg.graph, attrs, rg.syncs, cap.out_spec)
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec)
 
     # ---- ranks -------------------------------------------------------------------------------
     def rank(self, r: int) -> RankProgram:
@@ -122,13 +124,12 @@ class ShardedProgram:
             elif use is None:
                 out[name] = locals_[0]
             else:
-                full = locals_[0].new_zeros(p.shape)
-                for t, ranges in zip(locals_, use.layout):
-                    pos = 0
-                    for a, b in ranges:
-                        full.narrow(use.dim, a, b - a).copy_(t.narrow(use.dim, pos, b - a))
-                        pos += b - a
-                out[name] = full
+                size = use.padded or p.shape[use.dim]
+                full = sum(scatter_into_full(t, use.dim, size, ranges) * 0 for t, ranges in zip(locals_, use.layout))
+                for t, ranges in zip(locals_, use.layout):     # rows held twice are equal: copy, not add
+                    mask = scatter_into_full(torch.ones_like(t), use.dim, size, ranges).bool()
+                    full = torch.where(mask, scatter_into_full(t, use.dim, size, ranges), full)
+                out[name] = full.narrow(use.dim, 0, p.shape[use.dim])
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:

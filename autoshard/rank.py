@@ -16,13 +16,24 @@ from torch import nn
 from .capture import Signature, fetch_attr
 from .collectives import (CommHandle, Communicator, CopyToTensorParallelRegion, ProcessGroupComm,
                           ReduceFromTensorParallelRegion, SyncReplicatedShard)
+from .passes.rewrite import CrossEntropySpec, SyncSpec
+from .vocab_parallel import GatherFromTensorParallelRegion, VocabParallelCrossEntropy, VocabShard
 
 __all__ = ["RankProgram", "slice_layout"]
 
 
 def slice_layout(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
-    """This rank's part of `t`: the listed index ranges along `dim`, concatenated."""
-    parts = [t.narrow(dim, a, b - a) for a, b in ranges]
+    """This rank's part of `t`: the listed index ranges along `dim`, concatenated. Indices past
+    t's size (a padded vocabulary) are zeros."""
+    n = t.shape[dim]
+    parts = []
+    for a, b in ranges:
+        if a < n:
+            parts.append(t.narrow(dim, a, min(b, n) - a))
+        if b > max(a, n):
+            shape = list(t.shape)
+            shape[dim] = b - max(a, n)
+            parts.append(t.new_zeros(shape))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
@@ -57,16 +68,24 @@ class RankProgram(nn.Module):
         object.__setattr__(self, "_compile_for", None)
 
     # ---- graphs ------------------------------------------------------------------------------
-    def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], syncs, out_spec) -> fx.GraphModule:
+    def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs, out_spec) -> fx.GraphModule:
         for name, value in attrs.items():
             if not _has(self, name):
                 _assign(self, name, value)
-        for s in syncs:
-            if not hasattr(self, s.module):
-                self.add_module(s.module, SyncReplicatedShard(self.handle, s.dim, s.size, s.ranges))
+        for spec in specs:
+            if not hasattr(self, spec.module):
+                self.add_module(spec.module, self._collective(spec))
         gm = fx.GraphModule(self, graph, class_name=f"Rank{self.rank}Program")
         self._graphs.append((sig, gm, out_spec))
         return gm
+
+    def _collective(self, spec) -> nn.Module:
+        if isinstance(spec, SyncSpec):
+            return SyncReplicatedShard(self.handle, spec.dim, spec.size, spec.ranges)
+        if isinstance(spec, CrossEntropySpec):
+            shard = VocabShard(spec.start, spec.count, spec.valid)
+            return VocabParallelCrossEntropy(self.handle, shard, spec.ignore_index, spec.reduction)
+        return GatherFromTensorParallelRegion(self.handle, spec.dim, spec.size, spec.valid, spec.ranges)
 
     def graph_for(self, args: tuple, kwargs: dict):
         named = self._normalize(args, kwargs)

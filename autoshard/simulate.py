@@ -14,6 +14,9 @@ from .capture import fetch_attr
 from .collectives import (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard,
                           scatter_into_full, take_from_full)
 
+from .vocab_parallel import (GatherFromTensorParallelRegion, VocabParallelCrossEntropy, gather_shards, sim_reducer,
+                             vocab_cross_entropy)
+
 __all__ = ["run_lockstep", "join_replicated"]
 
 
@@ -96,6 +99,20 @@ def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list[object]) -> list[o
             return [a[0][0] for a in args]
         if lead.op == "call_module":
             mods = [gm.get_submodule(n.target) for gm, n in zip(gms, column)]
+            if isinstance(mods[0], VocabParallelCrossEntropy):
+                outs = vocab_cross_entropy(sim_reducer(), [m.shard for m in mods], args[0][0][1],
+                                           [a[0][0] for a in args], ignore_index=mods[0].ignore_index,
+                                           reduction=mods[0].reduction)
+                for env, n, o in zip(envs, column, outs):
+                    env[n] = o
+                continue
+            if isinstance(mods[0], GatherFromTensorParallelRegion):
+                m0 = mods[0]
+                outs = gather_shards(sim_reducer(), m0.dim, m0.size, m0.valid, [m.ranges for m in mods],
+                                     [a[0][0] for a in args])
+                for env, n, o in zip(envs, column, outs):
+                    env[n] = o
+                continue
             if isinstance(mods[0], (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard)):
                 xs = [a[0][0] for a in args]
                 if isinstance(mods[0], CopyToTensorParallelRegion):

@@ -21,11 +21,11 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from .index_sets import Layout, LayoutError, Segment, layout_from_segments
-from .op_table import rule_for
+from .op_table import PADDING_SAFE, op_name, rule_for
 from .placement import REPLICATE, Abandon, Demand, NodeSharding, ParamUse, Placement, Shard
 from .shape_algebra import to_sympy
 
-__all__ = ["ShardingPlan", "Fallback", "annotate", "module_path", "param_read"]
+__all__ = ["ShardingPlan", "ShardOptions", "Fallback", "annotate", "module_path", "param_read"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,16 @@ class Fallback:
     roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
     modules: tuple[str, ...]        # their module paths
     reason: str
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What the analysis may do. vocab_parallel: split embeddings, LM heads and the loss over the
+    vocabulary; gather_output: return full tensors where the model returns sharded ones (else each
+    rank returns its own shard)."""
+
+    vocab_parallel: bool = True
+    gather_output: bool = True
 
 
 @dataclass
@@ -69,8 +79,8 @@ def module_path(node: fx.Node) -> str:
 
 
 class _Analysis:
-    def __init__(self, gm: fx.GraphModule, tp: int, param_names: dict[str, str]):
-        self.gm, self.tp, self.param_names = gm, tp, param_names
+    def __init__(self, gm: fx.GraphModule, tp: int, param_names: dict[str, str], options: ShardOptions):
+        self.gm, self.tp, self.param_names, self.options = gm, tp, param_names, options
         self.nodes = list(gm.graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.by_name = {n.name: n for n in self.nodes}
@@ -81,6 +91,8 @@ class _Analysis:
         self.fallbacks: list[Fallback] = []
         self.skipped: dict[str, str] = {}
         self.unit_outer: set[str] = set()                   # reshapes read as one-head views
+        self.unpadded: set[str] = set()                     # roots whose padding met an unsafe op
+        self.padding_retried: set[str] = set()
         self.alternatives: dict[str, frozenset[str]] = {}   # reshape -> roots it could help
         self.current = 0
 
@@ -105,14 +117,26 @@ class _Analysis:
     def note_alternative(self, node: fx.Node, roots: frozenset[str]) -> None:
         self.alternatives.setdefault(node.name, roots)
 
-    def root_layout(self, node: fx.Node, size: int) -> Layout | None:
+    def is_pinned(self, node: fx.Node) -> bool:
+        return node.name in self.pinned
+
+    def root_layout(self, node: fx.Node, size: int, weight: tuple[str, int] | None = None
+                    ) -> tuple[Layout, int | None] | None:
         if node.name in self.pinned:
             return None
+        if weight is not None and node.name not in self.recipes:
+            for j, u in self.uses.get(weight[0], {}).items():
+                if j < self.current and u.dim == weight[1] and u.layout is not None:
+                    return u.layout, u.padded
         recipe = self.recipes.get(node.name, [Segment(0, size)])
         try:
-            return layout_from_segments(recipe, self.tp)
+            return layout_from_segments(recipe, self.tp), None
         except LayoutError as e:
             if node.name not in self.recipes:
+                if self.options.vocab_parallel and node.name not in self.unpadded:
+                    # Pad to a multiple of tp (a vocabulary); PADDING_SAFE keeps the padding harmless.
+                    padded = -(-size // self.tp) * self.tp
+                    return layout_from_segments([Segment(0, padded)], self.tp), padded
                 self.skipped[node.name] = (f"{self.where(node)}: output features {size} not divisible "
                                            f"by tp={self.tp}; left replicated")
                 return None
@@ -145,6 +169,7 @@ class _Analysis:
             node = self.nodes[i]
             self.current = i
             try:
+                self._check_padding(node)
                 result = rule_for(node)(self, node) if node.op in ("call_function", "call_module", "output") \
                     else NodeSharding(REPLICATE)
                 result.region = _region(self, node, result)
@@ -158,6 +183,17 @@ class _Analysis:
             node.meta["sharding"] = result
             i += 1
 
+    def _check_padding(self, node: fx.Node) -> None:
+        """Padded columns (past the real size) may only meet ops that ignore or zero them."""
+        if node.op != "call_function" or op_name(node.target) in PADDING_SAFE:
+            return
+        for a in node.all_input_nodes:
+            p = self.place(a)
+            if isinstance(p, Shard) and p.size != int(self.shape(a)[p.dim]):
+                self.unpadded |= p.roots
+                raise Abandon(p.roots, f"{self.where(node)} meets a padded sharded dim ({p.size} for "
+                                       f"{int(self.shape(a)[p.dim])})")
+
     def _abandon(self, roots: frozenset[str], reason: str) -> int:
         # Before giving a region up, read one of its ambiguous reshapes the other way (each once).
         for name, alt_roots in self.alternatives.items():
@@ -166,6 +202,9 @@ class _Analysis:
                 for r in roots | alt_roots:     # layouts demanded under the other reading
                     self.recipes.pop(r, None)
                 return min(self.index[self.by_name[r]] for r in roots | alt_roots)
+        if roots <= self.unpadded - self.pinned and not roots & self.padding_retried:
+            self.padding_retried |= roots      # first try the region unpadded (left replicated there)
+            return min(self.index[self.by_name[r]] for r in roots)
         self.pinned |= roots
         names = tuple(sorted(roots))
         self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason))
@@ -219,7 +258,8 @@ def _region(ctx: _Analysis, node: fx.Node, result: NodeSharding) -> frozenset[st
     outs = result.placement if isinstance(result.placement, tuple) else (result.placement,)
     places = [ctx.place(a) for a in node.all_input_nodes] + list(outs)
     flat = [q for p in places for q in (p if isinstance(p, tuple) else (p,))]
-    return frozenset().union(*(p.roots for p in flat if isinstance(p, Shard)))
+    own = frozenset([node.name]) if result.role == "vocab" else frozenset()
+    return own.union(*(p.roots for p in flat if isinstance(p, Shard)))
 
 
 def _cut(segs: list[Segment], cuts: list[int]) -> list[Segment]:
@@ -231,7 +271,8 @@ def _cut(segs: list[Segment], cuts: list[int]) -> list[Segment]:
     return out
 
 
-def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str]) -> ShardingPlan:
+def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str],
+             options: ShardOptions = ShardOptions()) -> ShardingPlan:
     """Annotate every node of `gm` with its tensor-parallel placement for `tp` ranks.
 
     `param_names` maps get_attr targets to the model's canonical parameter names (tied weights map
@@ -241,7 +282,7 @@ def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str]) -> Shardi
         for n in gm.graph.nodes:
             n.meta["sharding"] = NodeSharding(REPLICATE)
         return ShardingPlan(tp, {})
-    a = _Analysis(gm, tp, param_names)
+    a = _Analysis(gm, tp, param_names, options)
     a.run()
     params: dict[str, ParamUse] = {}
     for name, uses in a.uses.items():

@@ -6,13 +6,22 @@ from typing import Callable
 
 import torch.fx as fx
 
-from .placement import Abandon, NodeSharding, Shard
 from .rules_compute import COMPUTE_RULES, default
 from .rules_shape import SHAPE_RULES
+from .rules_vocab import VOCAB_RULES, output
 
-__all__ = ["RULES", "rule_for", "op_name"]
+__all__ = ["RULES", "PADDING_SAFE", "rule_for", "op_name"]
 
-RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES}
+RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **VOCAB_RULES}
+
+# Ops that leave the padded columns of a padded shard (a vocabulary tp does not divide) harmless:
+# they map them to padded columns (unary, same-layout elementwise, 1:1 views), or zero their
+# contribution (row-parallel matmul against zero rows), or mask them (cross-entropy, gather).
+# The rules for these check the rest (reshape: 1:1 only; elementwise: no replicated operand cut).
+PADDING_SAFE = frozenset(
+    [name for name, rule in SHAPE_RULES.items() if rule.__name__ == "passthrough"]
+    + ["view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "getitem",
+       "add", "sub", "mul", "div", "where", "linear", "addmm", "mm", "matmul", "cross_entropy_loss"])
 
 
 def op_name(target: object) -> str:
@@ -24,17 +33,9 @@ def op_name(target: object) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _output(ctx, node: fx.Node) -> NodeSharding:
-    for a in node.all_input_nodes:
-        p = ctx.place(a)
-        if isinstance(p, Shard):
-            raise Abandon(p.roots, f"{ctx.where(a)} is returned from the model while sharded")
-    return NodeSharding()
-
-
 def rule_for(node: fx.Node) -> Callable:
     if node.op == "output":
-        return _output
+        return output
     if node.op != "call_function":
         return default
     return RULES.get(op_name(node.target), default)

@@ -12,7 +12,8 @@ from .index_sets import Layout
 
 __all__ = [
     "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Demand",
-    "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict",
+    "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict", "VocabLookup",
+    "VocabCrossEntropy", "GatherOutputs",
 ]
 
 
@@ -68,11 +69,16 @@ class Demand(Exception):
 
 @dataclass(frozen=True)
 class ParamUse:
-    """Parameter `name` is read at this node sharded along `dim` (None: whole) with `layout`."""
+    """Parameter `name` is read at this node sharded along `dim` (None: whole) with `layout`.
+
+    `padded` is the size the layout covers when it exceeds the parameter (a vocabulary that tp
+    does not divide): rows past the parameter's own size are zeros on the ranks that hold them.
+    """
 
     name: str
     dim: int | None = None
     layout: Layout | None = None
+    padded: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,37 @@ class Restrict:
     item: int | None = None
 
 
+@dataclass(frozen=True)
+class VocabLookup:
+    """Embedding on vocab-sharded rows: look up local ids, zero the others, then g.
+
+    Per rank: `starts[r]` is its first row, `valid[r]` how many of its rows are real (not padding)."""
+
+    starts: tuple[int, ...]
+    valid: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VocabCrossEntropy:
+    """Cross-entropy of vocab-sharded logits (argument 0) against replicated targets (argument 1)."""
+
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    valid: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GatherOutputs:
+    """The output node: gather every sharded value it returns (or return local shards)."""
+
+    gather: bool
+
+
 @dataclass
 class NodeSharding:
     placement: Placement | tuple[Placement, ...] = REPLICATE
     params: list[ParamUse] = field(default_factory=list)
-    edits: list[ColumnInput | RowParallel | ArgEdit | Restrict] = field(default_factory=list)
+    edits: list[ColumnInput | RowParallel | ArgEdit | Restrict | VocabLookup | VocabCrossEntropy
+                | GatherOutputs] = field(default_factory=list)
     role: str | None = None        # "column" / "row" for the printed table
     region: frozenset[str] = frozenset()   # roots of the regions this node touches (set by the driver)

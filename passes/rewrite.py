@@ -13,10 +13,11 @@ import torch
 import torch.fx as fx
 
 from .index_sets import Ranges, is_partition
-from .placement import ArgEdit, ColumnInput, NodeSharding, ParamUse, Restrict, RowParallel, Shard
+from .placement import (ArgEdit, ColumnInput, GatherOutputs, NodeSharding, ParamUse, Restrict, RowParallel, Shard,
+                        VocabCrossEntropy, VocabLookup)
 from .annotate import ShardingPlan, param_read
 
-__all__ = ["RankGraph", "rewrite_rank", "SyncSpec"]
+__all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec"]
 
 aten = torch.ops.aten
 
@@ -30,10 +31,29 @@ class SyncSpec:
     ranges: Ranges
 
 
+@dataclass(frozen=True)
+class CrossEntropySpec:
+    module: str
+    start: int
+    count: int
+    valid: int
+    ignore_index: int
+    reduction: int
+
+
+@dataclass(frozen=True)
+class GatherSpec:
+    module: str
+    dim: int
+    size: int          # padded global size of the gathered dim
+    valid: int         # its real size (what the model returns)
+    ranges: Ranges
+
+
 @dataclass
 class RankGraph:
     graph: fx.Graph
-    syncs: list[SyncSpec]
+    modules: list[SyncSpec | CrossEntropySpec | GatherSpec]
     restrict_buffers: dict[str, torch.Tensor]
 
 
@@ -88,7 +108,8 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
     needs_grad = grad_flow(gm)
     env: dict[fx.Node, fx.Node] = {}
     f_of: dict[fx.Node, fx.Node] = {}
-    syncs: list[SyncSpec] = []
+    modules: list[SyncSpec | CrossEntropySpec | GatherSpec] = []
+    gathered: dict[fx.Node, fx.Node] = {}
     buffers: dict[str, torch.Tensor] = {}
 
     def read_entering(n: fx.Node) -> fx.Node:
@@ -100,6 +121,29 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 f_of[n] = g.call_module("f", (env[n],))
             return f_of[n]
         return env[n]
+
+    def gather_out(n: fx.Node, ns: NodeSharding) -> fx.Node:
+        """A value the model returns: gathered to full size if sharded (unless asked not to)."""
+        p = n.meta["sharding"].placement
+        want = any(isinstance(e, GatherOutputs) and e.gather for e in ns.edits)
+        if not isinstance(p, Shard) or not want:
+            return env[n]
+        if n not in gathered:
+            spec = GatherSpec(f"gather_{n.name}", p.dim, p.size, int(n.meta["val"].shape[p.dim]), p.layout[r])
+            modules.append(spec)
+            gathered[n] = g.call_module(spec.module, (env[n],))
+        return gathered[n]
+
+    def vocab_lookup(args: list, e: VocabLookup) -> tuple[list, fx.Node]:
+        """Ids this rank owns, shifted to local rows; the others point at row 0 and are zeroed after."""
+        start, valid = e.starts[r], e.valid[r]
+        local = g.call_function(aten.sub.Tensor, (args[1], start))
+        outside = g.call_function(aten.__or__.Tensor, (g.call_function(aten.lt.Scalar, (local, 0)),
+                                                      g.call_function(aten.ge.Scalar, (local, valid))))
+        args[1] = g.call_function(aten.masked_fill.Scalar, (local, outside, 0))
+        if len(args) > 2 and args[2] is not None and args[2] >= 0:
+            args[2] = args[2] - start if start <= args[2] < start + valid else -1
+        return args, outside
 
     def restrict(x: fx.Node, e: Restrict, base: str) -> fx.Node:
         keep = e.keep[r]
@@ -117,13 +161,17 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             new = g.get_attr(name)
             use = plan.params.get(name)
             if use is not None and not is_partition(use.layout, _size_of(gm, node.target, use)):
-                spec = SyncSpec(_sync_name(name), name, use.dim, _size_of(gm, node.target, use), use.layout[r])
-                syncs.append(spec)
+                spec = SyncSpec(_sync_name(name), name, use.dim, use.padded or _size_of(gm, node.target, use),
+                                use.layout[r])
+                modules.append(spec)
                 new = g.call_module(spec.module, (new,))
             env[node] = new
             continue
         # Megatron's rule: every replicated value entering a sharded region goes through f, so that
         # its gradient (each rank holds only its own part of it) is summed over the group.
+        if node.op == "output":
+            env[node] = g.output(fx.map_arg(node.args[0], lambda n: gather_out(n, ns)))
+            continue
         read = read_entering if _sharded_out(ns) else env.__getitem__
         args = list(fx.map_arg(node.args, read))
         kwargs = dict(fx.map_arg(node.kwargs, read))
@@ -141,6 +189,20 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 args[e.arg] = f_of[x]
             elif isinstance(e, RowParallel):
                 row = e
+        lookup_outside = None
+        for e in ns.edits:
+            if isinstance(e, VocabLookup):
+                args, lookup_outside = vocab_lookup(args, e)
+            elif isinstance(e, VocabCrossEntropy):
+                red = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+                ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+                spec = CrossEntropySpec(f"vocab_cross_entropy_{node.name}", e.starts[r], e.counts[r], e.valid[r],
+                                        ignore, red)
+                modules.append(spec)
+                env[node] = g.call_module(spec.module, (args[0], args[1]))
+                break
+        if node in env:
+            continue
         bias = None
         target = node.target
         if row is not None and row.bias_arg is not None and len(args) > row.bias_arg:
@@ -151,13 +213,16 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 args = args[:row.bias_arg]
         new = g.create_node(node.op, target, tuple(args), kwargs, name=node.name)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        if lookup_outside is not None:
+            mask = g.call_function(aten.unsqueeze.default, (lookup_outside, -1))
+            new = g.call_module("g", (g.call_function(aten.masked_fill.Scalar, (new, mask, 0.0)),))
         if row is not None:
             new = g.call_module("g", (new,))
             if bias is not None:
                 new = g.call_function(aten.add.Tensor, (new, bias))
         env[node] = new
     g.lint()
-    return RankGraph(g, syncs, buffers)
+    return RankGraph(g, modules, buffers)
 
 
 def _size_of(gm: fx.GraphModule, target: str, use: ParamUse) -> int:

@@ -9,18 +9,26 @@ import torch.fx as fx
 from .index_sets import Layout
 from .placement import Origin, Placement
 
+if False:  # typing only
+    from .annotate import ShardOptions
+
 __all__ = ["RuleContext"]
 
 
 class RuleContext(Protocol):
     tp: int
+    options: "ShardOptions"
 
     def place(self, arg: object) -> Placement: ...
     def shape(self, node: fx.Node) -> list[sympy.Expr]: ...
     def param(self, arg: object) -> tuple[str, bool] | None:
         """(parameter name, transposed) when `arg` reads a parameter directly or through t()."""
-    def root_layout(self, node: fx.Node, size: int) -> Layout | None:
-        """Layout for a column-parallel root, or None when it cannot be one (pinned, indivisible)."""
+    def root_layout(self, node: fx.Node, size: int, weight: tuple[str, int] | None = None
+                    ) -> tuple[Layout, int | None] | None:
+        """(layout, padded size or None) for a column-parallel root; None when it cannot be one.
+        A weight (name, dim) already split on that dim (a tied embedding) keeps its layout."""
+    def is_pinned(self, node: fx.Node) -> bool:
+        """Whether this node was made to stay replicated (its region fell back)."""
     def require_cuts(self, origin: Origin | None, cuts: list[int], scale_size: int, roots: frozenset[str],
                      reason: str) -> None:
         """Ask that the root's layout be cut at these positions of the value's sharded dim."""

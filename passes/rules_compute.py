@@ -37,6 +37,8 @@ def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None,
             continue
         if d < 0 or ctx.shape(v)[d] == 1:
             continue  # broadcast along the sharded dim
+        if p0.size != int(ctx.shape(v)[d]):
+            raise Abandon(roots, f"{ctx.where(node)} would cut a replicated operand at padded positions")
         prm = ctx.param(v)
         if prm is not None and not prm[1]:
             res.params.append(ParamUse(prm[0], d, p0.layout))
@@ -108,21 +110,23 @@ def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out
     nd = len(ctx.shape(node))
     if not isinstance(p, Shard):
         size = int(ctx.shape(node)[-1])
-        layout = ctx.root_layout(node, size)
-        if layout is None or (bias is not None and b_name is None):
+        found = ctx.root_layout(node, size, (w_name, w_out))
+        if found is None or (bias is not None and b_name is None):
             return NodeSharding(REPLICATE)
-        res = NodeSharding(Shard(nd - 1, size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
+        layout, padded = found
+        res = NodeSharding(Shard(nd - 1, padded or size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
                            role="column", edits=[ColumnInput(x_arg)])
-        res.params.append(ParamUse(w_name, w_out, layout))
+        res.params.append(ParamUse(w_name, w_out, layout, padded))
         if b_name is not None:
-            res.params.append(ParamUse(b_name, 0, layout))
+            res.params.append(ParamUse(b_name, 0, layout, padded))
         return res
     if p.dim != len(ctx.shape(x)) - 1:  # a token dim: every row is computed where it lives
         return NodeSharding(Shard(p.dim, p.size, p.layout, p.roots, p.origin))
     if not is_partition(p.layout, p.size):
         raise row_parallel_error(ctx, node, p)
     res = NodeSharding(REPLICATE, role="row", edits=[RowParallel(bias_arg if bias is not None else None)])
-    res.params.append(ParamUse(w_name, 1 - w_out, p.layout))
+    w_size = int(ctx.shape(node.args[w_arg])[1 - w_out ^ int(transposed)])
+    res.params.append(ParamUse(w_name, 1 - w_out, p.layout, p.size if p.size != w_size else None))
     return res
 
 

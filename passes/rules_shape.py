@@ -67,7 +67,11 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     local = local_size(out_layout)
     if local is None:
         raise Abandon(p.roots, f"{ctx.where(node)}: ranks would hold different sizes")
-    out = Shard(m.out_dim, int(dst[m.out_dim]), out_layout, p.roots, origin)
+    padded = p.size != int(src[p.dim])
+    if padded and not m.in_inner == m.out_inner == 1:
+        raise Abandon(p.roots, f"{ctx.where(node)} regroups a padded sharded dim")
+    size = p.size if padded else int(dst[m.out_dim])
+    out = Shard(m.out_dim, size, out_layout, p.roots, origin)
     sizes = node.args[1]
     edits = []
     lit = sizes[m.out_dim] if len(sizes) == len(dst) else None

@@ -43,9 +43,12 @@ def test_code_reads_like_megatron():
     # heads per rank rewritten in the view: 8 heads / 2 ranks
     assert "[sym_size_int_4, sym_size_int_5, 4, 8]" in code or ", 4, 8]" in code
     # the row-parallel bias is added once, after g
-    g_line = next(line for line in code.splitlines() if "self.g(" in line)
-    nxt = code.splitlines()[code.splitlines().index(g_line) + 1]
-    assert "aten.add.Tensor(g" in nxt
+    lines = code.splitlines()
+    row = next(i for i, line in enumerate(lines) if "self.g(linear" in line)
+    assert "aten.add.Tensor(g" in lines[row + 1]
+    # vocabulary-parallel word embedding: local ids, masked lookup, g; positions stay whole
+    assert "aten.embedding.default(wte_weight, masked_fill" in code
+    assert "aten.embedding.default(wpe_weight, arange)" in code
 
 
 def test_ranks_have_identical_graph_structure():
@@ -71,4 +74,5 @@ def test_printed_table_names_parameters_and_collectives():
     assert "transformer.h.0.attn.c_attn.weight" in text
     assert "split dim 1" in text        # Conv1D weights are (in, out): column split on dim 1
     assert "collectives per rank" in text
-    assert "fallback (replicated)" in text and "lm_head" in text   # the tied LM head, with its reason
+    assert "transformer.wte.weight" in text and "split dim 0" in text   # vocabulary-parallel, tied head
+    assert "lm_head" not in text.split("collectives")[0]     # tied: one parameter, sharded once

@@ -22,11 +22,14 @@ import torch.nn.functional as F
 from autoshard import autoshard
 from autoshard.rank import slice_layout
 from autoshard.testing.metrics import max_rel, scaled_errors
-from autoshard.testing.models import MODEL_NAMES, VOCAB, build_model, input_name, logits_of
+from autoshard.testing.models import MODEL_NAMES, VOCAB, build_model, input_name, label_name, logits_of
 
 
-def _loss(model, name: str, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(model(**{input_name(name): ids}))
+def _loss(model, name: str, ids: torch.Tensor, labels: torch.Tensor, in_graph: bool) -> torch.Tensor:
+    if in_graph:   # the model computes its loss: the program runs vocabulary-parallel cross-entropy
+        out = model(**{input_name(name): ids, label_name(name): labels})
+        return out[1] if isinstance(out, tuple) else out.loss
+    logits = logits_of(model(**{input_name(name): ids}))    # gathered logits, loss outside
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
@@ -39,21 +42,25 @@ def _optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str, shape: dict) -> dict:
+def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str, shape: dict,
+                in_graph: bool) -> dict:
     ref = build_model(name, **shape)
     model = build_model(name, **shape)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen))
                for _ in range(steps)]
     batches.append((torch.randint(0, VOCAB, (3, 24), generator=gen), torch.randint(0, VOCAB, (3, 24), generator=gen)))
-    prog = autoshard(model, tp=world, example_kwargs={input_name(name): batches[0][0]})
+    example = {input_name(name): batches[0][0]}
+    if in_graph:
+        example[label_name(name)] = batches[0][1]
+    prog = autoshard(model, tp=world, example_kwargs=example)
     rt = prog.distributed()
     opt = _optimizer(optim, rt.parameters(), lr)
     ref_opt = _optimizer(optim, ref.parameters(), lr)
     worst_loss = 0.0
     for ids, labels in batches:
-        loss = _loss(rt, name, ids, labels)
-        ref_loss = _loss(ref, name, ids, labels)
+        loss = _loss(rt, name, ids, labels, in_graph)
+        ref_loss = _loss(ref, name, ids, labels, in_graph)
         worst_loss = max(worst_loss, max_rel(loss, ref_loss))
         for o, l in ((opt, loss), (ref_opt, ref_loss)):
             o.zero_grad()
@@ -67,7 +74,7 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
     errs = scaled_errors(local, want)
     where = max(errs, key=errs.get)
     worst_param = errs[where]
-    return {"model": name, "rank": rank, "world": world, "optim": optim, "steps": len(batches), "loss_rel": worst_loss,
+    return {"model": name, "rank": rank, "world": world, "optim": optim, "in_graph_loss": in_graph, "steps": len(batches), "loss_rel": worst_loss,
             "param_rel": worst_param, "worst_param": where, "sharded": len(prog.plan.params)}
 
 
@@ -79,6 +86,8 @@ def main() -> int:
     ap.add_argument("--param-tol", type=float, default=1e-5, help="scaled error allowed on parameters")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
+    ap.add_argument("--in-graph-loss", action="store_true",
+                    help="pass labels to the model, so the compiled graph holds the loss")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
@@ -88,7 +97,7 @@ def main() -> int:
     ok = True
     for name in args.models:
         shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
-        res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape)
+        res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape, args.in_graph_loss)
         good = res["loss_rel"] <= args.tol and res["param_rel"] <= args.param_tol
         ok &= good
         flags = torch.tensor([0 if good else 1])

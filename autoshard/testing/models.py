@@ -44,5 +44,9 @@ def input_name(name: str) -> str:
     return "idx" if name == "nanogpt" else "input_ids"
 
 
+def label_name(name: str) -> str:
+    return "targets" if name == "nanogpt" else "labels"
+
+
 def logits_of(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]

@@ -1,0 +1,165 @@
+"""Vocabulary-parallel collectives: gather a vocab-sharded output, and cross-entropy on shards.
+
+The math is written once over *a list of ranks' tensors* with two reductions, `sum` and `max`
+across that list. Under torch.distributed the list holds this rank's tensor and the reductions are
+all-reduces on the process group; in the simulator it holds every rank's tensor and the reductions
+are plain sums and maxima. Both therefore run the same code.
+
+Cross-entropy follows Megatron: each rank holds logits for its vocabulary rows only; the global max,
+the sum of exponentials and the target logit are each all-reduced as one number per token, so no
+rank ever holds [tokens, V] logits, and the backward is softmax minus one-hot on the local rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .collectives import CommHandle, Communicator, scatter_into_full, take_from_full
+
+__all__ = ["Reducer", "dist_reducer", "sim_reducer", "vocab_cross_entropy", "gather_shards",
+           "VocabParallelCrossEntropy", "GatherFromTensorParallelRegion", "VocabShard"]
+
+
+@dataclass(frozen=True)
+class Reducer:
+    """Reductions over ranks for a list of per-rank tensors (one tensor per rank present)."""
+
+    sum: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    max: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def dist_reducer(comm: Communicator) -> Reducer:
+    return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])])
+
+
+def sim_reducer() -> Reducer:
+    def total(xs):
+        s = sum(xs[1:], xs[0].clone())
+        return [s.clone() for _ in xs]
+
+    def peak(xs):
+        m = torch.stack(xs).amax(0)
+        return [m.clone() for _ in xs]
+    return Reducer(sum=total, max=peak)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rank's vocabulary rows: [start, start + count) of the padded vocabulary; `valid` are < V."""
+
+    start: int
+    count: int
+    valid: int
+
+
+class _VocabCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, red: Reducer, shards: list[VocabShard], target: torch.Tensor, ignore_index: int,
+                reduction: int, *logits: torch.Tensor):
+        xs = [x.float() for x in logits]
+        for i, s in enumerate(shards):                      # padded rows are not classes
+            if s.valid < s.count:
+                xs[i] = xs[i].clone()
+                xs[i][..., s.valid:] = float("-inf")
+        maxes = red.max([x.amax(-1).detach() for x in xs])
+        shifted = [x - m.unsqueeze(-1) for x, m in zip(xs, maxes)]
+        exps = [s.exp() for s in shifted]
+        sum_exp = red.sum([e.sum(-1) for e in exps])
+        keep = target != ignore_index
+        picked, onehots = [], []
+        for s, sh in zip(shards, shifted):
+            local = target - s.start
+            inside = keep & (local >= 0) & (local < s.valid)
+            idx = torch.where(inside, local, torch.zeros_like(local))
+            picked.append(torch.where(inside, sh.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(idx, dtype=sh.dtype)))
+            onehots.append((inside, idx))
+        target_logit = red.sum(picked)
+        losses = [torch.where(keep, se.log() - tl, torch.zeros_like(tl)) for se, tl in zip(sum_exp, target_logit)]
+        count = keep.sum()
+        if reduction == 1:      # mean over non-ignored targets
+            out = [l.sum() / count for l in losses]
+        elif reduction == 2:
+            out = [l.sum() for l in losses]
+        else:
+            out = losses
+        ctx.save_for_backward(keep, count, *[e / se.unsqueeze(-1) for e, se in zip(exps, sum_exp)])
+        ctx.onehots, ctx.reduction, ctx.dtypes = onehots, reduction, [x.dtype for x in logits]
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        keep, count, *softmaxes = ctx.saved_tensors
+        outs = []
+        for g, sm, (inside, idx), dt in zip(grads, softmaxes, ctx.onehots, ctx.dtypes):
+            d = sm.clone()
+            d.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(d.dtype).unsqueeze(-1))
+            d = d * keep.unsqueeze(-1)
+            scale = g / count if ctx.reduction == 1 else g
+            d = d * (scale if ctx.reduction in (1, 2) else scale.unsqueeze(-1))
+            outs.append(d.to(dt))
+        return (None, None, None, None, None, *outs)
+
+
+def vocab_cross_entropy(red: Reducer, shards: list[VocabShard], target: torch.Tensor, logits: list[torch.Tensor],
+                        *, ignore_index: int = -100, reduction: int = 1) -> list[torch.Tensor]:
+    """Cross-entropy of vocab-sharded `logits` (one per rank present) against global `target` ids."""
+    return list(_VocabCE.apply(red, shards, target, ignore_index, reduction, *logits))
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along a vocabulary-sharded dim (forward); backward keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, red: Reducer, dim: int, size: int, valid: int, ranges: list, *xs: torch.Tensor):
+        ctx.args = (dim, size, ranges)
+        fulls = red.sum([scatter_into_full(x, dim, size, r) for x, r in zip(xs, ranges)])
+        return tuple(f.narrow(dim, 0, valid) for f in fulls)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, size, ranges = ctx.args
+        outs = []
+        for g, r in zip(grads, ranges):
+            pad = list(g.shape)
+            pad[dim] = size - g.shape[dim]
+            full = torch.cat([g, g.new_zeros(pad)], dim) if pad[dim] else g
+            outs.append(take_from_full(full, dim, r))
+        return (None, None, None, None, None, *outs)
+
+
+def gather_shards(red: Reducer, dim: int, size: int, valid: int, ranges: list, xs: list[torch.Tensor]):
+    return list(_Gather.apply(red, dim, size, valid, ranges, *xs))
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Cross-entropy over this rank's vocabulary rows; one number per token crosses the group."""
+
+    def __init__(self, handle: CommHandle, shard: VocabShard, ignore_index: int, reduction: int):
+        super().__init__()
+        self.handle, self.shard, self.ignore_index, self.reduction = handle, shard, ignore_index, reduction
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        red = dist_reducer(self.handle.get())
+        return vocab_cross_entropy(red, [self.shard], target, [logits], ignore_index=self.ignore_index,
+                                   reduction=self.reduction)[0]
+
+    def extra_repr(self) -> str:
+        return f"rows=[{self.shard.start}, {self.shard.start + self.shard.count}), ignore_index={self.ignore_index}"
+
+
+class GatherFromTensorParallelRegion(nn.Module):
+    """All-gather a sharded output to full size (forward); backward keeps this rank's part."""
+
+    def __init__(self, handle: CommHandle, dim: int, size: int, valid: int, ranges):
+        super().__init__()
+        self.handle, self.dim, self.size, self.valid, self.ranges = handle, dim, size, valid, tuple(ranges)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        red = dist_reducer(self.handle.get())
+        return gather_shards(red, self.dim, self.size, self.valid, [self.ranges], [x])[0]
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, size={self.valid}, rows={list(self.ranges)}"
