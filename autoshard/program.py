@@ -79,6 +79,7 @@ class ShardedProgram:
                 local = slice_layout(p.detach(), use.dim, use.layout[r]) if use else p.detach()
                 params[name] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
             rank = RankProgram(r, self.tp, params, lambda a, k: normalize_inputs(self.model, a, k))
+            rank.rng.manual_seed(getattr(self, "_seed", 0))
             object.__setattr__(rank, "_compile_for", self._compile)
             for entry in self._compiled:
                 self._add_graph(rank, entry)
@@ -87,6 +88,13 @@ class ShardedProgram:
 
     def ranks(self) -> list[RankProgram]:
         return [self.rank(r) for r in range(self.tp)]
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed every rank's dropout generators: same masks outside tensor-parallel regions on every
+        rank, a different stream per rank inside them; the same seed gives the same masks again."""
+        for rank in self._ranks.values():
+            rank.rng.manual_seed(seed)
+        self._seed = seed
 
     def distributed(self, group: dist.ProcessGroup | None = None) -> RankProgram:
         """This process's rank module, its collectives bound to `group` (default: WORLD)."""

@@ -16,7 +16,8 @@ from torch import nn
 from .capture import Signature, fetch_attr
 from .collectives import (CommHandle, Communicator, CopyToTensorParallelRegion, ProcessGroupComm,
                           ReduceFromTensorParallelRegion, SyncReplicatedShard)
-from .passes.rewrite import CrossEntropySpec, SyncSpec
+from .passes.rewrite import CrossEntropySpec, RandomOpSpec, SyncSpec
+from .rng import RegionRandomOp, RNGTracker
 from .vocab_parallel import GatherFromTensorParallelRegion, VocabParallelCrossEntropy, VocabShard
 
 __all__ = ["RankProgram", "slice_layout"]
@@ -59,6 +60,7 @@ class RankProgram(nn.Module):
         super().__init__()
         self.rank, self.world_size = rank, world_size
         self.handle = CommHandle(rank)
+        self.rng = RNGTracker(rank)
         for name, p in params.items():
             _assign(self, name, p)
         self.f = CopyToTensorParallelRegion(self.handle)
@@ -82,6 +84,8 @@ class RankProgram(nn.Module):
     def _collective(self, spec) -> nn.Module:
         if isinstance(spec, SyncSpec):
             return SyncReplicatedShard(self.handle, spec.dim, spec.size, spec.ranges)
+        if isinstance(spec, RandomOpSpec):
+            return RegionRandomOp(self.rng, spec.op, spec.region)
         if isinstance(spec, CrossEntropySpec):
             shard = VocabShard(spec.start, spec.count, spec.valid)
             return VocabParallelCrossEntropy(self.handle, shard, spec.ignore_index, spec.reduction)

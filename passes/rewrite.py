@@ -17,7 +17,7 @@ from .placement import (ArgEdit, ColumnInput, GatherOutputs, NodeSharding, Param
                         VocabCrossEntropy, VocabLookup)
 from .annotate import ShardingPlan, param_read
 
-__all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec"]
+__all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec", "RandomOpSpec"]
 
 aten = torch.ops.aten
 
@@ -50,10 +50,33 @@ class GatherSpec:
     ranges: Ranges
 
 
+@dataclass(frozen=True)
+class RandomOpSpec:
+    """A random op run with its region's generator: "tensor_parallel" inside a sharded region."""
+
+    module: str
+    op: object
+    region: str
+
+
+RANDOM_OPS = ("dropout", "native_dropout", "scaled_dot_product_attention")
+
+
+def _draws_randomly(node: fx.Node) -> bool:
+    name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
+    if name in ("dropout", "native_dropout"):
+        p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(train) and p != 0
+    if name == "scaled_dot_product_attention":
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return False
+
+
 @dataclass
 class RankGraph:
     graph: fx.Graph
-    modules: list[SyncSpec | CrossEntropySpec | GatherSpec]
+    modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec]
     restrict_buffers: dict[str, torch.Tensor]
 
 
@@ -108,7 +131,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
     needs_grad = grad_flow(gm)
     env: dict[fx.Node, fx.Node] = {}
     f_of: dict[fx.Node, fx.Node] = {}
-    modules: list[SyncSpec | CrossEntropySpec | GatherSpec] = []
+    modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec] = []
     gathered: dict[fx.Node, fx.Node] = {}
     buffers: dict[str, torch.Tensor] = {}
 
@@ -211,7 +234,13 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 target, args = aten.mm.default, args[1:3]
             else:
                 args = args[:row.bias_arg]
-        new = g.create_node(node.op, target, tuple(args), kwargs, name=node.name)
+        if node.op == "call_function" and _draws_randomly(node):
+            region = "tensor_parallel" if _sharded_out(ns) else "replicated"
+            spec = RandomOpSpec(f"{'tp' if _sharded_out(ns) else 'replicated'}_rng_{node.name}", target, region)
+            modules.append(spec)
+            new = g.create_node("call_module", spec.module, tuple(args), kwargs, name=node.name)
+        else:
+            new = g.create_node(node.op, target, tuple(args), kwargs, name=node.name)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         if lookup_outside is not None:
             mask = g.call_function(aten.unsqueeze.default, (lookup_outside, -1))
