@@ -19,12 +19,15 @@ __all__ = ["autoshard"]
 
 def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = None,
               example_kwargs: dict | None = None, vocab_parallel: bool = True,
-              gather_output: bool = True) -> ShardedProgram:
+              gather_output: bool = True, sequence_parallel: bool = False) -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over `tp` tensor-parallel ranks.
 
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
     False each rank returns its own shard and no rank materializes full logits.
+    sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
+    1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
+    and each new input shape is compiled once (sizes are exported static).
 
     >>> from autoshard.models import GPT, GPTConfig
     >>> import torch
@@ -42,5 +45,9 @@ def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = N
         args, kwargs = infer_example_inputs(model)
     else:
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
-    options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output)
+    if sequence_parallel and not vocab_parallel:
+        raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
+                            "where the vocabulary-parallel embedding's partial sums are reduced")
+    options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
+                           sequence_parallel=sequence_parallel)
     return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options)

@@ -103,9 +103,10 @@ def _dynamic(named: dict[str, object]) -> dict[str, object]:
             for k, v in named.items()}
 
 
-def capture(model: nn.Module, named: dict[str, object]) -> Captured:
+def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True) -> Captured:
+    """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index)."""
     errors = []
-    for dynamic in (True, False):
+    for dynamic in ((True, False) if dynamic else (False,)):
         try:
             ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dynamic else None,
                                      strict=False)

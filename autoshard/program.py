@@ -38,7 +38,7 @@ class ShardedProgram:
 
     # ---- compile -----------------------------------------------------------------------------
     def _compile(self, named: dict[str, object]) -> _Compiled:
-        cap = capture(self.model, named)
+        cap = capture(self.model, named, dynamic=not self.options.sequence_parallel)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
         if self._compiled and plan.params != self.plan.params:
             raise ShardingError("inputs of a new shape shard the parameters differently from the example "
@@ -59,7 +59,8 @@ class ShardedProgram:
 
     def _add_graph(self, rank: RankProgram, entry: _Compiled) -> None:
         cap = entry.captured
-        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, rank.rank)   # rewrite: a new graph
+        k = self._compiled.index(entry)
+        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, rank.rank, f"_s{k}" if k else "")   # rewrite
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:

@@ -41,10 +41,12 @@ class Fallback:
 class ShardOptions:
     """What the analysis may do. vocab_parallel: split embeddings, LM heads and the loss over the
     vocabulary; gather_output: return full tensors where the model returns sharded ones (else each
-    rank returns its own shard)."""
+    rank returns its own shard); sequence_parallel: between tensor-parallel regions, split the
+    activations along the sequence (Korthikanti et al. 2022)."""
 
     vocab_parallel: bool = True
     gather_output: bool = True
+    sequence_parallel: bool = False
 
 
 @dataclass

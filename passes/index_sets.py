@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Ranges", "Layout", "Segment", "even_layout", "layout_from_segments", "expand", "compress",
+    "Ranges", "Layout", "Segment", "even_layout", "layout_from_segments", "expand", "compress", "tile",
     "window", "positions_within", "is_partition", "local_size", "LayoutError",
 ]
 
@@ -77,6 +77,13 @@ def layout_from_segments(segments: list[Segment], tp: int) -> Layout:
 def expand(layout: Layout, inner: int) -> Layout:
     """Index i of a dim becomes indices [i*inner, (i+1)*inner) of a flattened (dim, inner) pair."""
     return tuple(tuple((a * inner, b * inner) for a, b in rs) for rs in layout)
+
+
+def tile(layout: Layout, count: int, stride: int) -> Layout:
+    """The layout repeated `count` times, `stride` apart: a sharded dim merged behind outer dims."""
+    if count == 1:
+        return layout
+    return tuple(_merge([(o * stride + a, o * stride + b) for o in range(count) for a, b in rs]) for rs in layout)
 
 
 def compress(layout: Layout, inner: int) -> Layout | None:

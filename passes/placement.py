@@ -13,7 +13,7 @@ from .index_sets import Layout
 __all__ = [
     "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Demand",
     "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict", "VocabLookup",
-    "VocabCrossEntropy", "GatherOutputs",
+    "VocabCrossEntropy", "GatherOutputs", "SequenceScatter", "GatherTokens",
 ]
 
 
@@ -126,6 +126,26 @@ class VocabLookup:
 
 
 @dataclass(frozen=True)
+class SequenceScatter:
+    """Sequence parallelism starts here: keep this rank's tokens of the (replicated) result along
+    `dim`, through f so the backward gathers them (Megatron's reduce-scatter, as g then f + slice)."""
+
+    dim: int
+    keep: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True)
+class GatherTokens:
+    """Argument `arg` is sequence-sharded along `dim`: all-gather it before this column-parallel
+    matmul (backward: each rank keeps its tokens, and f before the matmul sums them)."""
+
+    arg: int
+    dim: int
+    size: int
+    layout: tuple
+
+
+@dataclass(frozen=True)
 class VocabCrossEntropy:
     """Cross-entropy of vocab-sharded logits (argument 0) against replicated targets (argument 1)."""
 
@@ -146,6 +166,6 @@ class NodeSharding:
     placement: Placement | tuple[Placement, ...] = REPLICATE
     params: list[ParamUse] = field(default_factory=list)
     edits: list[ColumnInput | RowParallel | ArgEdit | Restrict | VocabLookup | VocabCrossEntropy
-                | GatherOutputs] = field(default_factory=list)
+                | GatherOutputs | SequenceScatter | GatherTokens] = field(default_factory=list)
     role: str | None = None        # "column" / "row" for the printed table
     region: frozenset[str] = frozenset()   # roots of the regions this node touches (set by the driver)

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from .index_sets import Ranges, is_partition
-from .placement import (ArgEdit, ColumnInput, GatherOutputs, NodeSharding, ParamUse, Restrict, RowParallel, Shard,
-                        VocabCrossEntropy, VocabLookup)
+from .placement import (ArgEdit, ColumnInput, GatherOutputs, GatherTokens, NodeSharding, ParamUse, Restrict,
+                        RowParallel, SequenceScatter, Shard, VocabCrossEntropy, VocabLookup)
 from .annotate import ShardingPlan, param_read
 
 __all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec", "RandomOpSpec"]
@@ -126,13 +126,17 @@ def grad_flow(gm: fx.GraphModule) -> Callable[[fx.Node], bool]:
     return needs
 
 
-def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, str], r: int) -> RankGraph:
+def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, str], r: int,
+                 suffix: str = "") -> RankGraph:
+    """Rank r's graph. `suffix` names this graph's own modules and buffers apart from those of the
+    rank's other graphs (other input signatures: their layouts may differ)."""
     g = fx.Graph()
     needs_grad = grad_flow(gm)
     env: dict[fx.Node, fx.Node] = {}
     f_of: dict[fx.Node, fx.Node] = {}
     modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec] = []
     gathered: dict[fx.Node, fx.Node] = {}
+    tokens_of: dict[fx.Node, fx.Node] = {}
     buffers: dict[str, torch.Tensor] = {}
 
     def read_entering(n: fx.Node) -> fx.Node:
@@ -152,7 +156,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         if not isinstance(p, Shard) or not want:
             return env[n]
         if n not in gathered:
-            spec = GatherSpec(f"gather_{n.name}", p.dim, p.size, int(n.meta["val"].shape[p.dim]), p.layout[r])
+            spec = GatherSpec(f"gather_{n.name}{suffix}", p.dim, p.size, int(n.meta["val"].shape[p.dim]), p.layout[r])
             modules.append(spec)
             gathered[n] = g.call_module(spec.module, (env[n],))
         return gathered[n]
@@ -173,7 +177,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         if all(len(k) == 1 for k in e.keep):
             (a, b), = keep
             return g.call_function(aten.slice.Tensor, (x, e.dim, a, b))
-        name = f"_keep_{base}_{e.arg}"
+        name = f"_keep_{base}_{e.arg}{suffix}"
         buffers[name] = torch.tensor([i for a, b in keep for i in range(a, b)])
         return g.call_function(aten.index_select.default, (x, e.dim, g.get_attr(name)))
 
@@ -205,11 +209,20 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             elif isinstance(e, Restrict):
                 src = args[e.arg] if e.item is None else args[e.arg][e.item]
                 args[e.arg] = _set(args[e.arg], e.item, restrict(src, e, node.name))
-            elif isinstance(e, ColumnInput):
+            elif isinstance(e, GatherTokens):
                 x = node.args[e.arg]
-                if x not in f_of:
-                    f_of[x] = g.call_module("f", (env[x],))
-                args[e.arg] = f_of[x]
+                if x not in tokens_of:
+                    spec = GatherSpec(f"gather_tokens_{x.name}{suffix}", e.dim, e.size, e.size, e.layout[r])
+                    modules.append(spec)
+                    tokens_of[x] = g.call_module(spec.module, (env[x],))
+                args[e.arg] = tokens_of[x]
+            elif isinstance(e, ColumnInput):
+                # one f per source value, shared with read_entering's (same memo): never f(f(x))
+                x = node.args[e.arg]
+                key = ("tokens", x) if x in tokens_of else x
+                if key not in f_of:
+                    f_of[key] = g.call_module("f", (args[e.arg],))
+                args[e.arg] = f_of[key]
             elif isinstance(e, RowParallel):
                 row = e
         lookup_outside = None
@@ -219,7 +232,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             elif isinstance(e, VocabCrossEntropy):
                 red = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
                 ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-                spec = CrossEntropySpec(f"vocab_cross_entropy_{node.name}", e.starts[r], e.counts[r], e.valid[r],
+                spec = CrossEntropySpec(f"vocab_cross_entropy_{node.name}{suffix}", e.starts[r], e.counts[r], e.valid[r],
                                         ignore, red)
                 modules.append(spec)
                 env[node] = g.call_module(spec.module, (args[0], args[1]))
@@ -236,7 +249,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 args = args[:row.bias_arg]
         if node.op == "call_function" and _draws_randomly(node):
             region = "tensor_parallel" if _sharded_out(ns) else "replicated"
-            spec = RandomOpSpec(f"{'tp' if _sharded_out(ns) else 'replicated'}_rng_{node.name}", target, region)
+            spec = RandomOpSpec(f"{'tp' if _sharded_out(ns) else 'replicated'}_rng_{node.name}{suffix}", target, region)
             modules.append(spec)
             new = g.create_node("call_module", spec.module, tuple(args), kwargs, name=node.name)
         else:
@@ -245,6 +258,10 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         if lookup_outside is not None:
             mask = g.call_function(aten.unsqueeze.default, (lookup_outside, -1))
             new = g.call_module("g", (g.call_function(aten.masked_fill.Scalar, (new, mask, 0.0)),))
+        for e in ns.edits:
+            if isinstance(e, SequenceScatter):     # g, then f and this rank's tokens: a reduce-scatter
+                (a, b), = e.keep[r]
+                new = g.call_function(aten.slice.Tensor, (g.call_module("f", (new,)), e.dim, a, b))
         if row is not None:
             new = g.call_module("g", (new,))
             if bias is not None:

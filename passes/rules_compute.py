@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .index_sets import is_partition, local_size, positions_within
-from .placement import (REPLICATE, Abandon, ColumnInput, NodeSharding, Origin, ParamUse, Restrict,
-                        RowParallel, Shard)
+from .placement import (REPLICATE, Abandon, ColumnInput, GatherTokens, NodeSharding, Origin, ParamUse,
+                        Restrict, RowParallel, Shard)
 from ..errors import ShardingError
 from .rule_context import RuleContext
 from .rules_shape import norm_dim, sharded_inputs
@@ -108,14 +108,20 @@ def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out
     b_name = ctx.param(bias)[0] if bias is not None and ctx.param(bias) is not None else None
     p = ctx.place(x)
     nd = len(ctx.shape(node))
+    gather = None
+    if isinstance(p, Shard) and p.dim != len(ctx.shape(x)) - 1 and ctx.options.sequence_parallel \
+            and is_partition(p.layout, p.size):
+        gather = GatherTokens(x_arg, p.dim, p.size, p.layout)   # sequence-parallel tokens: gather them
+        p = REPLICATE
     if not isinstance(p, Shard):
         size = int(ctx.shape(node)[-1])
         found = ctx.root_layout(node, size, (w_name, w_out))
         if found is None or (bias is not None and b_name is None):
-            return NodeSharding(REPLICATE)
+            # a replicated matmul on sequence shards: gather the tokens, compute the same everywhere
+            return NodeSharding(REPLICATE, edits=[gather] if gather is not None else [])
         layout, padded = found
         res = NodeSharding(Shard(nd - 1, padded or size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
-                           role="column", edits=[ColumnInput(x_arg)])
+                           role="column", edits=[e for e in (gather, ColumnInput(x_arg)) if e is not None])
         res.params.append(ParamUse(w_name, w_out, layout, padded))
         if b_name is not None:
             res.params.append(ParamUse(b_name, 0, layout, padded))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .index_sets import compress, expand, local_size, window
+from .index_sets import compress, expand, local_size, tile, window
 from .placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from .rule_context import RuleContext
 from .shape_algebra import map_reshape_dim
@@ -52,7 +52,7 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
             ctx.note_alternative(node, p.roots)
     if m is None or not dst[m.out_dim].is_Integer:
         raise Abandon(p.roots, f"{ctx.where(node)} reshapes sharded dim {p.dim} of {src} into {dst}")
-    flat = expand(p.layout, m.in_inner)
+    flat = tile(expand(p.layout, m.in_inner), m.outer, m.in_size * m.in_inner)
     out_layout = compress(flat, m.out_inner)
     if out_layout is None:
         if m.out_inner % m.in_inner:
@@ -62,13 +62,13 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
                                 f"{m.out_inner // m.in_inner}")
         raise AssertionError("require_granularity returns only when the layout already fits")
     origin = None
-    if p.origin is not None and m.out_inner % m.in_inner == 0:
+    if p.origin is not None and m.out_inner % m.in_inner == 0 and m.outer == 1:
         origin = Origin(p.origin.root, p.origin.offset, p.origin.scale * (m.out_inner // m.in_inner))
     local = local_size(out_layout)
     if local is None:
         raise Abandon(p.roots, f"{ctx.where(node)}: ranks would hold different sizes")
     padded = p.size != int(src[p.dim])
-    if padded and not m.in_inner == m.out_inner == 1:
+    if padded and not m.in_inner == m.out_inner == m.outer == 1:
         raise Abandon(p.roots, f"{ctx.where(node)} regroups a padded sharded dim")
     size = p.size if padded else int(dst[m.out_dim])
     out = Shard(m.out_dim, size, out_layout, p.roots, origin)

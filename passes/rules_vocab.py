@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .index_sets import even_layout, is_partition
-from .placement import (REPLICATE, Abandon, GatherOutputs, NodeSharding, ParamUse, Shard,
+from ..errors import ShardingError
+from .placement import (REPLICATE, Abandon, GatherOutputs, NodeSharding, ParamUse, SequenceScatter, Shard,
                         VocabCrossEntropy, VocabLookup)
 from .rule_context import RuleContext
 from .rules_compute import default
@@ -54,6 +55,18 @@ def embedding(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     starts, _, valid = _starts_valid(layout, vocab)
     res = NodeSharding(REPLICATE, role="vocab", edits=[VocabLookup(starts, valid)])
     res.params.append(ParamUse(prm[0], 0, layout, padded if padded != vocab else None))
+    if ctx.options.sequence_parallel:
+        out_shape = ctx.shape(node)
+        if len(out_shape) != 3 or not out_shape[1].is_Integer:
+            raise ShardingError(f"sequence parallelism needs token embeddings of shape (batch, sequence, "
+                                f"hidden); {ctx.where(node)} gives {out_shape}")
+        seq = int(out_shape[1])
+        if seq % ctx.tp:
+            raise ShardingError(f"sequence parallelism: sequence length {seq} is not divisible by "
+                                f"tp={ctx.tp} (at {ctx.where(node)})")
+        seq_layout = even_layout(seq, ctx.tp)
+        res.placement = Shard(1, seq, seq_layout, frozenset([node.name]))
+        res.edits.append(SequenceScatter(1, seq_layout))
     return res
 
 

@@ -34,6 +34,8 @@ class ReshapeMap:
     out_dim: int
     in_inner: int
     out_inner: int
+    outer: int = 1        # static dims merged in front of the sharded one (tokens of a batch)
+    in_size: int = 0      # the sharded dim's size (its stride in the merged dim is in_size*in_inner)
 
 
 def _prefix(shape: list[sympy.Expr]) -> list[sympy.Expr]:
@@ -54,8 +56,11 @@ def map_reshape_dim(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim
     pin, pout = _prefix(in_shape), _prefix(out_shape)
     # The group starts at the last boundary at or before `dim` that both shapes share.
     start_in = next((a for a in range(dim, -1, -1) if pin[a] in pout), None)
-    if start_in is None or any(in_shape[k] != 1 for k in range(start_in, dim)):
+    if start_in is None:
         return None
+    outer = prod(in_shape[start_in:dim], start=sympy.Integer(1))
+    if not outer.is_Integer or not in_shape[dim].is_Integer:
+        return None     # a symbolic dim merged in front of the sharded one
     start_out = pout.index(pin[start_in])
     # ... and ends at the first shared boundary past it where the product has grown (a size-1
     # sharded dim, one kv head, is merged with what follows it).
@@ -71,5 +76,5 @@ def map_reshape_dim(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim
     out_inner = prod(out_shape[j + 1:end_out], start=sympy.Integer(1))
     if not (in_inner.is_Integer and out_inner.is_Integer):
         return None  # a symbolic size is merged with the sharded one: not a head split
-    return ReshapeMap(dim, j, int(in_inner), int(out_inner))
+    return ReshapeMap(dim, j, int(in_inner), int(out_inner), int(outer), int(in_shape[dim]))
 

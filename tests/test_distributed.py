@@ -7,12 +7,16 @@ import sys
 import pytest
 
 
+MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
+         "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("in_graph_loss", [False, True], ids=["gathered-logits", "vocab-parallel-loss"])
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_training_matches_single_device(world, in_graph_loss):
+def test_gloo_training_matches_single_device(world, mode):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "autoshard.testing.dist_check", "--steps", "3"] + (["--in-graph-loss"] if in_graph_loss else [])
+           "-m", "autoshard.testing.dist_check", "--steps", "3", *MODES[mode]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

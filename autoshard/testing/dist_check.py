@@ -43,17 +43,18 @@ def _optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str, shape: dict,
-                in_graph: bool) -> dict:
+                in_graph: bool, sequence_parallel: bool = False) -> dict:
     ref = build_model(name, **shape)
     model = build_model(name, **shape)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen))
                for _ in range(steps)]
     batches.append((torch.randint(0, VOCAB, (3, 24), generator=gen), torch.randint(0, VOCAB, (3, 24), generator=gen)))
+    # (3, 24): a new batch and length; 24 is divisible by 2 and 4, as sequence parallelism needs
     example = {input_name(name): batches[0][0]}
     if in_graph:
         example[label_name(name)] = batches[0][1]
-    prog = autoshard(model, tp=world, example_kwargs=example)
+    prog = autoshard(model, tp=world, example_kwargs=example, sequence_parallel=sequence_parallel)
     rt = prog.distributed()
     opt = _optimizer(optim, rt.parameters(), lr)
     ref_opt = _optimizer(optim, ref.parameters(), lr)
@@ -74,7 +75,8 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
     errs = scaled_errors(local, want)
     where = max(errs, key=errs.get)
     worst_param = errs[where]
-    return {"model": name, "rank": rank, "world": world, "optim": optim, "in_graph_loss": in_graph, "steps": len(batches), "loss_rel": worst_loss,
+    return {"model": name, "rank": rank, "world": world, "optim": optim, "in_graph_loss": in_graph,
+            "sequence_parallel": sequence_parallel, "steps": len(batches), "loss_rel": worst_loss,
             "param_rel": worst_param, "worst_param": where, "sharded": len(prog.plan.params)}
 
 
@@ -88,6 +90,7 @@ def main() -> int:
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--in-graph-loss", action="store_true",
                     help="pass labels to the model, so the compiled graph holds the loss")
+    ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
@@ -97,7 +100,8 @@ def main() -> int:
     ok = True
     for name in args.models:
         shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
-        res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape, args.in_graph_loss)
+        res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape, args.in_graph_loss,
+                          args.sequence_parallel)
         good = res["loss_rel"] <= args.tol and res["param_rel"] <= args.param_tol
         ok &= good
         flags = torch.tensor([0 if good else 1])
