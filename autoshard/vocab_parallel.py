@@ -56,36 +56,40 @@ class VocabShard:
 
 
 class _VocabCE(torch.autograd.Function):
+    """One shard-sized buffer per rank: exp(x - max) becomes the softmax, then, in backward, the
+    gradient (softmax - one-hot) in place, as Megatron's kernel does."""
+
     @staticmethod
     def forward(ctx, red: Reducer, shards: list[VocabShard], target: torch.Tensor, ignore_index: int,
                 reduction: int, *logits: torch.Tensor):
-        xs = [x.float() for x in logits]
-        for i, s in enumerate(shards):                      # padded rows are not classes
-            if s.valid < s.count:
-                xs[i] = xs[i].clone()
-                xs[i][..., s.valid:] = float("-inf")
-        maxes = red.max([x.amax(-1).detach() for x in xs])
-        shifted = [x - m.unsqueeze(-1) for x, m in zip(xs, maxes)]
-        exps = [s.exp() for s in shifted]
-        sum_exp = red.sum([e.sum(-1) for e in exps])
+        real = [x[..., :s.valid].float() for x, s in zip(logits, shards)]   # padded rows are not classes
+        maxes = red.max([x.amax(-1) if x.shape[-1] else torch.full(x.shape[:-1], float("-inf"))
+                         for x in real])
         keep = target != ignore_index
-        picked, onehots = [], []
-        for s, sh in zip(shards, shifted):
+        softmaxes, picked, onehots = [], [], []
+        for x, s, m in zip(logits, shards, maxes):
+            e = x.float() - m.unsqueeze(-1)          # the one shard-sized buffer
             local = target - s.start
             inside = keep & (local >= 0) & (local < s.valid)
             idx = torch.where(inside, local, torch.zeros_like(local))
-            picked.append(torch.where(inside, sh.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(idx, dtype=sh.dtype)))
+            picked.append(torch.where(inside, e.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m)))
+            e.exp_()
+            e[..., s.valid:] = 0.0
+            softmaxes.append(e)
             onehots.append((inside, idx))
+        sum_exp = red.sum([e.sum(-1) for e in softmaxes])
         target_logit = red.sum(picked)
+        for e, se in zip(softmaxes, sum_exp):
+            e.div_(se.unsqueeze(-1))
         losses = [torch.where(keep, se.log() - tl, torch.zeros_like(tl)) for se, tl in zip(sum_exp, target_logit)]
         count = keep.sum()
         if reduction == 1:      # mean over non-ignored targets
-            out = [l.sum() / count for l in losses]
+            out = [loss.sum() / count for loss in losses]
         elif reduction == 2:
-            out = [l.sum() for l in losses]
+            out = [loss.sum() for loss in losses]
         else:
             out = losses
-        ctx.save_for_backward(keep, count, *[e / se.unsqueeze(-1) for e, se in zip(exps, sum_exp)])
+        ctx.save_for_backward(keep, count, *softmaxes)
         ctx.onehots, ctx.reduction, ctx.dtypes = onehots, reduction, [x.dtype for x in logits]
         return tuple(out)
 
@@ -93,12 +97,10 @@ class _VocabCE(torch.autograd.Function):
     def backward(ctx, *grads):
         keep, count, *softmaxes = ctx.saved_tensors
         outs = []
-        for g, sm, (inside, idx), dt in zip(grads, softmaxes, ctx.onehots, ctx.dtypes):
-            d = sm.clone()
-            d.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(d.dtype).unsqueeze(-1))
-            d = d * keep.unsqueeze(-1)
-            scale = g / count if ctx.reduction == 1 else g
-            d = d * (scale if ctx.reduction in (1, 2) else scale.unsqueeze(-1))
+        for g, d, (inside, idx), dt in zip(grads, softmaxes, ctx.onehots, ctx.dtypes):
+            d.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(d.dtype).unsqueeze(-1))   # in place
+            scale = (g / count if ctx.reduction == 1 else g) if ctx.reduction in (1, 2) else g.unsqueeze(-1)
+            d.mul_(keep.unsqueeze(-1) * scale)
             outs.append(d.to(dt))
         return (None, None, None, None, None, *outs)
 

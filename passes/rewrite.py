@@ -187,9 +187,9 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             name = param_names[node.target]
             new = g.get_attr(name)
             use = plan.params.get(name)
-            if use is not None and not is_partition(use.layout, _size_of(gm, node.target, use)):
-                spec = SyncSpec(_sync_name(name), name, use.dim, use.padded or _size_of(gm, node.target, use),
-                                use.layout[r])
+            size = use and (use.padded or _size_of(gm, node.target, use))
+            if use is not None and not is_partition(use.layout, size):   # rows shared between ranks
+                spec = SyncSpec(_sync_name(name), name, use.dim, size, use.layout[r])
                 modules.append(spec)
                 new = g.call_module(spec.module, (new,))
             env[node] = new

@@ -93,3 +93,15 @@ def test_vocab_parallel_can_be_turned_off():
     prog = autoshard(_model("gpt2", 128), tp=2, vocab_parallel=False)
     assert "transformer.wte.weight" not in prog.plan.params
     assert any("lm_head" in m for f in prog.plan.fallbacks for m in f.modules)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_padded_vocabulary_is_a_partition_not_shared_rows(name):
+    # padding makes the layout cover 132 rows of a 131-row table; it is still a split, so no
+    # replica-gradient sync (which would build full [V, C] buffers) may appear
+    prog = autoshard(_model(name, 131), tp=4)
+    code = prog.rank(0).code
+    for vocab_param in (EMBED[name], "lm_head.weight"):
+        assert f"sync_{vocab_param.replace('.', '_')}" not in code
+    table = [line for line in str(prog).splitlines() if line.startswith(EMBED[name])]
+    assert table and "split dim 0" in table[0]
