@@ -106,9 +106,9 @@ def _dynamic(named: dict[str, object]) -> dict[str, object]:
 def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True) -> Captured:
     """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index)."""
     errors = []
-    for dynamic in ((True, False) if dynamic else (False,)):
+    for dyn in ((True, False) if dynamic else (False,)):
         try:
-            ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dynamic else None,
+            ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
                                      strict=False)
             break
         except Exception as e:  # the tracer's own reason is what the user needs to see

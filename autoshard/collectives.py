@@ -30,6 +30,12 @@ class Communicator(Protocol):
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum over the group; returns a new tensor."""
 
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over the group, keeping this rank's equal chunk of `dim`."""
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's equal chunk of `dim`, concatenated in rank order."""
+
 
 class ProcessGroupComm:
     """All-reduce on a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
@@ -47,12 +53,24 @@ class ProcessGroupComm:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out
 
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        x = t.movedim(dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] // dist.get_world_size(self.group), *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        return out.movedim(0, dim)
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        x = t.movedim(dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] * dist.get_world_size(self.group), *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out.movedim(0, dim)
+
 
 class CommHandle:
     """The communicator a rank's collectives use; shared by all graphs of one rank."""
 
-    def __init__(self, rank: int):
-        self.rank, self.comm = rank, None
+    def __init__(self, rank: int, world: int = 1):
+        self.rank, self.world, self.comm = rank, world, None
 
     def get(self) -> Communicator:
         if self.comm is None:

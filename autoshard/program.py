@@ -30,8 +30,8 @@ class ShardedProgram:
     """Per-rank programs for one model at tensor-parallel degree `tp` (see `autoshard`)."""
 
     def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object],
-                 options: ShardOptions = ShardOptions()):
-        self.model, self.tp, self.options = model, tp, options
+                 options: ShardOptions | None = None):
+        self.model, self.tp, self.options = model, tp, options or ShardOptions()
         self._ranks: dict[int, RankProgram] = {}
         self._compiled: list[_Compiled] = []
         self._compile(named_inputs)

@@ -16,8 +16,9 @@ from torch import nn
 from .capture import Signature, fetch_attr
 from .collectives import (CommHandle, Communicator, CopyToTensorParallelRegion, ProcessGroupComm,
                           ReduceFromTensorParallelRegion, SyncReplicatedShard)
-from .passes.rewrite import CrossEntropySpec, RandomOpSpec, SyncSpec
+from .passes.rewrite import CrossEntropySpec, RandomOpSpec, SequenceSpec, SyncSpec
 from .rng import RegionRandomOp, RNGTracker
+from .sequence_parallel import GatherFromSequenceParallelRegion, ReduceScatterToSequenceParallelRegion
 from .vocab_parallel import GatherFromTensorParallelRegion, VocabParallelCrossEntropy, VocabShard
 
 __all__ = ["RankProgram", "slice_layout"]
@@ -59,7 +60,7 @@ class RankProgram(nn.Module):
                  normalize: Callable[[tuple, dict], dict]):
         super().__init__()
         self.rank, self.world_size = rank, world_size
-        self.handle = CommHandle(rank)
+        self.handle = CommHandle(rank, world_size)
         self.rng = RNGTracker(rank)
         for name, p in params.items():
             _assign(self, name, p)
@@ -84,6 +85,10 @@ class RankProgram(nn.Module):
     def _collective(self, spec) -> nn.Module:
         if isinstance(spec, SyncSpec):
             return SyncReplicatedShard(self.handle, spec.dim, spec.size, spec.ranges)
+        if isinstance(spec, SequenceSpec):
+            if spec.kind == "reduce_scatter":
+                return ReduceScatterToSequenceParallelRegion(self.handle, spec.dim, spec.outer)
+            return GatherFromSequenceParallelRegion(self.handle, spec.dim, spec.outer, spec.kind == "all_gather")
         if isinstance(spec, RandomOpSpec):
             return RegionRandomOp(self.rng, spec.op, spec.region)
         if isinstance(spec, CrossEntropySpec):

@@ -14,6 +14,8 @@ from .capture import fetch_attr
 from .collectives import (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard,
                           scatter_into_full, take_from_full)
 
+from .sequence_parallel import (GatherFromSequenceParallelRegion, ReduceScatterToSequenceParallelRegion,
+                                seq_all_gather, seq_reduce_scatter, sim_seq_ops)
 from .vocab_parallel import (GatherFromTensorParallelRegion, VocabParallelCrossEntropy, gather_shards, sim_reducer,
                              vocab_cross_entropy)
 
@@ -103,6 +105,15 @@ def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list[object]) -> list[o
                 outs = vocab_cross_entropy(sim_reducer(), [m.shard for m in mods], args[0][0][1],
                                            [a[0][0] for a in args], ignore_index=mods[0].ignore_index,
                                            reduction=mods[0].reduction)
+                for env, n, o in zip(envs, column, outs):
+                    env[n] = o
+                continue
+            if isinstance(mods[0], (ReduceScatterToSequenceParallelRegion, GatherFromSequenceParallelRegion)):
+                xs = [a[0][0] for a in args]
+                if isinstance(mods[0], ReduceScatterToSequenceParallelRegion):
+                    outs = seq_reduce_scatter(sim_seq_ops(), mods[0].dim, mods[0].outer, xs)
+                else:
+                    outs = seq_all_gather(sim_seq_ops(), mods[0].dim, mods[0].outer, xs, mods[0].reduce_grads)
                 for env, n, o in zip(envs, column, outs):
                     env[n] = o
                 continue

@@ -95,6 +95,7 @@ class _Analysis:
         self.unit_outer: set[str] = set()                   # reshapes read as one-head views
         self.unpadded: set[str] = set()                     # roots whose padding met an unsafe op
         self.padding_retried: set[str] = set()
+        self.tokens: dict[str, tuple[tuple, int, Shard]] = {}   # column root -> (x shape, dim, placement)
         self.alternatives: dict[str, frozenset[str]] = {}   # reshape -> roots it could help
         self.current = 0
 
@@ -118,6 +119,18 @@ class _Analysis:
 
     def note_alternative(self, node: fx.Node, roots: frozenset[str]) -> None:
         self.alternatives.setdefault(node.name, roots)
+
+    def note_tokens(self, node: fx.Node, x: fx.Node, p: Shard) -> None:
+        self.tokens[node.name] = (tuple(self.shape(x)[:-1]), p.dim, p)
+
+    def tokens_for(self, node: fx.Node, roots: frozenset[str]) -> tuple[int, Shard] | None:
+        """Sequence shards to reduce-scatter a row-parallel output onto: those its region's column
+        inputs were gathered from, when the output has the same token dims as those inputs."""
+        out_tokens = tuple(self.shape(node)[:-1])
+        for r in sorted(roots):
+            if r in self.tokens and self.tokens[r][0] == out_tokens:
+                return self.tokens[r][1], self.tokens[r][2]
+        return None
 
     def is_pinned(self, node: fx.Node) -> bool:
         return node.name in self.pinned
@@ -274,7 +287,7 @@ def _cut(segs: list[Segment], cuts: list[int]) -> list[Segment]:
 
 
 def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str],
-             options: ShardOptions = ShardOptions()) -> ShardingPlan:
+             options: ShardOptions | None = None) -> ShardingPlan:
     """Annotate every node of `gm` with its tensor-parallel placement for `tp` ranks.
 
     `param_names` maps get_attr targets to the model's canonical parameter names (tied weights map
@@ -284,7 +297,7 @@ def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str],
         for n in gm.graph.nodes:
             n.meta["sharding"] = NodeSharding(REPLICATE)
         return ShardingPlan(tp, {})
-    a = _Analysis(gm, tp, param_names, options)
+    a = _Analysis(gm, tp, param_names, options or ShardOptions())
     a.run()
     params: dict[str, ParamUse] = {}
     for name, uses in a.uses.items():

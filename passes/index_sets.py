@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Ranges", "Layout", "Segment", "even_layout", "layout_from_segments", "expand", "compress", "tile",
+    "token_tiles", "untile",
     "window", "positions_within", "is_partition", "local_size", "LayoutError",
 ]
 
@@ -84,6 +85,24 @@ def tile(layout: Layout, count: int, stride: int) -> Layout:
     if count == 1:
         return layout
     return tuple(_merge([(o * stride + a, o * stride + b) for o in range(count) for a, b in rs]) for rs in layout)
+
+
+def token_tiles(layout: Layout, size: int, tp: int) -> int | None:
+    """`outer` when the layout is `outer` equal tiles of the dim, each split evenly over the ranks in
+    rank order (tokens of a [B*T] flattened batch: outer=B; of a plain T: outer=1); else None."""
+    outer = len(layout[0])
+    if size % outer or (size // outer) % tp:
+        return None
+    try:
+        return outer if tile(even_layout(size // outer, tp), outer, size // outer) == layout else None
+    except LayoutError:
+        return None
+
+
+def untile(layout: Layout, count: int, stride: int) -> Layout | None:
+    """Inverse of tile: the per-tile layout, if the layout repeats it `count` times `stride` apart."""
+    first = tuple(tuple((a, b) for a, b in rs if b <= stride) for rs in layout)
+    return first if tile(first, count, stride) == layout else None
 
 
 def compress(layout: Layout, inner: int) -> Layout | None:

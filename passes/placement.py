@@ -94,6 +94,7 @@ class RowParallel:
 
     bias_arg: int | None
     bias_kwarg: str | None = None
+    scatter: tuple[int, int] | None = None    # sequence parallel: reduce-scatter along (dim, tiles)
 
 
 @dataclass(frozen=True)
@@ -127,22 +128,22 @@ class VocabLookup:
 
 @dataclass(frozen=True)
 class SequenceScatter:
-    """Sequence parallelism starts here: keep this rank's tokens of the (replicated) result along
-    `dim`, through f so the backward gathers them (Megatron's reduce-scatter, as g then f + slice)."""
+    """Sequence parallelism starts here: the partial embeddings are reduce-scattered along `dim`
+    (each rank keeps its tokens of the sum) instead of all-reduced."""
 
     dim: int
-    keep: tuple[tuple[tuple[int, int], ...], ...]
+    outer: int = 1
 
 
 @dataclass(frozen=True)
 class GatherTokens:
-    """Argument `arg` is sequence-sharded along `dim`: all-gather it before this column-parallel
-    matmul (backward: each rank keeps its tokens, and f before the matmul sums them)."""
+    """Argument `arg` is sequence-sharded along `dim` (in `outer` tiles): all-gather it before this
+    column-parallel matmul; the backward reduce-scatter sums what f would have."""
 
     arg: int
     dim: int
-    size: int
-    layout: tuple
+    outer: int
+    reduce_grads: bool = True     # False: the consumer is replicated (each rank keeps its grad chunk)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from .placement import (ArgEdit, ColumnInput, GatherOutputs, GatherTokens, NodeS
                         RowParallel, SequenceScatter, Shard, VocabCrossEntropy, VocabLookup)
 from .annotate import ShardingPlan, param_read
 
-__all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec", "RandomOpSpec"]
+__all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec", "RandomOpSpec",
+           "SequenceSpec"]
 
 aten = torch.ops.aten
 
@@ -39,6 +40,17 @@ class CrossEntropySpec:
     valid: int
     ignore_index: int
     reduction: int
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """A sequence-parallel collective along `dim` in `outer` tiles: "reduce_scatter", "all_gather",
+    or "all_gather_keep_grad" (for a replicated consumer: backward keeps the local chunk)."""
+
+    module: str
+    kind: str
+    dim: int
+    outer: int
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ def _draws_randomly(node: fx.Node) -> bool:
 @dataclass
 class RankGraph:
     graph: fx.Graph
-    modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec]
+    modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec | SequenceSpec]
     restrict_buffers: dict[str, torch.Tensor]
 
 
@@ -134,7 +146,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
     needs_grad = grad_flow(gm)
     env: dict[fx.Node, fx.Node] = {}
     f_of: dict[fx.Node, fx.Node] = {}
-    modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec] = []
+    modules: list[SyncSpec | CrossEntropySpec | GatherSpec | RandomOpSpec | SequenceSpec] = []
     gathered: dict[fx.Node, fx.Node] = {}
     tokens_of: dict[fx.Node, fx.Node] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -148,6 +160,11 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 f_of[n] = g.call_module("f", (env[n],))
             return f_of[n]
         return env[n]
+
+    def seq_collective(kind: str, name: str, dim: int, outer: int, x: fx.Node) -> fx.Node:
+        spec = SequenceSpec(f"{name}{suffix}", kind, dim, outer)
+        modules.append(spec)
+        return g.call_module(spec.module, (x,))
 
     def gather_out(n: fx.Node, ns: NodeSharding) -> fx.Node:
         """A value the model returns: gathered to full size if sharded (unless asked not to)."""
@@ -212,17 +229,18 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             elif isinstance(e, GatherTokens):
                 x = node.args[e.arg]
                 if x not in tokens_of:
-                    spec = GatherSpec(f"gather_tokens_{x.name}{suffix}", e.dim, e.size, e.size, e.layout[r])
-                    modules.append(spec)
-                    tokens_of[x] = g.call_module(spec.module, (env[x],))
+                    kind = "all_gather" if e.reduce_grads else "all_gather_keep_grad"
+                    tokens_of[x] = seq_collective(kind, f"gather_from_sequence_{x.name}", e.dim, e.outer, env[x])
                 args[e.arg] = tokens_of[x]
             elif isinstance(e, ColumnInput):
-                # one f per source value, shared with read_entering's (same memo): never f(f(x))
+                # Gathered tokens need no f: the all-gather's backward reduce-scatter sums the grads.
+                # Otherwise one f per source value, shared with read_entering's memo: never f(f(x)).
                 x = node.args[e.arg]
-                key = ("tokens", x) if x in tokens_of else x
-                if key not in f_of:
-                    f_of[key] = g.call_module("f", (args[e.arg],))
-                args[e.arg] = f_of[key]
+                if x in tokens_of:
+                    continue
+                if x not in f_of:
+                    f_of[x] = g.call_module("f", (args[e.arg],))
+                args[e.arg] = f_of[x]
             elif isinstance(e, RowParallel):
                 row = e
         lookup_outside = None
@@ -257,14 +275,15 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         if lookup_outside is not None:
             mask = g.call_function(aten.unsqueeze.default, (lookup_outside, -1))
-            new = g.call_module("g", (g.call_function(aten.masked_fill.Scalar, (new, mask, 0.0)),))
-        for e in ns.edits:
-            if isinstance(e, SequenceScatter):     # g, then f and this rank's tokens: a reduce-scatter
-                (a, b), = e.keep[r]
-                new = g.call_function(aten.slice.Tensor, (g.call_module("f", (new,)), e.dim, a, b))
-        if row is not None:
-            new = g.call_module("g", (new,))
-            if bias is not None:
+            new = g.call_function(aten.masked_fill.Scalar, (new, mask, 0.0))
+            scatter = next((e for e in ns.edits if isinstance(e, SequenceScatter)), None)
+            new = seq_collective("reduce_scatter", f"reduce_scatter_to_sequence_{node.name}", scatter.dim,
+                                 scatter.outer, new) if scatter else g.call_module("g", (new,))
+
+        if row is not None:      # partial sums: reduce (g), or reduce-scatter onto sequence shards
+            new = seq_collective("reduce_scatter", f"reduce_scatter_to_sequence_{node.name}", *row.scatter, new) \
+                if row.scatter is not None else g.call_module("g", (new,))
+            if bias is not None:     # added once, after the reduction
                 new = g.call_function(aten.add.Tensor, (new, bias))
         env[node] = new
     g.lint()

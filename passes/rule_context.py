@@ -7,7 +7,7 @@ import sympy
 import torch.fx as fx
 
 from .index_sets import Layout
-from .placement import Origin, Placement
+from .placement import Origin, Placement, Shard
 
 if False:  # typing only
     from .annotate import ShardOptions
@@ -27,6 +27,10 @@ class RuleContext(Protocol):
                     ) -> tuple[Layout, int | None] | None:
         """(layout, padded size or None) for a column-parallel root; None when it cannot be one.
         A weight (name, dim) already split on that dim (a tied embedding) keeps its layout."""
+    def note_tokens(self, node: fx.Node, x: fx.Node, p: Shard) -> None:
+        """Column root `node` gathers its input `x` from sequence shards `p`."""
+    def tokens_for(self, node: fx.Node, roots: frozenset[str]) -> "tuple[int, Shard] | None":
+        """(dim, sequence placement) a row-parallel output of these roots can be scattered onto."""
     def is_pinned(self, node: fx.Node) -> bool:
         """Whether this node was made to stay replicated (its region fell back)."""
     def require_cuts(self, origin: Origin | None, cuts: list[int], scale_size: int, roots: frozenset[str],

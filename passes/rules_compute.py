@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .index_sets import is_partition, local_size, positions_within
+from .index_sets import is_partition, local_size, positions_within, token_tiles
 from .placement import (REPLICATE, Abandon, ColumnInput, GatherTokens, NodeSharding, Origin, ParamUse,
                         Restrict, RowParallel, Shard)
 from ..errors import ShardingError
@@ -109,16 +109,20 @@ def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out
     p = ctx.place(x)
     nd = len(ctx.shape(node))
     gather = None
-    if isinstance(p, Shard) and p.dim != len(ctx.shape(x)) - 1 and ctx.options.sequence_parallel \
-            and is_partition(p.layout, p.size):
-        gather = GatherTokens(x_arg, p.dim, p.size, p.layout)   # sequence-parallel tokens: gather them
+    if isinstance(p, Shard) and p.dim != len(ctx.shape(x)) - 1 and ctx.options.sequence_parallel:
+        outer = token_tiles(p.layout, p.size, ctx.tp)
+        if outer is None:
+            raise Abandon(p.roots, f"{ctx.where(node)}: sequence shards not in rank order")
+        gather = GatherTokens(x_arg, p.dim, outer)   # sequence-parallel tokens: gather them
+        ctx.note_tokens(node, x, p)
         p = REPLICATE
     if not isinstance(p, Shard):
         size = int(ctx.shape(node)[-1])
         found = ctx.root_layout(node, size, (w_name, w_out))
         if found is None or (bias is not None and b_name is None):
             # a replicated matmul on sequence shards: gather the tokens, compute the same everywhere
-            return NodeSharding(REPLICATE, edits=[gather] if gather is not None else [])
+            keep = GatherTokens(gather.arg, gather.dim, gather.outer, reduce_grads=False) if gather else None
+            return NodeSharding(REPLICATE, edits=[keep] if keep is not None else [])
         layout, padded = found
         res = NodeSharding(Shard(nd - 1, padded or size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
                            role="column", edits=[e for e in (gather, ColumnInput(x_arg)) if e is not None])
@@ -130,7 +134,15 @@ def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out
         return NodeSharding(Shard(p.dim, p.size, p.layout, p.roots, p.origin))
     if not is_partition(p.layout, p.size):
         raise row_parallel_error(ctx, node, p)
-    res = NodeSharding(REPLICATE, role="row", edits=[RowParallel(bias_arg if bias is not None else None)])
+    tokens = ctx.tokens_for(node, p.roots) if ctx.options.sequence_parallel else None
+    scatter = None
+    out_place = REPLICATE
+    if tokens is not None:      # end the region with a reduce-scatter onto the sequence shards
+        dim, seq = tokens
+        scatter = (dim, token_tiles(seq.layout, seq.size, ctx.tp))
+        out_place = Shard(dim, seq.size, seq.layout, seq.roots, None)
+    res = NodeSharding(out_place, role="row",
+                       edits=[RowParallel(bias_arg if bias is not None else None, scatter=scatter)])
     w_size = int(ctx.shape(node.args[w_arg])[1 - w_out ^ int(transposed)])
     res.params.append(ParamUse(w_name, 1 - w_out, p.layout, p.size if p.size != w_size else None))
     return res

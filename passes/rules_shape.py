@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .index_sets import compress, expand, local_size, tile, window
+from .index_sets import compress, expand, local_size, tile, untile, window
 from .placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from .rule_context import RuleContext
 from .shape_algebra import map_reshape_dim
@@ -54,6 +54,19 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
         raise Abandon(p.roots, f"{ctx.where(node)} reshapes sharded dim {p.dim} of {src} into {dst}")
     flat = tile(expand(p.layout, m.in_inner), m.outer, m.in_size * m.in_inner)
     out_layout = compress(flat, m.out_inner)
+    inner_dims = [j for j in range(m.out_dim + 1, len(dst)) if dst[j] != 1]
+    if out_layout is None and m.in_inner == 1 and m.outer == 1 and inner_dims and dst[m.out_dim].is_Integer \
+            and int(dst[m.out_dim]) > 1:
+        # [B*T] tokens in B tiles -> [B, T]: the shard moves to the token dim (sequence parallelism)
+        per = untile(p.layout, int(dst[m.out_dim]), m.out_inner)
+        j = inner_dims[0]
+        if per is not None and dst[j].is_Integer and m.out_inner == int(dst[j]):
+            local = local_size(per)
+            sizes = node.args[1]
+            lit = sizes[j] if len(sizes) == len(dst) else None
+            if isinstance(lit, int):
+                edits = [ArgEdit(1, (local,) * ctx.tp, item=j)] if lit != -1 else []
+                return NodeSharding(Shard(j, int(dst[j]), per, p.roots, None), edits=edits)
     if out_layout is None:
         if m.out_inner % m.in_inner:
             raise Abandon(p.roots, f"{ctx.where(node)} splits sharded dim {p.dim} off-block")

@@ -66,12 +66,12 @@ def embedding(ctx: RuleContext, node: fx.Node) -> NodeSharding:
                                 f"tp={ctx.tp} (at {ctx.where(node)})")
         seq_layout = even_layout(seq, ctx.tp)
         res.placement = Shard(1, seq, seq_layout, frozenset([node.name]))
-        res.edits.append(SequenceScatter(1, seq_layout))
+        res.edits.append(SequenceScatter(1))
     return res
 
 
 def cross_entropy(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    logits, target = node.args[0], node.args[1]
+    logits = node.args[0]
     p = ctx.place(logits)
     if not isinstance(p, Shard):
         return default(ctx, node)
