@@ -2,7 +2,8 @@
 
     python -m autoshard.demo
 
-1. compiles Hugging Face GPT2LMHeadModel (random weights, from a config) with autoshard(tp=2);
+1. compiles Hugging Face GPT2LMHeadModel (random weights, from a config) with autoshard(tp=2):
+   attention and MLP split Megatron-style, the tied word embedding / LM head split by vocabulary;
 2. prints the per-rank table and rank 0's rewritten attention block;
 3. runs all ranks in one process (simulation) and compares outputs and gradients with the model;
 4. runs the same program for real on 2 gloo processes under torchrun, each process holding only
@@ -33,7 +34,7 @@ def attention_block(code: str) -> str:
     """Rank code from the first f to the bias added after the first g: one attention block."""
     lines = code.splitlines()
     start = next(i for i, line in enumerate(lines) if "self.f(" in line)
-    end = next(i for i, line in enumerate(lines) if "self.g(" in line) + 2
+    end = next(i for i, line in enumerate(lines) if "self.g(" in line and i > start) + 2
     return "\n".join(line.split(";")[0] for line in lines[start:end])
 
 
