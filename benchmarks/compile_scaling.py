@@ -10,8 +10,6 @@ dynamic-shape settings. The slope is a least-squares fit of seconds against laye
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import resource
 import time
 
@@ -20,6 +18,7 @@ from tabulate import tabulate
 from torch.export import Dim
 
 from autoshard import autoshard
+from results import append_result
 
 
 def gpt2(layers: int):
@@ -64,13 +63,9 @@ def main() -> None:
     print(table)
     print(fit)
     if args.append:
-        with open("benchmarks/RESULTS.md", "a") as f:
-            f.write(f"\n### Compile scaling, {datetime.date.today()}, {platform.node()} "
-                    f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-                    f"torch {torch.__version__}\n\n`.venv/bin/python benchmarks/compile_scaling.py "
-                    f"--layers {' '.join(map(str, args.layers))} --tp {args.tp} --append` "
-                    f"(GPT-2-small shape on meta, tp={args.tp})\n\n{table}\n\n{fit}\n")
-
+        append_result("Compile scaling", f".venv/bin/python benchmarks/compile_scaling.py --layers "
+                      f"{' '.join(map(str, args.layers))} --tp {args.tp} --append",
+                      f"GPT-2-small shape on meta, tp={args.tp}", f"{table}\n\n{fit}")
 
 if __name__ == "__main__":
     main()

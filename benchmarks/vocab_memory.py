@@ -15,8 +15,6 @@ dies (autograd's saved tensors included); parameters and inputs, made before, do
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import weakref
 
 import torch
@@ -27,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoshard import autoshard
+from results import append_result
 
 
 class LossHead(nn.Module):
@@ -114,12 +113,9 @@ def main() -> None:
     print(table)
     print(summary)
     if args.append:
-        with open("benchmarks/RESULTS.md", "a") as f:
-            f.write(f"\n### Loss-path memory, {datetime.date.today()}, {platform.node()} ({platform.machine()}), "
-                    f"torch {torch.__version__}\n\n`.venv/bin/python benchmarks/vocab_memory.py --tp {args.tp} "
-                    f"--seq {args.seq} --append` (GPT-2-small head: hidden {args.hidden}, V={args.vocab}, "
-                    f"tp={args.tp}, batch 1)\n\n{table}\n\n{summary}\n")
-
+        append_result("Loss-path memory", f".venv/bin/python benchmarks/vocab_memory.py --tp {args.tp} --seq "
+                      f"{args.seq} --append", f"GPT-2-small head: hidden {args.hidden}, V={args.vocab}, "
+                      f"tp={args.tp}, batch 1", f"{table}\n\n{summary}")
 
 if __name__ == "__main__":
     main()

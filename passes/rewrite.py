@@ -15,7 +15,8 @@ import torch.fx as fx
 from .index_sets import Ranges, is_partition
 from .placement import (ArgEdit, ColumnInput, GatherOutputs, GatherTokens, NodeSharding, ParamUse, Restrict,
                         RowParallel, SequenceScatter, Shard, VocabCrossEntropy, VocabLookup)
-from .annotate import ShardingPlan, param_read
+from .annotate import ShardingPlan
+from .graph_reading import param_read
 
 __all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec", "RandomOpSpec",
            "SequenceSpec"]

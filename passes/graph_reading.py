@@ -1,0 +1,29 @@
+"""Reading an exported graph: which parameter a node reads, and which module a node came from."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+__all__ = ["param_read", "module_path"]
+
+
+def param_read(arg: object, param_names: dict[str, str]) -> tuple[str, bool] | None:
+    """(parameter name, transposed) when `arg` reads a parameter directly or through a 2-D transpose."""
+    if not isinstance(arg, fx.Node):
+        return None
+    if arg.op == "get_attr" and arg.target in param_names:
+        return param_names[arg.target], False
+    name = getattr(arg.target, "__name__", "")
+    if arg.op == "call_function" and (name in ("t.default", "numpy_T.default") or
+                                      (name == "transpose.int" and len(arg.meta["val"].shape) == 2)):
+        inner = param_read(arg.args[0], param_names)
+        return (inner[0], not inner[1]) if inner else None
+    return None
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<top>"
+    path, cls = list(stack.values())[-1]
+    cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return f"{path or '<top>'} ({cls.rsplit('.', 1)[-1]})"
