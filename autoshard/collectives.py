@@ -8,18 +8,20 @@
   the same rows (grouped-query attention with fewer kv heads than ranks).
 
 A module holds a `CommHandle`, not a process group: the handle is bound when the program runs
-under torch.distributed, and the in-process simulator replaces these calls with its own.
+under torch.distributed. Each module's `simulate(mods, rank_args)` runs the same math for every
+rank at once, which is how the in-process simulator executes it.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "CopyToTensorParallelRegion",
-           "ReduceFromTensorParallelRegion", "SyncReplicatedShard", "COLLECTIVE_MODULES",
+__all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "Reducer", "dist_reducer", "sim_reducer",
+           "CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "SyncReplicatedShard",
            "scatter_into_full", "take_from_full"]
 
 
@@ -66,6 +68,33 @@ class ProcessGroupComm:
         return out.movedim(0, dim)
 
 
+@dataclass(frozen=True)
+class Reducer:
+    """Reductions over ranks for a list of per-rank tensors (one tensor per rank present).
+
+    Every collective here is written once over such a list: under torch.distributed the list holds
+    this rank's tensor and the reductions are all-reduces on its group; in the simulator it holds
+    every rank's tensor and the reductions are plain sums and maxima."""
+
+    sum: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    max: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def dist_reducer(comm: Communicator) -> Reducer:
+    return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])])
+
+
+def sim_reducer() -> Reducer:
+    def total(xs):
+        s = sum(xs[1:], xs[0].clone())
+        return [s.clone() for _ in xs]
+
+    def peak(xs):
+        m = torch.stack(xs).amax(0)
+        return [m.clone() for _ in xs]
+    return Reducer(sum=total, max=peak)
+
+
 class CommHandle:
     """The communicator a rank's collectives use; shared by all graphs of one rank."""
 
@@ -84,25 +113,25 @@ class _F(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return x.view_as(x)
+    def forward(ctx, red: "Reducer", *xs: torch.Tensor):
+        ctx.red = red
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.comm.all_reduce(grad), None
+    def backward(ctx, *grads):
+        return (None, *ctx.red.sum(list(grads)))
 
 
 class _G(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return comm.all_reduce(x)
+    def forward(ctx, red: "Reducer", *xs: torch.Tensor):
+        return tuple(red.sum(list(xs)))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    def backward(ctx, *grads):
+        return (None, *grads)
 
 
 def scatter_into_full(t: torch.Tensor, dim: int, size: int, ranges) -> torch.Tensor:
@@ -125,15 +154,19 @@ class _SyncReplicas(torch.autograd.Function):
     """Identity forward; backward sums gradients of rows that several ranks hold."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, comm: Communicator, dim: int, size: int, ranges) -> torch.Tensor:
-        ctx.args = (comm, dim, size, ranges)
-        return w.view_as(w)
+    def forward(ctx, red: "Reducer", dim: int, size: int, ranges: list, *ws: torch.Tensor):
+        ctx.args = (red, dim, size, ranges)
+        return tuple(w.view_as(w) for w in ws)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        comm, dim, size, ranges = ctx.args
-        full = comm.all_reduce(scatter_into_full(grad, dim, size, ranges))
-        return take_from_full(full, dim, ranges), None, None, None, None
+    def backward(ctx, *grads):
+        red, dim, size, ranges = ctx.args
+        fulls = red.sum([scatter_into_full(g, dim, size, r) for g, r in zip(grads, ranges)])
+        return (None, None, None, None, *(take_from_full(f, dim, r) for f, r in zip(fulls, ranges)))
+
+
+def _first_args(rank_args: list[tuple]) -> list[torch.Tensor]:
+    return [a[0] for a in rank_args]
 
 
 class CopyToTensorParallelRegion(nn.Module):
@@ -144,7 +177,11 @@ class CopyToTensorParallelRegion(nn.Module):
         self.handle = handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _F.apply(x, self.handle.get())
+        return _F.apply(dist_reducer(self.handle.get()), x)[0]
+
+    @staticmethod
+    def simulate(mods: list["CopyToTensorParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        return list(_F.apply(sim_reducer(), *_first_args(rank_args)))
 
 
 class ReduceFromTensorParallelRegion(nn.Module):
@@ -155,7 +192,11 @@ class ReduceFromTensorParallelRegion(nn.Module):
         self.handle = handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _G.apply(x, self.handle.get())
+        return _G.apply(dist_reducer(self.handle.get()), x)[0]
+
+    @staticmethod
+    def simulate(mods: list["ReduceFromTensorParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        return list(_G.apply(sim_reducer(), *_first_args(rank_args)))
 
 
 class SyncReplicatedShard(nn.Module):
@@ -166,10 +207,13 @@ class SyncReplicatedShard(nn.Module):
         self.handle, self.dim, self.size, self.ranges = handle, dim, size, tuple(ranges)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return _SyncReplicas.apply(w, self.handle.get(), self.dim, self.size, self.ranges)
+        return _SyncReplicas.apply(dist_reducer(self.handle.get()), self.dim, self.size, [self.ranges], w)[0]
+
+    @staticmethod
+    def simulate(mods: list["SyncReplicatedShard"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        m = mods[0]
+        return list(_SyncReplicas.apply(sim_reducer(), m.dim, m.size, [k.ranges for k in mods],
+                                        *_first_args(rank_args)))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, size={self.size}, rows={list(self.ranges)}"
-
-
-COLLECTIVE_MODULES = (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard)

@@ -121,6 +121,10 @@ class ReduceScatterToSequenceParallelRegion(nn.Module):
         ops = dist_seq_ops(self.handle.get(), self.handle.rank, self.handle.world)
         return seq_reduce_scatter(ops, self.dim, self.outer, [x])[0]
 
+    @staticmethod
+    def simulate(mods: list["ReduceScatterToSequenceParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        return seq_reduce_scatter(sim_seq_ops(), mods[0].dim, mods[0].outer, [a[0] for a in rank_args])
+
     def extra_repr(self) -> str:
         return f"dim={self.dim}, tiles={self.outer}"
 
@@ -135,6 +139,11 @@ class GatherFromSequenceParallelRegion(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = dist_seq_ops(self.handle.get(), self.handle.rank, self.handle.world)
         return seq_all_gather(ops, self.dim, self.outer, [x], self.reduce_grads)[0]
+
+    @staticmethod
+    def simulate(mods: list["GatherFromSequenceParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        m = mods[0]
+        return seq_all_gather(sim_seq_ops(), m.dim, m.outer, [a[0] for a in rank_args], m.reduce_grads)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, tiles={self.outer}, reduce_grads={self.reduce_grads}"

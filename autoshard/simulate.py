@@ -1,9 +1,10 @@
 """All ranks in one process: run every rank's graph node by node, in lockstep.
 
 Ranks' graphs have identical structure, so position i is the same op on every rank. Ordinary nodes
-run per rank; the collectives f, g and sync_* run once across ranks, as autograd functions whose
-backward is the collective's exact conjugate. One `.backward()` therefore reaches every rank's
-parameters, and what each rank computes is what it would compute under torch.distributed.
+run per rank; a collective module runs once across ranks through its `simulate(mods, rank_args)`,
+the same autograd math as its distributed forward, so its backward is the exact conjugate too.
+One `.backward()` therefore reaches every rank's parameters, and what each rank computes is what
+it would compute under torch.distributed.
 """
 from __future__ import annotations
 
@@ -11,54 +12,8 @@ import torch
 import torch.fx as fx
 
 from .capture import fetch_attr
-from .collectives import (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard,
-                          scatter_into_full, take_from_full)
-
-from .sequence_parallel import (GatherFromSequenceParallelRegion, ReduceScatterToSequenceParallelRegion,
-                                seq_all_gather, seq_reduce_scatter, sim_seq_ops)
-from .vocab_parallel import (GatherFromTensorParallelRegion, VocabParallelCrossEntropy, gather_shards, sim_reducer,
-                             vocab_cross_entropy)
 
 __all__ = ["run_lockstep", "join_replicated"]
-
-
-class _SimF(torch.autograd.Function):
-    """f over all ranks: identity forward; backward every rank gets the sum of all ranks' grads."""
-
-    @staticmethod
-    def forward(ctx, *xs):
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        total = sum(grads[1:], grads[0].clone())
-        return tuple(total.clone() for _ in grads)
-
-
-class _SimG(torch.autograd.Function):
-    """g over all ranks: forward every rank gets the sum; backward identity."""
-
-    @staticmethod
-    def forward(ctx, *xs):
-        total = sum(xs[1:], xs[0].clone())
-        return tuple(total.clone() for _ in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return grads
-
-
-class _SimSync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, specs, *ws):
-        ctx.specs = specs
-        return tuple(w.view_as(w) for w in ws)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        fulls = [scatter_into_full(g, m.dim, m.size, m.ranges) for g, m in zip(grads, ctx.specs)]
-        total = sum(fulls[1:], fulls[0])
-        return (None, *(take_from_full(total, m.dim, m.ranges) for m in ctx.specs))
 
 
 def join_replicated(per_rank: list[object]) -> object:
@@ -101,42 +56,13 @@ def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list[object]) -> list[o
             return [a[0][0] for a in args]
         if lead.op == "call_module":
             mods = [gm.get_submodule(n.target) for gm, n in zip(gms, column)]
-            if isinstance(mods[0], VocabParallelCrossEntropy):
-                outs = vocab_cross_entropy(sim_reducer(), [m.shard for m in mods], args[0][0][1],
-                                           [a[0][0] for a in args], ignore_index=mods[0].ignore_index,
-                                           reduction=mods[0].reduction)
-                for env, n, o in zip(envs, column, outs):
-                    env[n] = o
-                continue
-            if isinstance(mods[0], (ReduceScatterToSequenceParallelRegion, GatherFromSequenceParallelRegion)):
-                xs = [a[0][0] for a in args]
-                if isinstance(mods[0], ReduceScatterToSequenceParallelRegion):
-                    outs = seq_reduce_scatter(sim_seq_ops(), mods[0].dim, mods[0].outer, xs)
-                else:
-                    outs = seq_all_gather(sim_seq_ops(), mods[0].dim, mods[0].outer, xs, mods[0].reduce_grads)
-                for env, n, o in zip(envs, column, outs):
-                    env[n] = o
-                continue
-            if isinstance(mods[0], GatherFromTensorParallelRegion):
-                m0 = mods[0]
-                outs = gather_shards(sim_reducer(), m0.dim, m0.size, m0.valid, [m.ranges for m in mods],
-                                     [a[0][0] for a in args])
-                for env, n, o in zip(envs, column, outs):
-                    env[n] = o
-                continue
-            if isinstance(mods[0], (CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, SyncReplicatedShard)):
-                xs = [a[0][0] for a in args]
-                if isinstance(mods[0], CopyToTensorParallelRegion):
-                    outs = _SimF.apply(*xs)
-                elif isinstance(mods[0], ReduceFromTensorParallelRegion):
-                    outs = _SimG.apply(*xs)
-                else:
-                    outs = _SimSync.apply(mods, *xs)
-                for env, n, o in zip(envs, column, outs):
-                    env[n] = o
-                continue
-            for env, n, m, (a, kw) in zip(envs, column, mods, args):
-                env[n] = m(*a, **kw)
+            simulate = getattr(type(mods[0]), "simulate", None)
+            if simulate is not None:      # a collective: one call across all ranks
+                outs = simulate(mods, [a for a, _ in args])
+            else:
+                outs = [m(*a, **kw) for m, (a, kw) in zip(mods, args)]
+            for env, n, o in zip(envs, column, outs):
+                env[n] = o
             continue
         for gm, env, n, (a, kw) in zip(gms, envs, column, args):
             env[n] = fetch_attr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)

@@ -1,9 +1,7 @@
 """Vocabulary-parallel collectives: gather a vocab-sharded output, and cross-entropy on shards.
 
-The math is written once over *a list of ranks' tensors* with two reductions, `sum` and `max`
-across that list. Under torch.distributed the list holds this rank's tensor and the reductions are
-all-reduces on the process group; in the simulator it holds every rank's tensor and the reductions
-are plain sums and maxima. Both therefore run the same code.
+The math is written once over a list of ranks' tensors with a `Reducer` (collectives.py), so the
+torch.distributed run and the simulator run the same code.
 
 Cross-entropy follows Megatron: each rank holds logits for its vocabulary rows only; the global max,
 the sum of exponentials and the target logit are each all-reduced as one number per token, so no
@@ -12,38 +10,14 @@ rank ever holds [tokens, V] logits, and the backward is softmax minus one-hot on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
-from .collectives import CommHandle, Communicator, scatter_into_full, take_from_full
+from .collectives import CommHandle, Reducer, dist_reducer, scatter_into_full, sim_reducer, take_from_full
 
-__all__ = ["Reducer", "dist_reducer", "sim_reducer", "vocab_cross_entropy", "gather_shards",
+__all__ = ["vocab_cross_entropy", "gather_shards",
            "VocabParallelCrossEntropy", "GatherFromTensorParallelRegion", "VocabShard"]
-
-
-@dataclass(frozen=True)
-class Reducer:
-    """Reductions over ranks for a list of per-rank tensors (one tensor per rank present)."""
-
-    sum: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    max: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-
-
-def dist_reducer(comm: Communicator) -> Reducer:
-    return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])])
-
-
-def sim_reducer() -> Reducer:
-    def total(xs):
-        s = sum(xs[1:], xs[0].clone())
-        return [s.clone() for _ in xs]
-
-    def peak(xs):
-        m = torch.stack(xs).amax(0)
-        return [m.clone() for _ in xs]
-    return Reducer(sum=total, max=peak)
 
 
 @dataclass(frozen=True)
@@ -148,6 +122,12 @@ class VocabParallelCrossEntropy(nn.Module):
         return vocab_cross_entropy(red, [self.shard], target, [logits], ignore_index=self.ignore_index,
                                    reduction=self.reduction)[0]
 
+    @staticmethod
+    def simulate(mods: list["VocabParallelCrossEntropy"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        target = rank_args[0][1]
+        return vocab_cross_entropy(sim_reducer(), [m.shard for m in mods], target, [a[0] for a in rank_args],
+                                   ignore_index=mods[0].ignore_index, reduction=mods[0].reduction)
+
     def extra_repr(self) -> str:
         return f"rows=[{self.shard.start}, {self.shard.start + self.shard.count}), ignore_index={self.ignore_index}"
 
@@ -162,6 +142,12 @@ class GatherFromTensorParallelRegion(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         red = dist_reducer(self.handle.get())
         return gather_shards(red, self.dim, self.size, self.valid, [self.ranges], [x])[0]
+
+    @staticmethod
+    def simulate(mods: list["GatherFromTensorParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        m = mods[0]
+        return gather_shards(sim_reducer(), m.dim, m.size, m.valid, [k.ranges for k in mods],
+                             [a[0] for a in rank_args])
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, size={self.valid}, rows={list(self.ranges)}"

@@ -72,9 +72,6 @@ class RandomOpSpec:
     region: str
 
 
-RANDOM_OPS = ("dropout", "native_dropout", "scaled_dot_product_attention")
-
-
 def _draws_randomly(node: fx.Node) -> bool:
     name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
     if name in ("dropout", "native_dropout"):
@@ -267,8 +264,8 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
             else:
                 args = args[:row.bias_arg]
         if node.op == "call_function" and _draws_randomly(node):
-            region = "tensor_parallel" if _sharded_out(ns) else "replicated"
-            spec = RandomOpSpec(f"{'tp' if _sharded_out(ns) else 'replicated'}_rng_{node.name}{suffix}", target, region)
+            region, prefix = ("tensor_parallel", "tp") if _sharded_out(ns) else ("replicated", "replicated")
+            spec = RandomOpSpec(f"{prefix}_rng_{node.name}{suffix}", target, region)
             modules.append(spec)
             new = g.create_node("call_module", spec.module, tuple(args), kwargs, name=node.name)
         else:
