@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "Reducer", "dist_reducer", "sim_reducer",
            "CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "SyncReplicatedShard",
-           "scatter_into_full", "take_from_full"]
+           "scatter_into_full", "take_from_full", "write_rows"]
 
 
 class Communicator(Protocol):
@@ -134,16 +134,20 @@ class _G(torch.autograd.Function):
         return (None, *grads)
 
 
-def scatter_into_full(t: torch.Tensor, dim: int, size: int, ranges) -> torch.Tensor:
-    """Zeros of global `size` along `dim`, with this rank's rows (`ranges`) filled from `t`."""
-    shape = list(t.shape)
-    shape[dim] = size
-    full = t.new_zeros(shape)
+def write_rows(full: torch.Tensor, t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """Copy a rank's local `t` into the global rows `ranges` of `full` along `dim` (in place)."""
     pos = 0
     for a, b in ranges:
         full.narrow(dim, a, b - a).copy_(t.narrow(dim, pos, b - a))
         pos += b - a
     return full
+
+
+def scatter_into_full(t: torch.Tensor, dim: int, size: int, ranges) -> torch.Tensor:
+    """Zeros of global `size` along `dim`, with this rank's rows (`ranges`) filled from `t`."""
+    shape = list(t.shape)
+    shape[dim] = size
+    return write_rows(t.new_zeros(shape), t, dim, ranges)
 
 
 def take_from_full(full: torch.Tensor, dim: int, ranges) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .capture import Captured, capture, fetch_attr, normalize_inputs
 from .errors import ShardingError
-from .collectives import scatter_into_full
+from .collectives import write_rows
 from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.rewrite import rewrite_rank
 from .rank import RankProgram, slice_layout
@@ -32,6 +32,7 @@ class ShardedProgram:
     def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object],
                  options: ShardOptions | None = None):
         self.model, self.tp, self.options = model, tp, options or ShardOptions()
+        self._seed = 0
         self._ranks: dict[int, RankProgram] = {}
         self._compiled: list[_Compiled] = []
         self._compile(named_inputs)
@@ -80,7 +81,7 @@ class ShardedProgram:
                 local = slice_layout(p.detach(), use.dim, use.layout[r]) if use else p.detach()
                 params[name] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
             rank = RankProgram(r, self.tp, params, lambda a, k: normalize_inputs(self.model, a, k))
-            rank.rng.manual_seed(getattr(self, "_seed", 0))
+            rank.rng.manual_seed(self._seed)
             object.__setattr__(rank, "_compile_for", self._compile)
             for entry in self._compiled:
                 self._add_graph(rank, entry)
@@ -133,11 +134,11 @@ class ShardedProgram:
             elif use is None:
                 out[name] = locals_[0]
             else:
-                size = use.padded or p.shape[use.dim]
-                full = sum(scatter_into_full(t, use.dim, size, ranges) * 0 for t, ranges in zip(locals_, use.layout))
+                shape = list(p.shape)
+                shape[use.dim] = use.padded or p.shape[use.dim]
+                full = locals_[0].new_zeros(shape)
                 for t, ranges in zip(locals_, use.layout):     # rows held twice are equal: copy, not add
-                    mask = scatter_into_full(torch.ones_like(t), use.dim, size, ranges).bool()
-                    full = torch.where(mask, scatter_into_full(t, use.dim, size, ranges), full)
+                    write_rows(full, t, use.dim, ranges)
                 out[name] = full.narrow(use.dim, 0, p.shape[use.dim])
         return out
 

@@ -72,7 +72,6 @@ class _Analysis:
         self.skipped: dict[str, str] = {}
         self.unit_outer: set[str] = set()                   # reshapes read as one-head views
         self.unpadded: set[str] = set()                     # roots whose padding met an unsafe op
-        self.padding_retried: set[str] = set()
         self.tokens: dict[str, tuple[tuple, int, Shard]] = {}   # column root -> (x shape, dim, placement)
         self.alternatives: dict[str, frozenset[str]] = {}   # reshape -> roots it could help
         self.current = 0
@@ -183,9 +182,9 @@ class _Analysis:
         for a in node.all_input_nodes:
             p = self.place(a)
             if isinstance(p, Shard) and p.size != int(self.shape(a)[p.dim]):
-                self.unpadded |= p.roots
-                raise Abandon(p.roots, f"{self.where(node)} meets a padded sharded dim ({p.size} for "
-                                       f"{int(self.shape(a)[p.dim])})")
+                root = min(p.roots, key=lambda r: self.index[self.by_name[r]])
+                raise Demand(root, f"{self.where(node)} meets a padded sharded dim ({p.size} for "
+                                   f"{int(self.shape(a)[p.dim])})", unpad=True)
 
     def _abandon(self, roots: frozenset[str], reason: str) -> int:
         # Before giving a region up, read one of its ambiguous reshapes the other way (each once).
@@ -195,15 +194,17 @@ class _Analysis:
                 for r in roots | alt_roots:     # layouts demanded under the other reading
                     self.recipes.pop(r, None)
                 return min(self.index[self.by_name[r]] for r in roots | alt_roots)
-        if roots <= self.unpadded - self.pinned and not roots & self.padding_retried:
-            self.padding_retried |= roots      # first try the region unpadded (left replicated there)
-            return min(self.index[self.by_name[r]] for r in roots)
         self.pinned |= roots
         names = tuple(sorted(roots))
         self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason))
         return min(self.index[self.by_name[r]] for r in roots)
 
     def _demand(self, d: Demand) -> int:
+        if d.unpad:      # the root's output stays whole (replicated) rather than padded
+            if d.root in self.unpadded:
+                return self._abandon(frozenset([d.root]), d.reason)
+            self.unpadded.add(d.root)
+            return self.index[self.by_name[d.root]]
         old = self._recipe(d.root)
         new = _cut(old, list(d.cuts))
         if d.granularity:

@@ -59,12 +59,13 @@ class Abandon(Exception):
 
 
 class Demand(Exception):
-    """A consumer needs the root's layout cut at `cuts` and/or in blocks of `granularity` over [lo, hi)."""
+    """A consumer needs the root's layout cut at `cuts` and/or in blocks of `granularity` over
+    [lo, hi), or (`unpad`) not padded past its real size."""
 
     def __init__(self, root: str, reason: str, *, cuts: tuple[int, ...] = (),
-                 granularity: tuple[int, int, int] | None = None):
+                 granularity: tuple[int, int, int] | None = None, unpad: bool = False):
         super().__init__(reason)
-        self.root, self.reason, self.cuts, self.granularity = root, reason, cuts, granularity
+        self.root, self.reason, self.cuts, self.granularity, self.unpad = root, reason, cuts, granularity, unpad
 
 
 @dataclass(frozen=True)

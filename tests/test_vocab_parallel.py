@@ -105,3 +105,17 @@ def test_padded_vocabulary_is_a_partition_not_shared_rows(name):
         assert f"sync_{vocab_param.replace('.', '_')}" not in code
     table = [line for line in str(prog).splitlines() if line.startswith(EMBED[name])]
     assert table and "split dim 0" in table[0]
+
+
+def test_padding_that_meets_an_unsafe_op_falls_back_to_whole_weights():
+    # tp=5 pads c_attn (144 -> 145 columns) and c_fc (192 -> 195); the q/k/v split and GPT-2's GeLU
+    # cannot carry padded columns, so those weights stay whole (reported), while the vocabulary
+    # (131 -> 135) stays split; the program remains exact
+    torch.manual_seed(0)
+    model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=1, n_head=6, n_embd=48, vocab_size=131, n_positions=32,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 131, (2, 10))
+    prog = autoshard(model, tp=5, example_kwargs={"input_ids": ids})
+    assert list(prog.plan.params) == ["transformer.wte.weight"]
+    assert any("c_attn" in s and "not divisible by tp=5" in s for s in prog.plan.skipped)
+    assert max_rel(prog.simulate(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-6
