@@ -10,8 +10,8 @@ from tabulate import tabulate
 from torch import nn
 
 from .capture import Captured, capture, fetch_attr, normalize_inputs
-from .errors import ShardingError
 from .collectives import write_rows
+from .errors import ShardingError
 from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.rewrite import rewrite_rank
 from .rank import RankProgram, slice_layout

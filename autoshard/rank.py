@@ -14,12 +14,25 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture import Signature, fetch_attr
-from .collectives import (CommHandle, Communicator, CopyToTensorParallelRegion, ProcessGroupComm,
-                          ReduceFromTensorParallelRegion, SyncReplicatedShard)
+from .collectives import (
+    CommHandle,
+    Communicator,
+    CopyToTensorParallelRegion,
+    ProcessGroupComm,
+    ReduceFromTensorParallelRegion,
+    SyncReplicatedShard,
+)
 from .passes.rewrite import CrossEntropySpec, RandomOpSpec, SequenceSpec, SyncSpec
 from .rng import RegionRandomOp, RNGTracker
-from .sequence_parallel import GatherFromSequenceParallelRegion, ReduceScatterToSequenceParallelRegion
-from .vocab_parallel import GatherFromTensorParallelRegion, VocabParallelCrossEntropy, VocabShard
+from .sequence_parallel import (
+    GatherFromSequenceParallelRegion,
+    ReduceScatterToSequenceParallelRegion,
+)
+from .vocab_parallel import (
+    GatherFromTensorParallelRegion,
+    VocabParallelCrossEntropy,
+    VocabShard,
+)
 
 __all__ = ["RankProgram", "slice_layout"]
 

@@ -13,6 +13,8 @@ import contextlib
 import torch
 from torch import nn
 
+from .passes.graph_reading import op_name
+
 __all__ = ["RNGTracker", "RegionRandomOp", "TP_SEED_OFFSET"]
 
 TP_SEED_OFFSET = 2718
@@ -66,7 +68,7 @@ class RegionRandomOp(nn.Module):
         self.tracker, self.op, self.region = tracker, op, region
 
     def forward(self, *args, **kwargs):
-        name = self.op._schema.name.split("::")[-1]
+        name = op_name(self.op)
         pos, key = _DROPOUT_ARG[name]
         if not self.training:
             if len(args) > pos:

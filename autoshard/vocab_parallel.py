@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .collectives import CommHandle, Reducer, dist_reducer, scatter_into_full, sim_reducer, take_from_full
+from .collectives import (
+    CommHandle,
+    Reducer,
+    dist_reducer,
+    scatter_into_full,
+    sim_reducer,
+    take_from_full,
+)
 
 __all__ = ["vocab_cross_entropy", "gather_shards",
            "VocabParallelCrossEntropy", "GatherFromTensorParallelRegion", "VocabShard"]

@@ -14,11 +14,11 @@ import resource
 import time
 
 import torch
+from results import append_result
 from tabulate import tabulate
 from torch.export import Dim
 
 from autoshard import autoshard
-from results import append_result
 
 
 def gpt2(layers: int):

@@ -19,13 +19,13 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from results import append_result
 from tabulate import tabulate
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoshard import autoshard
-from results import append_result
 
 
 class LossHead(nn.Module):

@@ -20,10 +20,24 @@ import sympy
 import torch.fx as fx
 
 from ..errors import ShardingError
-from .index_sets import Layout, LayoutError, Segment, layout_from_segments
-from .graph_reading import module_path, param_read
-from .op_table import PADDING_SAFE, op_name, rule_for
-from .placement import REPLICATE, Abandon, Demand, NodeSharding, ParamUse, Placement, Shard
+from .graph_reading import module_path, op_name, param_read
+from .index_sets import (
+    Layout,
+    LayoutError,
+    Segment,
+    layout_from_segments,
+    padded_even_layout,
+)
+from .op_table import PADDING_SAFE, rule_for
+from .placement import (
+    REPLICATE,
+    Abandon,
+    Demand,
+    NodeSharding,
+    ParamUse,
+    Placement,
+    Shard,
+)
 from .shape_algebra import to_sympy
 
 __all__ = ["ShardingPlan", "ShardOptions", "Fallback", "annotate", "module_path", "param_read"]
@@ -127,8 +141,7 @@ class _Analysis:
             if node.name not in self.recipes:
                 if self.options.vocab_parallel and node.name not in self.unpadded:
                     # Pad to a multiple of tp (a vocabulary); PADDING_SAFE keeps the padding harmless.
-                    padded = -(-size // self.tp) * self.tp
-                    return layout_from_segments([Segment(0, padded)], self.tp), padded
+                    return padded_even_layout(size, self.tp)
                 self.skipped[node.name] = (f"{self.where(node)}: output features {size} not divisible "
                                            f"by tp={self.tp}; left replicated")
                 return None

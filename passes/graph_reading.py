@@ -1,9 +1,21 @@
 """Reading an exported graph: which parameter a node reads, and which module a node came from."""
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
-__all__ = ["param_read", "module_path"]
+__all__ = ["param_read", "module_path", "op_name"]
+
+
+def op_name(target: object) -> str:
+    """An op's short name: "view" for aten.view.default, "getitem" for operator.getitem."""
+    if target is operator.getitem:
+        return "getitem"
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
 
 
 def param_read(arg: object, param_names: dict[str, str]) -> tuple[str, bool] | None:

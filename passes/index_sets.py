@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Ranges", "Layout", "Segment", "even_layout", "layout_from_segments", "expand", "compress", "tile",
+    "Ranges", "Layout", "Segment", "even_layout", "padded_even_layout", "layout_from_segments", "expand", "compress", "tile",
     "token_tiles", "untile",
     "window", "positions_within", "is_partition", "local_size", "LayoutError",
 ]
@@ -47,6 +47,12 @@ def even_layout(size: int, tp: int) -> Layout:
         raise LayoutError(f"size {size} is not divisible by tp={tp}")
     step = size // tp
     return tuple(((r * step, (r + 1) * step),) for r in range(tp))
+
+
+def padded_even_layout(size: int, tp: int) -> tuple[Layout, int]:
+    """An even split of `size` rounded up to a multiple of tp (a vocabulary), and that padded size."""
+    padded = -(-size // tp) * tp
+    return even_layout(padded, tp), padded
 
 
 def layout_from_segments(segments: list[Segment], tp: int) -> Layout:

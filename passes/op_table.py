@@ -1,16 +1,16 @@
 """The op table: aten op name -> sharding rule. Adding an op is adding a row in rules_*.py."""
 from __future__ import annotations
 
-import operator
 from typing import Callable
 
 import torch.fx as fx
 
+from .graph_reading import op_name
 from .rules_compute import COMPUTE_RULES, default
 from .rules_shape import SHAPE_RULES
 from .rules_vocab import VOCAB_RULES, output
 
-__all__ = ["RULES", "PADDING_SAFE", "rule_for", "op_name"]
+__all__ = ["RULES", "PADDING_SAFE", "rule_for"]
 
 RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **VOCAB_RULES}
 
@@ -22,15 +22,6 @@ PADDING_SAFE = frozenset(
     [name for name, rule in SHAPE_RULES.items() if rule.__name__ == "passthrough"]
     + ["view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "getitem",
        "add", "sub", "mul", "div", "where", "linear", "addmm", "mm", "matmul", "cross_entropy_loss"])
-
-
-def op_name(target: object) -> str:
-    if target is operator.getitem:
-        return "getitem"
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
 
 
 def rule_for(node: fx.Node) -> Callable:

@@ -12,11 +12,23 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .index_sets import Ranges, is_partition
-from .placement import (ArgEdit, ColumnInput, GatherOutputs, GatherTokens, NodeSharding, ParamUse, Restrict,
-                        RowParallel, SequenceScatter, Shard, VocabCrossEntropy, VocabLookup)
 from .annotate import ShardingPlan
-from .graph_reading import param_read
+from .graph_reading import op_name, param_read
+from .index_sets import Ranges, is_partition
+from .placement import (
+    ArgEdit,
+    ColumnInput,
+    GatherOutputs,
+    GatherTokens,
+    NodeSharding,
+    ParamUse,
+    Restrict,
+    RowParallel,
+    SequenceScatter,
+    Shard,
+    VocabCrossEntropy,
+    VocabLookup,
+)
 
 __all__ = ["RankGraph", "rewrite_rank", "SyncSpec", "CrossEntropySpec", "GatherSpec", "RandomOpSpec",
            "SequenceSpec"]
@@ -73,7 +85,7 @@ class RandomOpSpec:
 
 
 def _draws_randomly(node: fx.Node) -> bool:
-    name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
+    name = op_name(node.target)
     if name in ("dropout", "native_dropout"):
         p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         return bool(train) and p != 0

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .index_sets import is_partition, local_size, positions_within, token_tiles
-from .placement import (REPLICATE, Abandon, ColumnInput, GatherTokens, NodeSharding, Origin, ParamUse,
-                        Restrict, RowParallel, Shard)
 from ..errors import ShardingError
+from .index_sets import is_partition, local_size, positions_within, token_tiles
+from .placement import (
+    REPLICATE,
+    Abandon,
+    ColumnInput,
+    GatherTokens,
+    NodeSharding,
+    Origin,
+    ParamUse,
+    Restrict,
+    RowParallel,
+    Shard,
+)
 from .rule_context import RuleContext
 from .rules_shape import norm_dim, sharded_inputs
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .graph_reading import op_name
 from .index_sets import compress, expand, local_size, tile, untile, window
 from .placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from .rule_context import RuleContext
@@ -13,11 +14,6 @@ __all__ = ["SHAPE_RULES", "sharded_inputs", "norm_dim"]
 
 def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
-
-
-def op_is(node: fx.Node, name: str) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.name == f"aten::{name}"
 
 
 def sharded_inputs(ctx: RuleContext, node: fx.Node) -> list[Shard]:
@@ -213,7 +209,7 @@ def split(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
     pieces = _pieces(ctx, node, p, bounds)
     local = [local_size(q.layout) for q in pieces]
-    if op_is(node, "chunk"):        # chunk(x, n): n pieces locally too, if they come out the same
+    if op_name(node.target) == "chunk":        # chunk(x, n): n pieces locally too, if they come out the same
         if len(set(local)) != 1:
             raise Abandon(p.roots, f"{ctx.where(node)}: uneven chunks of a sharded dim")
         return NodeSharding(tuple(pieces))

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .index_sets import even_layout, is_partition
 from ..errors import ShardingError
-from .placement import (REPLICATE, Abandon, GatherOutputs, NodeSharding, ParamUse, SequenceScatter, Shard,
-                        VocabCrossEntropy, VocabLookup)
+from .graph_reading import op_name
+from .index_sets import even_layout, is_partition, padded_even_layout
+from .placement import (
+    REPLICATE,
+    Abandon,
+    GatherOutputs,
+    NodeSharding,
+    ParamUse,
+    SequenceScatter,
+    Shard,
+    VocabCrossEntropy,
+    VocabLookup,
+)
 from .rule_context import RuleContext
 from .rules_compute import default
 
-__all__ = ["VOCAB_RULES", "output", "padded_vocab_layout"]
-
-
-def padded_vocab_layout(vocab: int, tp: int):
-    padded = -(-vocab // tp) * tp
-    return even_layout(padded, tp), padded
+__all__ = ["VOCAB_RULES", "output"]
 
 
 def _starts_valid(layout, vocab: int):
@@ -37,8 +42,7 @@ _ID_PATH = ("view", "reshape", "_unsafe_view", "to", "_to_copy", "contiguous", "
 
 def _token_ids(ids: object) -> bool:
     """Ids that come from a model input (token ids), not computed (positions, token types)."""
-    while isinstance(ids, fx.Node) and ids.op == "call_function" and \
-            getattr(getattr(ids.target, "_schema", None), "name", "").split("::")[-1] in _ID_PATH:
+    while isinstance(ids, fx.Node) and ids.op == "call_function" and op_name(ids.target) in _ID_PATH:
         ids = ids.args[0]
     return isinstance(ids, fx.Node) and ids.op == "placeholder"
 
@@ -51,7 +55,7 @@ def embedding(ctx: RuleContext, node: fx.Node) -> NodeSharding:
             or isinstance(ctx.place(ids), Shard) or not _token_ids(ids):
         return default(ctx, node)
     vocab = int(ctx.shape(table)[0])
-    layout, padded = padded_vocab_layout(vocab, ctx.tp)
+    layout, padded = padded_even_layout(vocab, ctx.tp)
     starts, _, valid = _starts_valid(layout, vocab)
     res = NodeSharding(REPLICATE, role="vocab", edits=[VocabLookup(starts, valid)])
     res.params.append(ParamUse(prm[0], 0, layout, padded if padded != vocab else None))

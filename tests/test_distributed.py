@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-
 MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
          "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"]}
 

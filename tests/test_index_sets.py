@@ -1,8 +1,17 @@
 """Tier (a): the layout algebra on its own."""
 import pytest
-
-from autoshard.passes.index_sets import (LayoutError, Segment, compress, even_layout, expand, is_partition,
-                                         layout_from_segments, local_size, positions_within, window)
+from autoshard.passes.index_sets import (
+    LayoutError,
+    Segment,
+    compress,
+    even_layout,
+    expand,
+    is_partition,
+    layout_from_segments,
+    local_size,
+    positions_within,
+    window,
+)
 
 
 def test_even_layout_and_partition():

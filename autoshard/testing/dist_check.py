@@ -22,7 +22,14 @@ import torch.nn.functional as F
 from autoshard import autoshard
 from autoshard.rank import slice_layout
 from autoshard.testing.metrics import max_rel, scaled_errors
-from autoshard.testing.models import MODEL_NAMES, VOCAB, build_model, input_name, label_name, logits_of
+from autoshard.testing.models import (
+    MODEL_NAMES,
+    VOCAB,
+    build_model,
+    input_name,
+    label_name,
+    logits_of,
+)
 
 
 def _loss(model, name: str, ids: torch.Tensor, labels: torch.Tensor, in_graph: bool) -> torch.Tensor:
