@@ -14,7 +14,7 @@ import resource
 import time
 
 import torch
-from results import append_result
+from results import report
 from tabulate import tabulate
 from torch.export import Dim
 
@@ -60,12 +60,10 @@ def main() -> None:
     table = tabulate(rows, headers=["layers", "export s", "autoshard s", "ratio"], tablefmt="github")
     fit = (f"slope: export {slope(args.layers, ex):.3f} s/layer, autoshard {slope(args.layers, au):.3f} s/layer; "
            f"autoshard / export at {args.layers[-1]} layers: {au[-1] / ex[-1]:.2f}; peak RSS {rss:.2f} GiB")
-    print(table)
-    print(fit)
-    if args.append:
-        append_result("Compile scaling", f".venv/bin/python benchmarks/compile_scaling.py --layers "
-                      f"{' '.join(map(str, args.layers))} --tp {args.tp} --append",
-                      f"GPT-2-small shape on meta, tp={args.tp}", f"{table}\n\n{fit}")
+    report(table, fit, append=args.append, title="Compile scaling",
+           command=f".venv/bin/python benchmarks/compile_scaling.py --layers {' '.join(map(str, args.layers))} "
+                   f"--tp {args.tp} --append", what=f"GPT-2-small shape on meta, tp={args.tp}")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,14 @@ import torch
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
+def report(table: str, summary: str, *, append: bool, title: str, command: str, what: str) -> None:
+    """Print a benchmark's table and summary; with `append`, also record them in RESULTS.md."""
+    print(table)
+    print(summary)
+    if append:
+        append_result(title, command, what, f"{table}\n\n{summary}")
+
+
 def append_result(title: str, command: str, what: str, body: str) -> None:
     machine = f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}"
     with RESULTS.open("a") as f:

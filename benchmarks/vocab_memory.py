@@ -19,7 +19,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from results import append_result
+from results import report
 from tabulate import tabulate
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,12 +110,10 @@ def main() -> None:
                      tablefmt="github")
     summary = (f"full fp32 logits [{args.seq}, {args.vocab}] = {logits_bytes / 2**20:.1f} MiB; vocabulary-parallel / "
                f"plain peak = {ratio:.3f} (1/tp = {1 / args.tp:.3f})")
-    print(table)
-    print(summary)
-    if args.append:
-        append_result("Loss-path memory", f".venv/bin/python benchmarks/vocab_memory.py --tp {args.tp} --seq "
-                      f"{args.seq} --append", f"GPT-2-small head: hidden {args.hidden}, V={args.vocab}, "
-                      f"tp={args.tp}, batch 1", f"{table}\n\n{summary}")
+    report(table, summary, append=args.append, title="Loss-path memory",
+           command=f".venv/bin/python benchmarks/vocab_memory.py --tp {args.tp} --seq {args.seq} --append",
+           what=f"GPT-2-small head: hidden {args.hidden}, V={args.vocab}, tp={args.tp}, batch 1")
+
 
 if __name__ == "__main__":
     main()
