@@ -17,10 +17,17 @@ from .program import ShardedProgram
 __all__ = ["autoshard"]
 
 
-def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = None,
+def autoshard(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int = 1, virtual: int = 1,
+              microbatches: int = 1, schedule: str | None = None, example_inputs: tuple | None = None,
               example_kwargs: dict | None = None, vocab_parallel: bool = True,
               gather_output: bool = True, sequence_parallel: bool = False) -> ShardedProgram:
-    """Shard an unmodified single-device model Megatron-style over `tp` tensor-parallel ranks.
+    """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
+
+    tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
+    layers are cut into pp * virtual stages and rank r runs stages r, r + pp, ... (`virtual` > 1
+    is the interleaved schedule). dp: data-parallel replicas. microbatches: per data-parallel rank
+    and step. schedule: "1f1b" (default), "gpipe" or "interleaved" (default when virtual > 1;
+    needs microbatches divisible by pp). See `ShardedProgram.distributed` for training.
 
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
@@ -50,4 +57,5 @@ def autoshard(model: nn.Module, *, tp: int = 1, example_inputs: tuple | None = N
                             "where the vocabulary-parallel embedding's partial sums are reduced")
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
                            sequence_parallel=sequence_parallel)
-    return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options)
+    return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options, pp=pp, dp=dp,
+                          virtual=virtual, microbatches=microbatches, schedule=schedule)

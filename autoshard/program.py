@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 from torch import nn
@@ -13,8 +14,12 @@ from .capture import Captured, capture, fetch_attr, normalize_inputs
 from .collectives import write_rows
 from .errors import ShardingError
 from .passes.annotate import ShardingPlan, ShardOptions, annotate
+from .mesh import MeshGroups, ParallelDims
+from .passes.partition import StageGraph, split_stages
 from .passes.rewrite import rewrite_rank
+from .pipeline import PipelineRuntime
 from .rank import RankProgram, slice_layout
+from .schedules import check, make_schedule
 from .simulate import join_replicated, run_lockstep
 
 __all__ = ["ShardedProgram"]
@@ -27,15 +32,26 @@ class _Compiled:
 
 
 class ShardedProgram:
-    """Per-rank programs for one model at tensor-parallel degree `tp` (see `autoshard`)."""
+    """Per-rank programs for one model over a tp x pp x dp mesh (see `autoshard`)."""
 
     def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object],
-                 options: ShardOptions | None = None):
+                 options: ShardOptions | None = None, *, pp: int = 1, dp: int = 1, virtual: int = 1,
+                 microbatches: int = 1, schedule: str | None = None):
         self.model, self.tp, self.options = model, tp, options or ShardOptions()
+        self.dims = ParallelDims(tp, pp, dp)
+        self.virtual, self.microbatches = virtual, microbatches
+        self.schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
+        if virtual > 1 and pp == 1:
+            raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
+        self.schedule = make_schedule(self.schedule_name, pp, virtual, microbatches)
+        check(self.schedule, virtual, microbatches)     # complete and deadlock-free, or it raises
+        self.example_inputs = named_inputs
         self._seed = 0
         self._ranks: dict[int, RankProgram] = {}
         self._compiled: list[_Compiled] = []
+        self._stages: dict[int, tuple[fx.GraphModule, list[StageGraph]]] = {}
         self._compile(named_inputs)
+        self._find_shared_params()
 
     # ---- compile -----------------------------------------------------------------------------
     def _compile(self, named: dict[str, object]) -> _Compiled:
@@ -56,7 +72,60 @@ class ShardedProgram:
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        return self.dims.world_size
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    # ---- pipeline stages ---------------------------------------------------------------------
+    def stage_graphs(self, gm: fx.GraphModule) -> list[StageGraph]:
+        """The pp * virtual stage graphs cut from one rank graph `gm` (cached)."""
+        if id(gm) not in self._stages:
+            names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, names))
+        return self._stages[id(gm)][1]
+
+    def stage_modules(self, tp_rank: int = 0) -> list[fx.GraphModule]:
+        """Tensor-parallel rank `tp_rank`'s program cut into stages (example inputs' graph): one module
+        per stage, stage s running on pipeline rank s % pp as its chunk s // pp; print `.code`."""
+        rank = self.rank(tp_rank)
+        return [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}")
+                for sg in self.stage_graphs(rank.graph_module)]
+
+    def _find_shared_params(self) -> None:
+        """Parameters that stages on several pipeline ranks read (tied embeddings)."""
+        holders: dict[str, set[int]] = {}
+        for sg in self.stage_graphs(self.rank(0).graph_module):
+            for n in sg.graph.nodes:
+                if n.op == "get_attr":
+                    holders.setdefault(n.target, set()).add(sg.index % self.pp)
+        self.shared_params: dict[tuple[int, ...], list[str]] = {}
+        self._pp_holders = {name: len(h) for name, h in holders.items()}
+        for name, h in holders.items():
+            if len(h) > 1:
+                self.shared_params.setdefault(tuple(sorted(h)), []).append(name)
+
+    def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float:
+        """The share of a parameter's local gradient rank `tp_rank` counts in the global norm:
+        1 / (ranks holding the same element), per row for sharded parameters."""
+        share = 1.0 / self._pp_holders.get(name, 1)
+        use = self.plan.params.get(name)
+        if use is None:
+            return share / self.tp
+        rows = [i for a, b in use.layout[tp_rank] for i in range(a, b)]
+        held = torch.zeros(max(b for rs in use.layout for _, b in rs))
+        for ranges in use.layout:
+            for a, b in ranges:
+                held[a:b] += 1
+        weight = share / held[rows]
+        shape = [1] * len(self.model.get_parameter(name).shape)
+        shape[use.dim] = len(rows)
+        return weight.view(shape)
 
     def _add_graph(self, rank: RankProgram, entry: _Compiled) -> None:
         cap = entry.captured
@@ -98,12 +167,24 @@ class ShardedProgram:
             rank.rng.manual_seed(seed)
         self._seed = seed
 
-    def distributed(self, group: dist.ProcessGroup | None = None) -> RankProgram:
-        """This process's rank module, its collectives bound to `group` (default: WORLD)."""
+    def distributed(self, group: dist.ProcessGroup | None = None) -> RankProgram | PipelineRuntime:
+        """This process's part of the program (inside torchrun).
+
+        tp only: rank module called like the model, its collectives on `group` (default: WORLD).
+        With pp, dp or microbatches > 1: a `PipelineRuntime` for the WORLD group, whose
+        `train_step(batch..., labels=...)` runs the schedule and returns the loss.
+        """
         size = dist.get_world_size(group)
-        if size != self.tp:
-            raise ShardingError(f"the process group has {size} ranks but the program was built for tp={self.tp}")
-        return self.rank(dist.get_rank(group)).bind(group)
+        if size != self.world_size:
+            raise ShardingError(f"the process group has {size} ranks but the program was built for "
+                                f"tp={self.tp} x pp={self.pp} x dp={self.dp} = {self.world_size}")
+        if self.world_size == self.tp and self.microbatches == 1:
+            return self.rank(dist.get_rank(group)).bind(group)
+        if group is not None and group is not dist.group.WORLD:
+            raise ShardingError("a pipeline or data-parallel program runs on the WORLD group")
+        rank = dist.get_rank()
+        groups = MeshGroups(self.dims, rank, list(self.shared_params))
+        return PipelineRuntime(self, rank, groups, self.schedule)
 
     # ---- simulation and reassembly -----------------------------------------------------------
     def simulate(self, *args, **kwargs):
@@ -122,7 +203,21 @@ class ShardedProgram:
 
     def _run_all(self, args: tuple, kwargs: dict):
         picked = [rank.graph_for(args, kwargs) for rank in self.ranks()]
-        return run_lockstep([p[0] for p in picked], picked[0][1]), picked[0][2]
+        flat, out_spec = picked[0][1], picked[0][2]
+        if self.pp * self.virtual == 1:
+            return run_lockstep([p[0] for p in picked], flat), out_spec
+        carried: list[list[object]] = [[] for _ in picked]     # each tp rank's values between stages
+        stage_gms = [self._sim_stages(rank, gm) for rank, (gm, _, _) in zip(self.ranks(), picked)]
+        for s in range(self.pp * self.virtual):
+            carried = run_lockstep([gms[s] for gms in stage_gms], [list(flat) + list(c) for c in carried], per_rank=True)
+        return carried, out_spec
+
+    def _sim_stages(self, rank: RankProgram, gm: fx.GraphModule) -> list[fx.GraphModule]:
+        key = ("sim", id(gm))
+        if key not in self._stages:
+            self._stages[key] = (gm, [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}")
+                                      for sg in self.stage_graphs(gm)])
+        return self._stages[key][1]
 
     def _assemble(self, read) -> dict[str, torch.Tensor | None]:
         out = {}

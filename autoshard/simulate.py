@@ -35,21 +35,21 @@ class _JoinN(torch.autograd.Function):
         return tuple(grad for _ in range(ctx.n))
 
 
-def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list[object]) -> list[object]:
-    """Run rank graphs `gms` on the same flat inputs; returns each rank's flat outputs."""
+def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list, *, per_rank: bool = False) -> list[object]:
+    """Run rank graphs `gms` on the same flat inputs (or, with per_rank, `flat_inputs[r]` for
+    rank r); returns each rank's flat outputs."""
     node_lists = [list(gm.graph.nodes) for gm in gms]
     if len({len(n) for n in node_lists}) != 1:
         raise RuntimeError("rank graphs differ in length; they cannot run in lockstep")
     envs: list[dict[fx.Node, object]] = [{} for _ in gms]
-    inputs = iter(flat_inputs)
+    inputs = [iter(flat_inputs[r] if per_rank else flat_inputs) for r in range(len(gms))]
     for column in zip(*node_lists):
         lead = column[0]
         if any(n.op != lead.op or n.target != lead.target for n in column):
             raise RuntimeError(f"rank graphs diverge at node {lead.name}")
         if lead.op == "placeholder":
-            value = next(inputs)
-            for env, n in zip(envs, column):
-                env[n] = value
+            for env, n, it in zip(envs, column, inputs):
+                env[n] = next(it)
             continue
         args = [fx.map_arg((n.args, n.kwargs), lambda a, env=env: env[a]) for n, env in zip(column, envs)]
         if lead.op == "output":

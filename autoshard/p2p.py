@@ -1,0 +1,89 @@
+"""Point-to-point transfers between pipeline stages (batched isend / irecv).
+
+Activations go forward with a small header per tensor (rank, dtype, sizes), so a receiver needs no
+shape inference: shapes follow the microbatch, and stages may carry several values (hidden states
+and pass-through tensors). Gradients go back without headers: their receiver made the activations
+they belong to. Every message carries a tag naming (stage, microbatch, direction, slot); gloo
+matches by tag, NCCL matches sends and receives between a pair in issue order, which the
+schedules keep (both sides walk microbatches in the same order).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transfer", "FORWARD", "BACKWARD"]
+
+FORWARD, BACKWARD = 0, 1
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.uint8, torch.int8, torch.int16]
+_MAX_DIMS = 8
+
+
+def _tag(stage: int, microbatch: int, n_stages: int, direction: int, slot: int) -> int:
+    return (((microbatch * n_stages + stage) * 2 + direction) * 512 + slot) % (2 ** 31 - 1)
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _MAX_DIMS:
+        raise ValueError(f"cannot send a {t.dim()}-d tensor between stages (at most {_MAX_DIMS} dims)")
+    sizes = list(t.shape) + [0] * (_MAX_DIMS - t.dim())
+    return torch.tensor([t.dim(), _DTYPES.index(t.dtype), *sizes], dtype=torch.int64)
+
+
+class Transfer:
+    """Sends and receives of one pipeline rank; keeps in-flight sends alive until `wait_sends`."""
+
+    def __init__(self, n_stages: int, device: torch.device | str = "cpu"):
+        self.n_stages, self.device = n_stages, torch.device(device)
+        self._inflight: list[tuple[object, torch.Tensor]] = []
+        self.bytes_sent = 0
+
+    def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
+        """Post sends of `tensors` (outputs of `stage` going forward, or gradients of `stage`'s
+        inputs going back) to global rank `dst`; returns at once."""
+        ops = []
+        for i, t in enumerate(tensors):
+            payload = t.detach().contiguous()
+            if direction == FORWARD:
+                head = _header(payload).to(self.device)
+                ops.append(dist.P2POp(dist.isend, head, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i)))
+                self._inflight.append((None, head))
+            ops.append(dist.P2POp(dist.isend, payload, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i + 1)))
+            self._inflight.append((None, payload))
+            self.bytes_sent += payload.numel() * payload.element_size()
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            self._inflight += [(w, None) for w in works]
+
+    def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
+        """Receive the `count` activations `stage` takes from global rank `src`."""
+        heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
+        self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, microbatch, self.n_stages, FORWARD, 2 * i))
+                    for i, h in enumerate(heads)])
+        out = []
+        for h in heads:
+            ndim, code, *sizes = h.tolist()
+            out.append(torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=self.device))
+        self._wait([dist.P2POp(dist.irecv, t, src, tag=_tag(stage - 1, microbatch, self.n_stages, FORWARD, 2 * i + 1))
+                    for i, t in enumerate(out)])
+        return out
+
+    def recv_backward(self, like: list[torch.Tensor], src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
+        """Receive gradients for `stage`'s outputs `like` (same shapes) from global rank `src`."""
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        self._wait([dist.P2POp(dist.irecv, t, src, tag=_tag(stage + 1, microbatch, self.n_stages, BACKWARD, 2 * i + 1))
+                    for i, t in enumerate(out)])
+        return out
+
+    @staticmethod
+    def _wait(ops: list) -> None:
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+    def wait_sends(self) -> None:
+        for work, _ in self._inflight:
+            if work is not None:
+                work.wait()
+        self._inflight.clear()

@@ -1,0 +1,187 @@
+"""The pipeline executor: one process's part of a tp x pp x dp training step.
+
+`PipelineRuntime` holds this rank's chunks (one stage graph each, `v` of them with interleaving)
+and runs its schedule's action list: a forward receives its stage's inputs from the previous
+stage (unless it is stage 0), runs the stage graph on the microbatch, sends the outputs on and
+keeps what backward needs; a backward receives the output gradients (the last stage starts from its
+loss), back-propagates, sends its input gradients back and frees the microbatch's state. Then
+gradients are synchronised (grad_sync.py). Each action's start and end are recorded for tracing.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import ShardingError
+from .grad_sync import all_reduce_buckets, clip_grads, global_grad_norm
+from .mesh import MeshGroups, ParallelDims
+from .p2p import BACKWARD, FORWARD, Transfer
+from .capture import fetch_attr
+from .passes.partition import StageGraph
+from .rank import RankProgram, _assign
+from .schedules import Action
+from .trace import ActionRecord
+
+__all__ = ["PipelineRuntime", "split_batch", "pick_loss"]
+
+
+def split_batch(named: dict[str, object], parts: int, what: str) -> list[dict[str, object]]:
+    """Split every tensor input with the batch's leading size into `parts` equal chunks."""
+    sizes = [v.shape[0] for v in named.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not sizes:
+        raise ShardingError("the step's inputs hold no batched tensor to split")
+    batch = sizes[0]
+    if batch % parts:
+        raise ShardingError(f"a batch of {batch} samples cannot be split into {what} = {parts} equal parts")
+    out: list[dict[str, object]] = [{} for _ in range(parts)]
+    for k, v in named.items():
+        chunks = v.chunk(parts) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else [v] * parts
+        for o, c in zip(out, chunks):
+            o[k] = c
+    return out
+
+
+def pick_loss(outputs: object) -> torch.Tensor:
+    """The loss among a model's outputs: `.loss` / ["loss"], else the one scalar tensor."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if loss is None:
+        scalars = [x for x in pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor) and x.dim() == 0]
+        if len(scalars) != 1:
+            raise ShardingError(f"cannot find the loss among the model's outputs ({len(scalars)} scalar tensors); "
+                                f"pass the labels so that the model returns its loss")
+        loss = scalars[0]
+    return loss
+
+
+class PipelineRuntime(nn.Module):
+    """This process's chunks of a pipeline program; see `ShardedProgram.distributed`.
+
+    `named_parameters()` lists only the parameters this rank holds, under the model's names; give
+    them to any torch.optim optimizer.
+    """
+
+    def __init__(self, prog, rank: int, groups: MeshGroups, schedule: list[list[Action]]):
+        super().__init__()
+        self.dims: ParallelDims = prog.dims
+        self.global_rank = rank
+        self.pp_rank, self.dp_rank, self.tp_rank = self.dims.coords(rank)
+        self.groups, self.virtual, self.microbatches = groups, prog.virtual, prog.microbatches
+        self.n_stages = self.dims.pp * self.virtual
+        self.actions = schedule[self.pp_rank]
+        self.records: list[ActionRecord] = []
+        self.last_grad_norm: torch.Tensor | None = None
+        program: RankProgram = prog.rank(self.tp_rank).bind(groups.tp)
+        object.__setattr__(self, "_prog", prog)
+        object.__setattr__(self, "_program", program)
+        object.__setattr__(self, "_chunks", {})        # id(rank graph) -> [(StageGraph, GraphModule)]
+        self.transfer = Transfer(self.n_stages)
+        gm, _, _ = program.graph_for((), prog.example_inputs)
+        for _, chunk in self._chunks_for(gm):
+            for n in chunk.graph.nodes:
+                value = fetch_attr(chunk, n.target) if n.op == "get_attr" else None
+                if isinstance(value, nn.Parameter):
+                    _assign(self, n.target, value)
+
+    # ---- building ----------------------------------------------------------------------------
+    def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule]]:
+        if id(gm) not in self._chunks:
+            stages = self._prog.stage_graphs(gm)
+            mine = [stages[c * self.dims.pp + self.pp_rank] for c in range(self.virtual)]
+            self._chunks[id(gm)] = [(sg, fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}"))
+                                    for sg in mine]
+        return self._chunks[id(gm)]
+
+    def _rank_of_stage(self, stage: int) -> int:
+        return self.dims.rank_of(stage % self.dims.pp, self.dp_rank, self.tp_rank)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def train_step(self, *args, max_norm: float | None = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one global batch (every rank passes the same batch; data-parallel
+        rank d trains on its d-th slice, cut into microbatches); gradients are accumulated into
+        `.grad`, synchronised, and clipped to `max_norm` if given. Returns the batch's mean loss on
+        every rank. Call your optimizer's `step()` after it."""
+        named = self._program._normalize(args, kwargs)
+        mine = split_batch(named, self.dims.dp, "dp")[self.dp_rank]
+        micro = split_batch(mine, self.microbatches, "microbatches")
+        flats = []
+        for mb in micro:
+            gm, flat, out_spec = self._program.graph_for((), mb)
+            flats.append(flat)
+        chunks = self._chunks_for(gm)
+        losses = self._run(chunks, flats, out_spec)
+        self.transfer.wait_sends()
+        self._sync_grads(max_norm)
+        total = torch.stack(losses).mean() / self.dims.dp if losses else torch.zeros(())
+        if self.pp_rank != self.dims.pp - 1 or self.tp_rank != 0:
+            total = torch.zeros(())
+        dist.all_reduce(total)          # the last stages' mean, on every rank
+        return total
+
+    def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec) -> list[torch.Tensor]:
+        last, scale = self.n_stages - 1, 1.0 / self.microbatches
+        saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        losses, origin = [], time.time()
+        self.records = []
+        for a in self.actions:
+            stage, i = a.stage(self.pp_rank, self.dims.pp), a.microbatch
+            start = time.time()
+            if a.kind == "F":
+                received = []
+                if stage > 0:
+                    received = self.transfer.recv_forward(len(chunks[a.chunk][0].receives),
+                                                          self._rank_of_stage(stage - 1), stage, i)
+                    received = [t.requires_grad_() if t.is_floating_point() else t for t in received]
+                outs = list(chunks[a.chunk][1](*flats[i], *received))
+                if stage == last:
+                    loss = pick_loss(pytree.tree_unflatten(outs, out_spec))
+                    losses.append(loss.detach())
+                    outs = [loss * scale]
+                else:
+                    self.transfer.send(outs, self._rank_of_stage(stage + 1), stage, i, FORWARD)
+                saved[(stage, i)] = (outs, received)
+            else:
+                outs, received = saved.pop((stage, i))
+                if stage == last:
+                    torch.autograd.backward(outs[0])
+                else:
+                    sent = [o for o in outs if o.is_floating_point()]
+                    grads = self.transfer.recv_backward(sent, self._rank_of_stage(stage + 1), stage, i)
+                    pairs = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if stage > 0:
+                    back = [t.grad if t.grad is not None else torch.zeros_like(t)
+                            for t in received if t.is_floating_point()]
+                    self.transfer.send(back, self._rank_of_stage(stage - 1), stage, i, BACKWARD)
+            self.records.append(ActionRecord(self.global_rank, self.pp_rank, stage, a, start - origin, time.time() - origin))
+        return losses
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def _sync_grads(self, max_norm: float | None) -> None:
+        params = dict(self.named_parameters())
+        for name, p in params.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for pps, group in self.groups.shared.items():     # tied weights: sum the stages' parts
+            for name in self._prog.shared_params.get(pps, []):
+                if name in params:
+                    dist.all_reduce(params[name].grad, group=group)
+        if self.dims.dp > 1:
+            all_reduce_buckets([p.grad for p in params.values()], self.groups.dp, 1.0 / self.dims.dp)
+        if max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(max_norm)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients by the global norm over all tp x pp x dp ranks; returns the norm."""
+        weighted = [(p.grad, self._prog.param_weight(name, self.tp_rank)) for name, p in self.named_parameters()
+                    if p.grad is not None]
+        norm = global_grad_norm(weighted, self.dims)
+        clip_grads([g for g, _ in weighted], norm, max_norm)
+        return norm

@@ -1,0 +1,119 @@
+"""Run under torchrun: tp x pp x dp training with a pipeline schedule, checked against one device.
+
+    torchrun --standalone --nproc-per-node 8 -m autoshard.testing.pipeline_check --tp 2 --pp 2 --dp 2
+
+Every rank builds the same seeded model twice: one copy is compiled with autoshard and trained
+through `PipelineRuntime.train_step` on its own rank; the other trains single-device on the same
+global batches with the same optimizer (AdamW) and gradient clipping. Per-step losses and, at the
+end, this rank's parameter shards are compared with the single-device ones. Exit status 1 on any
+mismatch; rank 0 prints one JSON line per model. `--trace DIR` writes the last step's Chrome
+trace and PNG timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from autoshard import autoshard
+from autoshard.rank import slice_layout
+from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
+from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.trace import export_trace
+
+
+def check_model(name: str, args: argparse.Namespace) -> dict:
+    rank = dist.get_rank()
+    shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
+    ref, model = build_model(name, **shape), build_model(name, **shape)
+    gen = torch.Generator().manual_seed(1)
+    batch = args.dp * args.microbatches * args.micro_size
+    steps = [(torch.randint(0, VOCAB, (batch, 16), generator=gen), torch.randint(0, VOCAB, (batch, 16), generator=gen))
+             for _ in range(args.steps)]
+    kw = lambda ids, labels: {input_name(name): ids, label_name(name): labels}   # noqa: E731
+    example = kw(steps[0][0][: args.micro_size], steps[0][1][: args.micro_size])
+    prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual,
+                     microbatches=args.microbatches, schedule=args.schedule, example_kwargs=example)
+    rt = prog.distributed()
+    make = torch.optim.AdamW if args.optim == "adamw" else torch.optim.SGD
+    opt, ref_opt = make(rt.parameters(), lr=args.lr), make(ref.parameters(), lr=args.lr)
+    loss_errs, norm_errs, norms = [], [], []
+    for ids, labels in steps:
+        loss = rt.train_step(**kw(ids, labels), max_norm=args.max_norm)
+        opt.step()
+        opt.zero_grad()
+        out = ref(**kw(ids, labels))
+        ref_loss = out[1] if isinstance(out, tuple) else out.loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), args.max_norm)
+        norm_errs.append(max_rel(rt.last_grad_norm.float(), ref_norm))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(max_rel(loss, ref_loss))
+        norms.append(ref_norm.item())
+    if args.trace:
+        export_trace(rt.records, os.path.join(args.trace, f"{name}_tp{args.tp}_pp{args.pp}_dp{args.dp}_v{args.virtual}"))
+    local = {n: p.detach() for n, p in rt.named_parameters()}
+    want = {}
+    for pname, p in ref.named_parameters():
+        if pname in local:
+            use = prog.plan.params.get(pname)
+            want[pname] = slice_layout(p.detach(), use.dim, use.layout[rt.tp_rank]) if use else p.detach()
+    errs = scaled_errors(local, want)
+    where = max(errs, key=errs.get)
+    return {"model": name, "rank": rank, "tp": args.tp, "pp": args.pp, "dp": args.dp, "virtual": args.virtual,
+            "schedule": prog.schedule_name, "optim": args.optim, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
+            "clipped_steps": sum(1 for n in norms if n > args.max_norm),
+            "param_norm_rel": norm_rel(local, want), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
+            "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["gpt2", "llama"])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--chunks", dest="virtual", type=int, default=1, help="virtual pipeline chunks per rank")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--micro-size", type=int, default=2, help="samples per microbatch")
+    ap.add_argument("--schedule", default=None)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw",
+                    help="SGD is linear in the gradients: a scaling error cannot hide behind Adam's normalisation")
+    ap.add_argument("--max-norm", type=float, default=1.0)
+    ap.add_argument("--tol", type=float, default=1e-5, help="relative error allowed on losses")
+    ap.add_argument("--param-tol", type=float, default=1e-5, help="norm-wise relative error allowed on parameters")
+    ap.add_argument("--element-tol", type=float, default=1e-3,
+                    help="per-tensor scaled error allowed (Adam amplifies noise on near-zero gradients)")
+    ap.add_argument("--trace", default=None, help="folder for the last step's Chrome trace and PNG")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    ok = True
+    for name in args.models:
+        res = check_model(name, args)
+        good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol and res["param_norm_rel"] <= args.param_tol
+                and res["param_rel"] <= args.element_tol)
+        flags = torch.tensor([0 if good else 1])
+        dist.all_reduce(flags)
+        if dist.get_rank() == 0:
+            print(json.dumps({**res, "all_ranks_ok": int(flags.item()) == 0}), flush=True)
+        ok &= int(flags.item()) == 0
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)    # see dist_check: gloo's threads can abort interpreter finalization
