@@ -7,7 +7,9 @@
 2. prints the per-rank table and rank 0's rewritten attention block;
 3. runs all ranks in one process (simulation) and compares outputs and gradients with the model;
 4. runs the same program for real on 2 gloo processes under torchrun, each process holding only
-   its own rank, and compares losses and parameters over a few training steps.
+   its own rank, and compares losses and parameters over a few training steps;
+5. pipeline parallelism: prints the interleaved 1F1B schedule for pp=2 with 2 chunks per rank and
+   trains GPT-2 with it on 2 gloo processes (AdamW, gradient clipping) against one device.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from autoshard import autoshard
+from autoshard.schedules import bubble_fraction, check, interleaved_1f1b
 from autoshard.testing import grad_errors, max_rel
+from autoshard.trace import text_timeline
 
 
 def gpt2_shaped():
@@ -36,6 +40,30 @@ def attention_block(code: str) -> str:
     start = next(i for i, line in enumerate(lines) if "self.f(" in line)
     end = next(i for i, line in enumerate(lines) if "self.g(" in line and i > start) + 2
     return "\n".join(line.split(";")[0] for line in lines[start:end])
+
+
+def _torchrun(nproc: int, module: str, *args: str) -> bool:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            print("  " + line)
+    if proc.returncode != 0:
+        print(proc.stderr[-2000:])
+    return proc.returncode == 0
+
+
+def pipeline_part() -> bool:
+    timeline = check(interleaved_1f1b(2, 2, 4), 2, 4)
+    print("\ninterleaved 1F1B, pp=2, 2 chunks per rank, 4 microbatches (F/B chunk 0, f/b chunk 1; "
+          f"bubble {bubble_fraction(timeline):.3f} = (p-1)/(v m)):\n")
+    print(text_timeline(timeline), "\n")
+    print("real run: GPT-2 (4 layers) cut into 4 stages on 2 gloo processes, 5 AdamW steps ...", flush=True)
+    ok = _torchrun(2, "autoshard.testing.pipeline_check", "--pp", "2", "--chunks", "2", "--microbatches", "4",
+                   "--models", "gpt2", "--steps", "5", "--layers", "4", "--hidden", "256")
+    print(f"pipeline run: {'MATCH' if ok else 'MISMATCH'} (per-step losses, global gradient norm, parameters)")
+    return ok
 
 
 def main() -> int:
@@ -61,19 +89,12 @@ def main() -> int:
           f"worst gradient rel. error {grad_err:.1e}  ->  {'MATCH' if sim_ok else 'MISMATCH'}\n")
 
     print("real run: torchrun --nproc-per-node 2, gloo, one rank per process ...", flush=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "autoshard.testing.dist_check", "--models", "gpt2", "llama", "--steps", "3",
-           "--layers", "4", "--hidden", "256", "--heads", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            print("  " + line)
-    real_ok = proc.returncode == 0
-    if not real_ok:
-        print(proc.stderr[-2000:])
+    real_ok = _torchrun(2, "autoshard.testing.dist_check", "--models", "gpt2", "llama", "--steps", "3",
+                        "--layers", "4", "--hidden", "256", "--heads", "8")
     print(f"real gloo run: {'MATCH' if real_ok else 'MISMATCH'} (losses and every rank's parameter shards "
           f"after 4 SGD steps, the last on a new input shape)")
-    return 0 if sim_ok and real_ok else 1
+    pipe_ok = pipeline_part()
+    return 0 if sim_ok and real_ok and pipe_ok else 1
 
 
 if __name__ == "__main__":

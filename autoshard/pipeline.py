@@ -138,6 +138,7 @@ class PipelineRuntime(nn.Module):
                     received = self.transfer.recv_forward(len(chunks[a.chunk][0].receives),
                                                           self._rank_of_stage(stage - 1), stage, i)
                     received = [t.requires_grad_() if t.is_floating_point() else t for t in received]
+                    start = time.time()           # waiting for the previous stage is idle time
                 outs = list(chunks[a.chunk][1](*flats[i], *received))
                 if stage == last:
                     loss = pick_loss(pytree.tree_unflatten(outs, out_spec))
@@ -153,6 +154,7 @@ class PipelineRuntime(nn.Module):
                 else:
                     sent = [o for o in outs if o.is_floating_point()]
                     grads = self.transfer.recv_backward(sent, self._rank_of_stage(stage + 1), stage, i)
+                    start = time.time()
                     pairs = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -9,6 +9,7 @@ standard library alone (zlib), so no plotting package is needed.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .schedules import Action, Timeline
 
-__all__ = ["ActionRecord", "records_of", "chrome_trace", "write_png", "export_trace"]
+__all__ = ["ActionRecord", "records_of", "chrome_trace", "write_png", "text_timeline", "export_trace"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,23 @@ def export_trace(records: list[ActionRecord], prefix: str) -> None:
         if dist.get_rank() != 0:
             return
     flat = [r for part in everyone for r in part]
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     with open(prefix + ".json", "w") as fh:
         json.dump(chrome_trace(flat), fh)
     write_png(flat, prefix + ".png")
+
+
+
+def text_timeline(timeline: Timeline) -> str:
+    """A unit-cost timeline as text: one row per rank, one column per step; F/B for chunk 0,
+    f/b for chunk 1 (then G/C ...), the microbatch number after it, `..` when idle."""
+    letters = ["FB", "fb", "GC", "gc"]
+    lines = []
+    for r, row in enumerate(timeline.spans):
+        cells = [".  "] * int(timeline.makespan)
+        for a, start, _ in row:
+            kind = letters[a.chunk % len(letters)][0 if a.kind == "F" else 1]
+            cells[int(start)] = f"{kind}{a.microbatch:<2}"
+        lines.append(f"rank {r} | " + "".join(cells).rstrip())
+    return "\n".join(lines)
 

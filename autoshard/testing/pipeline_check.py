@@ -26,7 +26,7 @@ from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 from autoshard.trace import export_trace
 
 
-def check_model(name: str, args: argparse.Namespace) -> dict:
+def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
     rank = dist.get_rank()
     shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
     ref, model = build_model(name, **shape), build_model(name, **shape)
@@ -39,7 +39,7 @@ def check_model(name: str, args: argparse.Namespace) -> dict:
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual,
                      microbatches=args.microbatches, schedule=args.schedule, example_kwargs=example)
     rt = prog.distributed()
-    make = torch.optim.AdamW if args.optim == "adamw" else torch.optim.SGD
+    make = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
     opt, ref_opt = make(rt.parameters(), lr=args.lr), make(ref.parameters(), lr=args.lr)
     loss_errs, norm_errs, norms = [], [], []
     for ids, labels in steps:
@@ -66,7 +66,7 @@ def check_model(name: str, args: argparse.Namespace) -> dict:
     errs = scaled_errors(local, want)
     where = max(errs, key=errs.get)
     return {"model": name, "rank": rank, "tp": args.tp, "pp": args.pp, "dp": args.dp, "virtual": args.virtual,
-            "schedule": prog.schedule_name, "optim": args.optim, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
+            "schedule": prog.schedule_name, "optim": optim, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
             "clipped_steps": sum(1 for n in norms if n > args.max_norm),
             "param_norm_rel": norm_rel(local, want), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
             "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent}
@@ -87,21 +87,24 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw",
-                    help="SGD is linear in the gradients: a scaling error cannot hide behind Adam's normalisation")
+    ap.add_argument("--optim", nargs="+", choices=("adamw", "sgd"), default=["adamw"],
+                    help="SGD is linear in the gradients: a scaling error cannot hide behind Adam's normalisation, "
+                         "and parameters must match element by element (--param-tol)")
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--tol", type=float, default=1e-5, help="relative error allowed on losses")
     ap.add_argument("--param-tol", type=float, default=1e-5, help="norm-wise relative error allowed on parameters")
-    ap.add_argument("--element-tol", type=float, default=1e-3,
-                    help="per-tensor scaled error allowed (Adam amplifies noise on near-zero gradients)")
+    ap.add_argument("--element-tol", type=float, default=1e-2,
+                    help="per-tensor scaled error allowed under Adam, which turns float noise on near-zero "
+                         "gradients (key biases) into steps of up to lr on single elements")
     ap.add_argument("--trace", default=None, help="folder for the last step's Chrome trace and PNG")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     ok = True
-    for name in args.models:
-        res = check_model(name, args)
-        good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol and res["param_norm_rel"] <= args.param_tol
-                and res["param_rel"] <= args.element_tol)
+    for name, optim in [(m, o) for o in args.optim for m in args.models]:
+        res = check_model(name, optim, args)
+        element_tol = args.element_tol if optim == "adamw" else args.param_tol
+        good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol
+                and res["param_norm_rel"] <= args.param_tol and res["param_rel"] <= element_tol)
         flags = torch.tensor([0 if good else 1])
         dist.all_reduce(flags)
         if dist.get_rank() == 0:
