@@ -36,7 +36,8 @@ class Transfer:
 
     def __init__(self, n_stages: int, device: torch.device | str = "cpu"):
         self.n_stages, self.device = n_stages, torch.device(device)
-        self._inflight: list[tuple[object, torch.Tensor]] = []
+        self._works: list[dist.Work] = []
+        self._buffers: list[torch.Tensor] = []        # what in-flight sends read
         self.bytes_sent = 0
 
     def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
@@ -48,13 +49,12 @@ class Transfer:
             if direction == FORWARD:
                 head = _header(payload).to(self.device)
                 ops.append(dist.P2POp(dist.isend, head, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i)))
-                self._inflight.append((None, head))
+                self._buffers.append(head)
             ops.append(dist.P2POp(dist.isend, payload, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i + 1)))
-            self._inflight.append((None, payload))
+            self._buffers.append(payload)
             self.bytes_sent += payload.numel() * payload.element_size()
         if ops:
-            works = dist.batch_isend_irecv(ops)
-            self._inflight += [(w, None) for w in works]
+            self._works += dist.batch_isend_irecv(ops)
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive the `count` activations `stage` takes from global rank `src`."""
@@ -83,7 +83,7 @@ class Transfer:
                 w.wait()
 
     def wait_sends(self) -> None:
-        for work, _ in self._inflight:
-            if work is not None:
-                work.wait()
-        self._inflight.clear()
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        self._buffers.clear()

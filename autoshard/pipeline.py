@@ -17,13 +17,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .capture import fetch_attr
 from .errors import ShardingError
 from .grad_sync import all_reduce_buckets, clip_grads, global_grad_norm
 from .mesh import MeshGroups, ParallelDims
 from .p2p import BACKWARD, FORWARD, Transfer
-from .capture import fetch_attr
 from .passes.partition import StageGraph
-from .rank import RankProgram, _assign
+from .rank import RankProgram, assign_attr
 from .schedules import Action
 from .trace import ActionRecord
 
@@ -87,7 +87,7 @@ class PipelineRuntime(nn.Module):
             for n in chunk.graph.nodes:
                 value = fetch_attr(chunk, n.target) if n.op == "get_attr" else None
                 if isinstance(value, nn.Parameter):
-                    _assign(self, n.target, value)
+                    assign_attr(self, n.target, value)
 
     # ---- building ----------------------------------------------------------------------------
     def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule]]:
@@ -168,7 +168,7 @@ class PipelineRuntime(nn.Module):
     # ---- gradients ---------------------------------------------------------------------------
     def _sync_grads(self, max_norm: float | None) -> None:
         params = dict(self.named_parameters())
-        for name, p in params.items():
+        for p in params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for pps, group in self.groups.shared.items():     # tied weights: sum the stages' parts

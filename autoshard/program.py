@@ -13,13 +13,13 @@ from torch import nn
 from .capture import Captured, capture, fetch_attr, normalize_inputs
 from .collectives import write_rows
 from .errors import ShardingError
-from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .mesh import MeshGroups, ParallelDims
+from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.partition import StageGraph, split_stages
 from .passes.rewrite import rewrite_rank
 from .pipeline import PipelineRuntime
 from .rank import RankProgram, slice_layout
-from .schedules import check, make_schedule
+from .schedules import bubble_fraction, check, make_schedule
 from .simulate import join_replicated, run_lockstep
 
 __all__ = ["ShardedProgram"]
@@ -49,7 +49,8 @@ class ShardedProgram:
         self._seed = 0
         self._ranks: dict[int, RankProgram] = {}
         self._compiled: list[_Compiled] = []
-        self._stages: dict[int, tuple[fx.GraphModule, list[StageGraph]]] = {}
+        self._stages: dict[int, tuple[fx.GraphModule, list[StageGraph]]] = {}   # id(rank graph) -> split
+        self._sim_modules: dict[int, list[fx.GraphModule]] = {}
         self._compile(named_inputs)
         self._find_shared_params()
 
@@ -105,7 +106,7 @@ class ShardedProgram:
                 if n.op == "get_attr":
                     holders.setdefault(n.target, set()).add(sg.index % self.pp)
         self.shared_params: dict[tuple[int, ...], list[str]] = {}
-        self._pp_holders = {name: len(h) for name, h in holders.items()}
+        self._holders = holders
         for name, h in holders.items():
             if len(h) > 1:
                 self.shared_params.setdefault(tuple(sorted(h)), []).append(name)
@@ -113,7 +114,7 @@ class ShardedProgram:
     def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float:
         """The share of a parameter's local gradient rank `tp_rank` counts in the global norm:
         1 / (ranks holding the same element), per row for sharded parameters."""
-        share = 1.0 / self._pp_holders.get(name, 1)
+        share = 1.0 / len(self._holders.get(name, (0,)))
         use = self.plan.params.get(name)
         if use is None:
             return share / self.tp
@@ -213,11 +214,10 @@ class ShardedProgram:
         return carried, out_spec
 
     def _sim_stages(self, rank: RankProgram, gm: fx.GraphModule) -> list[fx.GraphModule]:
-        key = ("sim", id(gm))
-        if key not in self._stages:
-            self._stages[key] = (gm, [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}")
-                                      for sg in self.stage_graphs(gm)])
-        return self._stages[key][1]
+        if id(gm) not in self._sim_modules:
+            self._sim_modules[id(gm)] = [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}")
+                                         for sg in self.stage_graphs(gm)]
+        return self._sim_modules[id(gm)]
 
     def _assemble(self, read) -> dict[str, torch.Tensor | None]:
         out = {}
@@ -250,16 +250,18 @@ class ShardedProgram:
         rows = []
         for name, p in self.model.named_parameters():
             use = self.plan.params.get(name)
+            where = [",".join(map(str, sorted(self._holders.get(name, ()))))] if self.pp > 1 else []
             if use is None:
-                rows.append([name, tuple(p.shape), "replicated", tuple(p.shape)])
+                rows.append([name, tuple(p.shape), "replicated", tuple(p.shape), *where])
                 continue
             local = list(p.shape)
             local[use.dim] = sum(b - a for a, b in use.layout[0])
             kind = "shared rows" if len({r for rs in use.layout for r in rs}) < sum(len(rs) for rs in use.layout) \
                 else "split"
-            rows.append([name, tuple(p.shape), f"{kind} dim {use.dim}", tuple(local)])
-        head = f"autoshard program: tp={self.tp}, world size {self.world_size}"
-        table = tabulate(rows, headers=["parameter", "full shape", "sharding", "per-rank shape"])
+            rows.append([name, tuple(p.shape), f"{kind} dim {use.dim}", tuple(local), *where])
+        head = (f"autoshard program: tp={self.tp} x pp={self.pp} x dp={self.dp}, world size {self.world_size}")
+        headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if self.pp > 1 else [])
+        table = tabulate(rows, headers=headers)
         gm = self.rank(0).graph_module
         counts = {k: sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(k))
                   for k in ("f", "g", "sync_")}
@@ -267,6 +269,13 @@ class ShardedProgram:
                  f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
         notes += [f"fallback (replicated): {', '.join(f.modules)}: {f.reason}" for f in self.plan.fallbacks]
         notes += [f"not sharded: {s}" for s in self.plan.skipped]
+        if self.pp * self.virtual > 1:
+            timeline = check(self.schedule, self.virtual, self.microbatches)
+            notes.append(f"pipeline: {self.schedule_name} schedule, {self.virtual} chunk(s) per rank, "
+                         f"{self.microbatches} microbatches, bubble {bubble_fraction(timeline):.3f} of ideal time")
+            for sg in self.stage_graphs(gm):
+                notes.append(f"  stage {sg.index} (pipeline rank {sg.index % self.pp}, chunk {sg.index // self.pp}): "
+                             f"layers {sg.layers.start}-{sg.layers.stop - 1}, receives {sg.receives or '-'}")
         return "\n".join([head, table, *notes])
 
     __repr__ = __str__

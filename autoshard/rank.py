@@ -34,7 +34,7 @@ from .vocab_parallel import (
     VocabShard,
 )
 
-__all__ = ["RankProgram", "slice_layout"]
+__all__ = ["RankProgram", "slice_layout", "assign_attr"]
 
 
 def slice_layout(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
@@ -52,7 +52,8 @@ def slice_layout(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _assign(root: nn.Module, path: str, value: object) -> None:
+def assign_attr(root: nn.Module, path: str, value: object) -> None:
+    """Set `root.<path>` (dotted), creating empty parent modules; tensors become parameters or buffers."""
     *mods, leaf = path.split(".")
     for m in mods:
         if not hasattr(root, m):
@@ -76,7 +77,7 @@ class RankProgram(nn.Module):
         self.handle = CommHandle(rank, world_size)
         self.rng = RNGTracker(rank)
         for name, p in params.items():
-            _assign(self, name, p)
+            assign_attr(self, name, p)
         self.f = CopyToTensorParallelRegion(self.handle)
         self.g = ReduceFromTensorParallelRegion(self.handle)
         object.__setattr__(self, "_graphs", [])      # (Signature, GraphModule, out_spec); not submodules
@@ -87,7 +88,7 @@ class RankProgram(nn.Module):
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs, out_spec) -> fx.GraphModule:
         for name, value in attrs.items():
             if not _has(self, name):
-                _assign(self, name, value)
+                assign_attr(self, name, value)
         for spec in specs:
             if not hasattr(self, spec.module):
                 self.add_module(spec.module, self._collective(spec))

@@ -107,7 +107,7 @@ def _kinds(graph: fx.Graph, param_names: dict[str, str]) -> dict[fx.Node, str]:
     return kinds
 
 
-def _assign(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list[int], prefix: str,
+def _assign_stages(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list[int], prefix: str,
             last: int) -> dict[fx.Node, int]:
     """Stage of every ACT node."""
     stage: dict[fx.Node, int] = {}
@@ -145,7 +145,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, param_names: dict[str, str])
         stack = find_layers(graph)
         counts = layers_per_stage(stack.count, n_stages)
         layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
-        stage = _assign(graph, kinds, layer_stage, stack.path, n_stages - 1)
+        stage = _assign_stages(graph, kinds, layer_stage, stack.path, n_stages - 1)
     output = next(n for n in graph.nodes if n.op == "output")
     readers: dict[fx.Node, int] = {}      # last stage that reads each ACT value
     for n in graph.nodes:

@@ -5,12 +5,12 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from autoshard.passes.graph_reading import module_path
+from autoshard.passes.partition import layers_per_stage
 from torch import nn
 
 from autoshard import autoshard
 from autoshard.errors import ShardingError
-from autoshard.passes.graph_reading import module_path
-from autoshard.passes.partition import layers_per_stage
 from autoshard.pipeline import pick_loss, split_batch
 from autoshard.testing.metrics import grad_errors, max_rel
 from autoshard.testing.models import build_model, input_name, label_name
@@ -66,6 +66,7 @@ def test_each_stage_holds_its_layers_and_the_ends():
     assert "transformer.ln_f.weight" in reads[-1] and "transformer.ln_f.weight" not in reads[0]
     assert prog.shared_params == {(0, 1): ["transformer.wte.weight"]}
     assert "def forward(self, input_ids, labels, use_cache, add_" in prog.stage_modules(0)[1].code
+    assert "stage 3 (pipeline rank 1, chunk 1): layers 5-5" in str(prog)
 
 
 @pytest.mark.parametrize("layers,stages,want", [(8, 4, [2, 2, 2, 2]), (10, 4, [2, 3, 3, 2]), (9, 4, [2, 3, 2, 2]),
