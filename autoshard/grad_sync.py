@@ -43,8 +43,10 @@ def global_grad_norm(weighted: list[tuple[torch.Tensor, torch.Tensor | float]], 
     """L2 norm of the whole model's gradient. `weighted` pairs each local gradient with the share
     of it this rank counts: 1 / (number of ranks holding it) per element or row, broadcastable.
     Data-parallel replicas hold equal gradients after the all-reduce, so the world sum is divided by dp."""
-    total = torch.zeros((), dtype=torch.float64)
+    device = weighted[0][0].device if weighted else None
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for g, w in weighted:
+        w = w.to(device) if isinstance(w, torch.Tensor) else w
         total += (g.detach().double().pow(2) * w).sum()
     if dist.is_initialized():
         dist.all_reduce(total)

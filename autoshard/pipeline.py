@@ -81,13 +81,14 @@ class PipelineRuntime(nn.Module):
         object.__setattr__(self, "_prog", prog)
         object.__setattr__(self, "_program", program)
         object.__setattr__(self, "_chunks", {})        # id(rank graph) -> [(StageGraph, GraphModule)]
-        self.transfer = Transfer(self.n_stages)
         gm, _, _ = program.graph_for((), prog.example_inputs)
         for _, chunk in self._chunks_for(gm):
             for n in chunk.graph.nodes:
                 value = fetch_attr(chunk, n.target) if n.op == "get_attr" else None
                 if isinstance(value, nn.Parameter):
                     assign_attr(self, n.target, value)
+        self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
+        self.transfer = Transfer(self.n_stages, self.device)
 
     # ---- building ----------------------------------------------------------------------------
     def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule]]:
@@ -118,9 +119,9 @@ class PipelineRuntime(nn.Module):
         losses = self._run(chunks, flats, out_spec)
         self.transfer.wait_sends()
         self._sync_grads(max_norm)
-        total = torch.stack(losses).mean() / self.dims.dp if losses else torch.zeros(())
-        if self.pp_rank != self.dims.pp - 1 or self.tp_rank != 0:
-            total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
+        if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
+            total = torch.stack(losses).mean() / self.dims.dp
         dist.all_reduce(total)          # the last stages' mean, on every rank
         return total
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from autoshard import autoshard
 from autoshard.errors import ShardingError
+from autoshard.grad_sync import all_reduce_buckets
 from autoshard.pipeline import pick_loss, split_batch
 from autoshard.testing.metrics import grad_errors, max_rel
 from autoshard.testing.models import build_model, input_name, label_name
@@ -134,3 +135,12 @@ def test_executor_accumulates_microbatches(one_process_group):
     two = autoshard(build_model("llama", layers=2), pp=2, microbatches=2, example_kwargs=_kwargs("llama", ids[:2]))
     with pytest.raises(ShardingError, match="the process group has 1 ranks but .* tp=1 x pp=2 x dp=1 = 2"):
         two.distributed()
+
+
+def test_gradient_buckets(one_process_group):
+    """Buckets fill up to the byte limit in order; a larger tensor is a bucket of its own; a new
+    dtype starts a new bucket; every element is scaled once."""
+    grads = [torch.ones(10), torch.ones(10), torch.ones(100), torch.ones(5), torch.ones(5, dtype=torch.float64)]
+    calls = all_reduce_buckets(grads, None, 0.5, bucket_bytes=120)
+    assert calls == 4          # [10, 10] [100] [5] [5 (float64)]
+    assert all(bool((g == 0.5).all()) for g in grads)

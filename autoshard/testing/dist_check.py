@@ -11,9 +11,6 @@ example's. Exit status 1 on any mismatch; rank 0 prints one line per model.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,6 +18,7 @@ import torch.nn.functional as F
 
 from autoshard import autoshard
 from autoshard.rank import slice_layout
+from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, scaled_errors
 from autoshard.testing.models import (
     MODEL_NAMES,
@@ -87,7 +85,7 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
             "param_rel": worst_param, "worst_param": where, "sharded": len(prog.plan.params)}
 
 
-def main() -> int:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
     ap.add_argument("--steps", type=int, default=3)
@@ -102,30 +100,17 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ok = True
-    for name in args.models:
-        shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
-        res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape, args.in_graph_loss,
-                          args.sequence_parallel)
-        good = res["loss_rel"] <= args.tol and res["param_rel"] <= args.param_tol
-        ok &= good
-        flags = torch.tensor([0 if good else 1])
-        dist.all_reduce(flags)
-        if rank == 0:
-            print(json.dumps({**res, "all_ranks_ok": int(flags.item()) == 0}), flush=True)
-        ok &= int(flags.item()) == 0
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    def checks() -> bool:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ok = True
+        for name in args.models:
+            shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
+            res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape, args.in_graph_loss,
+                              args.sequence_parallel)
+            ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.param_tol)
+        return ok
+    run_checker(checks)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Gloo's worker threads can still hold tensors while the interpreter finalizes, which aborts
-    # (SIGABRT, "terminate called without an active exception") in about one exit in four here.
-    # The verdict is already computed and agreed by all ranks, so leave without finalization.
-    os._exit(code)
+    main()

@@ -12,15 +12,14 @@ trace and PNG timeline.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.rank import slice_layout
+from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 from autoshard.trace import export_trace
@@ -72,7 +71,7 @@ def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
             "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent}
 
 
-def main() -> int:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     ap.add_argument("--tp", type=int, default=1)
@@ -98,25 +97,16 @@ def main() -> int:
                          "gradients (key biases) into steps of up to lr on single elements")
     ap.add_argument("--trace", default=None, help="folder for the last step's Chrome trace and PNG")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    ok = True
-    for name, optim in [(m, o) for o in args.optim for m in args.models]:
-        res = check_model(name, optim, args)
-        element_tol = args.element_tol if optim == "adamw" else args.param_tol
-        good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol
-                and res["param_norm_rel"] <= args.param_tol and res["param_rel"] <= element_tol)
-        flags = torch.tensor([0 if good else 1])
-        dist.all_reduce(flags)
-        if dist.get_rank() == 0:
-            print(json.dumps({**res, "all_ranks_ok": int(flags.item()) == 0}), flush=True)
-        ok &= int(flags.item()) == 0
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    def checks() -> bool:
+        ok = True
+        for name, optim in [(m, o) for o in args.optim for m in args.models]:
+            res = check_model(name, optim, args)
+            element_tol = args.element_tol if optim == "adamw" else args.param_tol
+            ok &= agree(res, res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol
+                        and res["param_norm_rel"] <= args.param_tol and res["param_rel"] <= element_tol)
+        return ok
+    run_checker(checks)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)    # see dist_check: gloo's threads can abort interpreter finalization
+    main()
