@@ -22,9 +22,22 @@ def agree(result: dict, good: bool) -> bool:
     return everyone
 
 
+def _init_gloo() -> None:
+    """The WORLD group. Under torchrun --max-restarts, a restarted job reuses the agent's store, where
+    the first attempt's ranks left their addresses; a fast rank could read a dead peer's address
+    before the peer rewrites it. Keys are therefore prefixed with the attempt number."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group("gloo")
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world)
+
+
 def run_checker(main: Callable[[], bool]) -> None:
     """Run `main` in a gloo process group and exit 0 if it returns True on every rank."""
-    dist.init_process_group("gloo")
+    _init_gloo()
     ok = main()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,95 @@
+"""Single-device checkpoints to and from autoshard programs.
+
+- `load_full_state_dict(folder)`: a sharded checkpoint's parameters at full size, by the model's names.
+- `consolidate(folder, model, out)`: a folder the model's own class loads (`from_pretrained` for
+  Hugging Face models, else `out/model.safetensors` for `load_state_dict`).
+- `load_from_file(source, prog, module)`: a rank's slices from a single-device safetensors
+  checkpoint (a file, or a Hugging Face folder), read with safetensors' slicing, never whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .checkpoint import coords, layout_of
+from .checkpoint_index import SEP, CheckpointError, PieceReader, read_index
+
+__all__ = ["load_full_state_dict", "consolidate", "load_from_file"]
+
+
+def load_full_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    """Every parameter at full size, under the model's own names."""
+    index = read_index(folder)
+    reader = PieceReader(folder, index)
+    return {k: reader.rows(k, None) for k in index["tensors"] if SEP not in k}
+
+
+def consolidate(folder: str, model: nn.Module, out: str) -> None:
+    """Write a single-device checkpoint of `folder` to `out`: a Hugging Face model is saved with
+    `save_pretrained` (load it with `from_pretrained(out)`), any other model as
+    `out/model.safetensors` (load with `safetensors.torch.load_file` + `load_state_dict`)."""
+    state = load_full_state_dict(folder)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    if unexpected or set(missing) - aliases - {n for n, _ in model.named_buffers()}:
+        raise CheckpointError(f"checkpoint does not fit {type(model).__name__}: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(out)
+    else:
+        os.makedirs(out, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
+
+
+def load_from_file(source: str, prog, module: nn.Module) -> int:
+    """Load this rank's slices from a single-device safetensors checkpoint (a file, or a folder with
+    model.safetensors or model.safetensors.index.json); returns the number of elements read."""
+    weight_map = _weight_map(source)
+    aliases: dict[str, list[str]] = {}
+    by_id: dict[int, str] = {}
+    for n, p in prog.model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(by_id.setdefault(id(p), n), []).append(n)
+    index = {"tensors": {}, "files": {}}
+    for name in dict(module.named_parameters()):
+        stored = next((a for a in aliases.get(name, [name]) if a in weight_map), None)
+        if stored is None:
+            raise CheckpointError(f"{source} has no tensor for parameter {name}")
+        with safe_open(weight_map[stored], framework="pt") as fh:
+            sl = fh.get_slice(stored)
+            shape, dtype = sl.get_shape(), sl.get_dtype()
+        want = list(prog.model.get_parameter(name).shape)
+        if shape != want:
+            raise CheckpointError(f"{stored} has shape {tuple(shape)} in {source}, the model's {name} is {tuple(want)}")
+        dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+        index["tensors"][name] = {"shape": shape, "dtype": dtypes.get(dtype, "float32"), "dim": None,
+                                  "pieces": [{"file": weight_map[stored], "key": stored, "start": 0, "stop": 0}]}
+    reader = PieceReader("", index, verify=False)
+    tp_rank = coords(module)[2]
+    new = {name: reader.rows(name, layout_of(prog, name, tp_rank)) for name in index["tensors"]}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(new[name])
+    return reader.elements
+
+
+def _weight_map(source: str) -> dict[str, str]:
+    if os.path.isfile(source):
+        files = [source]
+    elif os.path.isfile(os.path.join(source, "model.safetensors.index.json")):
+        with open(os.path.join(source, "model.safetensors.index.json")) as fh:
+            wm = json.load(fh)["weight_map"]
+        return {k: os.path.join(source, v) for k, v in wm.items()}
+    elif os.path.isfile(os.path.join(source, "model.safetensors")):
+        files = [os.path.join(source, "model.safetensors")]
+    else:
+        raise CheckpointError(f"{source} is neither a safetensors file nor a folder with model.safetensors")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            out.update({k: f for k in fh.keys()})
+    return out

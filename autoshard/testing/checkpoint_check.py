@@ -1,0 +1,78 @@
+"""Run under torchrun: pipeline training that checkpoints, can be killed, and resumes.
+
+    torchrun --standalone --nproc-per-node 4 --max-restarts 1 -m autoshard.testing.checkpoint_check \\
+        --tp 2 --pp 2 --root /tmp/ckpt --kill-at 3
+
+Every rank resumes from the newest complete checkpoint under --root (if any), trains up to --steps
+AdamW steps (step i's batch is drawn from seed 1000 + i, so a resumed run sees the same data),
+saves every --save-every steps and at the end under root/final. With --kill-at S, global rank 1
+kills itself (SIGKILL) before step S on the job's first attempt; torchrun restarts the job, which
+resumes from the last complete checkpoint. Rank 0 appends one JSON line per step to root/losses.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from autoshard import autoshard
+from autoshard import checkpoint as ck
+from autoshard.testing.launch import run_checker
+from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+
+
+def batch(name: str, step: int, size: int) -> dict:
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (size, 16), generator=gen)
+    return {input_name(name): ids, label_name(name): torch.randint(0, VOCAB, (size, 16), generator=gen)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--root", required=True)
+    args = ap.parse_args()
+
+    def job() -> bool:
+        model = build_model(args.model, layers=args.layers)
+        micro = 2 * args.pp
+        prog = autoshard(model, tp=args.tp, pp=args.pp, microbatches=micro,
+                         example_kwargs=batch(args.model, 0, 2))
+        rt = prog.distributed()
+        opt = torch.optim.AdamW(rt.parameters(), lr=1e-3)
+        start = 0
+        resume = ck.latest(args.root)
+        if resume is not None:
+            start = ck.load(resume, prog, rt, opt)["step"]
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        for step in range(start, args.steps):
+            if step == args.kill_at and attempt == 0 and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)       # a node dies mid-run
+            loss = rt.train_step(**batch(args.model, step, 2 * micro), max_norm=1.0)
+            opt.step()
+            opt.zero_grad()
+            if dist.get_rank() == 0:
+                with open(os.path.join(args.root, "losses.jsonl"), "a") as fh:
+                    fh.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
+                                         "resumed_from": resume}) + "\n")
+            if (step + 1) % args.save_every == 0:
+                ck.save(os.path.join(args.root, f"step-{step + 1:08d}"), prog, rt, opt, step=step + 1)
+        ck.save(os.path.join(args.root, "final"), prog, rt, opt, step=args.steps)
+        return True
+
+    os.makedirs(args.root, exist_ok=True)
+    run_checker(job)
+
+
+if __name__ == "__main__":
+    main()
