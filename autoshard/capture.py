@@ -104,7 +104,11 @@ def _dynamic(named: dict[str, object]) -> dict[str, object]:
 
 
 def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True) -> Captured:
-    """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index)."""
+    """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index).
+    A model on the meta device is traced with its example inputs moved there too (only shapes
+    matter); its graph then names the meta device, until materialization retargets it."""
+    if any(p.is_meta for p in model.parameters()):
+        named = pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, named)
     errors = []
     for dyn in ((True, False) if dynamic else (False,)):
         try:

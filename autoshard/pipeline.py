@@ -60,6 +60,14 @@ def pick_loss(outputs: object) -> torch.Tensor:
     return loss
 
 
+def _has_attr(root: nn.Module, path: str) -> bool:
+    try:
+        fetch_attr(root, path)
+        return True
+    except AttributeError:
+        return False
+
+
 class PipelineRuntime(nn.Module):
     """This process's chunks of a pipeline program; see `ShardedProgram.distributed`.
 
@@ -101,6 +109,18 @@ class PipelineRuntime(nn.Module):
 
     def _rank_of_stage(self, stage: int) -> int:
         return self.dims.rank_of(stage % self.dims.pp, self.dp_rank, self.tp_rank)
+
+    def graph_modules(self) -> list[fx.GraphModule]:
+        return [gm for chunks in self._chunks.values() for _, gm in chunks] + self._program.graph_modules()
+
+    def set_tensors(self, values: dict[str, torch.Tensor]) -> None:
+        """Replace parameters or buffers by name in this runtime, its chunks and its rank program."""
+        for name, value in values.items():
+            for root in [self] + [gm for chunks in self._chunks.values() for _, gm in chunks]:
+                if _has_attr(root, name):
+                    assign_attr(root, name, value)
+        self._program.set_tensors(values)
+        self.device = self.transfer.device = next(self.parameters()).device
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self, *args, max_norm: float | None = None, **kwargs) -> torch.Tensor:

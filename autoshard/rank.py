@@ -62,6 +62,7 @@ def assign_attr(root: nn.Module, path: str, value: object) -> None:
     if isinstance(value, nn.Parameter):
         root.register_parameter(leaf, value)
     elif isinstance(value, torch.Tensor):
+        root._parameters.pop(leaf, None)
         root.register_buffer(leaf, value)
     else:
         setattr(root, leaf, value)
@@ -95,6 +96,17 @@ class RankProgram(nn.Module):
         gm = fx.GraphModule(self, graph, class_name=f"Rank{self.rank}Program")
         self._graphs.append((sig, gm, out_spec))
         return gm
+
+    def graph_modules(self) -> list[fx.GraphModule]:
+        return [gm for _, gm, _ in self._graphs]
+
+    def set_tensors(self, values: dict[str, torch.Tensor]) -> None:
+        """Replace parameters or buffers by name, here and in every graph (materialization swaps
+        meta tensors for real ones; a Parameter passed in is used as is, so callers can share it)."""
+        for name, value in values.items():
+            for root in [self] + [gm for _, gm, _ in self._graphs]:
+                if _has(root, name):
+                    assign_attr(root, name, value)
 
     def _collective(self, spec) -> nn.Module:
         if isinstance(spec, SyncSpec):

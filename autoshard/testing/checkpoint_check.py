@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard import checkpoint as ck
+from autoshard.materialize import materialize
 from autoshard.testing.launch import run_checker
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 
@@ -41,14 +42,19 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--root", required=True)
+    ap.add_argument("--meta", action="store_true", help="build the model on the meta device; each rank "
+                    "materializes only its own shards")
     args = ap.parse_args()
 
     def job() -> bool:
-        model = build_model(args.model, layers=args.layers)
+        with torch.device("meta" if args.meta else "cpu"):
+            model = build_model(args.model, layers=args.layers)
         micro = 2 * args.pp
         prog = autoshard(model, tp=args.tp, pp=args.pp, microbatches=micro,
                          example_kwargs=batch(args.model, 0, 2))
         rt = prog.distributed()
+        if args.meta:
+            materialize(prog, rt, seed=0)
         opt = torch.optim.AdamW(rt.parameters(), lr=1e-3)
         start = 0
         resume = ck.latest(args.root)
