@@ -5,9 +5,14 @@
   Hugging Face models, else `out/model.safetensors` for `load_state_dict`).
 - `load_from_file(source, prog, module)`: a rank's slices from a single-device safetensors
   checkpoint (a file, or a Hugging Face folder), read with safetensors' slicing, never whole.
+
+As a command: `python -m autoshard.checkpoint_convert CHECKPOINT OUT --factory pkg.module:make_model`
+(the factory returns the model, on the meta device if you like; only its class and config matter).
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 
@@ -34,11 +39,20 @@ def consolidate(folder: str, model: nn.Module, out: str) -> None:
     `save_pretrained` (load it with `from_pretrained(out)`), any other model as
     `out/model.safetensors` (load with `safetensors.torch.load_file` + `load_state_dict`)."""
     state = load_full_state_dict(folder)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    groups: dict[int, list[str]] = {}       # tied parameters: one object under several names
+    for n, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    on_meta = any(p.is_meta for p in model.parameters())
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=on_meta)
+    aliases = {n for names in groups.values() for n in names[1:]}
     if unexpected or set(missing) - aliases - {n for n, _ in model.named_buffers()}:
         raise CheckpointError(f"checkpoint does not fit {type(model).__name__}: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
+    for names in groups.values():           # assign=True replaced the first name's Parameter only
+        first = model.get_parameter(names[0])
+        for alias in names[1:]:
+            path, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(path), leaf, first)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(out)
     else:
@@ -93,3 +107,21 @@ def _weight_map(source: str) -> dict[str, str]:
         with safe_open(f, framework="pt") as fh:
             out.update({k: f for k in fh.keys()})
     return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Consolidate a sharded autoshard checkpoint into one "
+                                             "single-device checkpoint the model's class loads.")
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--factory", required=True, help="module:callable that returns the model (meta device is fine)")
+    args = ap.parse_args()
+    module, _, fn = args.factory.partition(":")
+    with torch.device("meta"):
+        model = getattr(importlib.import_module(module), fn)()
+    consolidate(args.checkpoint, model, args.out)
+    print(f"wrote {args.out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ from .grad_sync import all_reduce_buckets, clip_grads, global_grad_norm
 from .mesh import MeshGroups, ParallelDims
 from .p2p import BACKWARD, FORWARD, Transfer
 from .passes.partition import StageGraph
-from .rank import RankProgram, assign_attr
+from .rank import RankProgram, assign_attr, has_attr
 from .schedules import Action
 from .trace import ActionRecord
 
@@ -58,14 +58,6 @@ def pick_loss(outputs: object) -> torch.Tensor:
                                 f"pass the labels so that the model returns its loss")
         loss = scalars[0]
     return loss
-
-
-def _has_attr(root: nn.Module, path: str) -> bool:
-    try:
-        fetch_attr(root, path)
-        return True
-    except AttributeError:
-        return False
 
 
 class PipelineRuntime(nn.Module):
@@ -117,7 +109,7 @@ class PipelineRuntime(nn.Module):
         """Replace parameters or buffers by name in this runtime, its chunks and its rank program."""
         for name, value in values.items():
             for root in [self] + [gm for chunks in self._chunks.values() for _, gm in chunks]:
-                if _has_attr(root, name):
+                if has_attr(root, name):
                     assign_attr(root, name, value)
         self._program.set_tensors(values)
         self.device = self.transfer.device = next(self.parameters()).device

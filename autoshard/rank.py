@@ -34,7 +34,7 @@ from .vocab_parallel import (
     VocabShard,
 )
 
-__all__ = ["RankProgram", "slice_layout", "assign_attr"]
+__all__ = ["RankProgram", "slice_layout", "assign_attr", "has_attr"]
 
 
 def slice_layout(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
@@ -88,7 +88,7 @@ class RankProgram(nn.Module):
     # ---- graphs ------------------------------------------------------------------------------
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs, out_spec) -> fx.GraphModule:
         for name, value in attrs.items():
-            if not _has(self, name):
+            if not has_attr(self, name):
                 assign_attr(self, name, value)
         for spec in specs:
             if not hasattr(self, spec.module):
@@ -105,7 +105,7 @@ class RankProgram(nn.Module):
         meta tensors for real ones; a Parameter passed in is used as is, so callers can share it)."""
         for name, value in values.items():
             for root in [self] + [gm for _, gm, _ in self._graphs]:
-                if _has(root, name):
+                if has_attr(root, name):
                     assign_attr(root, name, value)
 
     def _collective(self, spec) -> nn.Module:
@@ -153,7 +153,8 @@ class RankProgram(nn.Module):
         return pytree.tree_unflatten(list(gm(*flat)), out_spec)
 
 
-def _has(root: nn.Module, path: str) -> bool:
+def has_attr(root: nn.Module, path: str) -> bool:
+    """Whether `root.<path>` (dotted) exists."""
     try:
         fetch_attr(root, path)
         return True

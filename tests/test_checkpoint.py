@@ -188,3 +188,16 @@ def test_retarget_replaces_meta_devices_in_nested_graphs():
     assert any("device(type='meta')" in code for code in codes())
     assert retarget_device(gm, "cpu") > 0
     assert not any("device(type='meta')" in code for code in codes())
+
+
+def test_consolidate_command(tmp_path):
+    import subprocess
+    import sys
+    _trained("llama", 2, 1, str(tmp_path / "ck"))
+    proc = subprocess.run([sys.executable, "-m", "autoshard.checkpoint_convert", str(tmp_path / "ck"),
+                           str(tmp_path / "out"), "--factory", "tests.factories:small_llama"],
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = type(build_model("llama", layers=1)).from_pretrained(str(tmp_path / "out"))
+    full = load_full_state_dict(str(tmp_path / "ck"))
+    assert all(torch.equal(full[n], p) for n, p in model.named_parameters())

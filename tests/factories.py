@@ -1,0 +1,6 @@
+"""Model factories the command-line tests name as `tests.factories:<name>`."""
+from autoshard.testing.models import build_model
+
+
+def small_llama():
+    return build_model("llama", layers=2)
