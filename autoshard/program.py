@@ -88,7 +88,8 @@ class ShardedProgram:
         """The pp * virtual stage graphs cut from one rank graph `gm` (cached)."""
         if id(gm) not in self._stages:
             names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, names))
+            is_f = lambda n: n.op == "call_module" and n.target == "f"     # noqa: E731  (identity forward)
+            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, names, late=is_f))
         return self._stages[id(gm)][1]
 
     def stage_modules(self, tp_rank: int = 0) -> list[fx.GraphModule]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
 
@@ -108,11 +109,11 @@ def _kinds(graph: fx.Graph, param_names: dict[str, str]) -> dict[fx.Node, str]:
 
 
 def _assign_stages(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list[int], prefix: str,
-            last: int) -> dict[fx.Node, int]:
+                   last: int, late: Callable[[fx.Node], bool]) -> dict[fx.Node, int]:
     """Stage of every ACT node."""
     stage: dict[fx.Node, int] = {}
     for n in graph.nodes:       # forward: layer nodes, and nodes reading activations of known stage
-        if kinds.get(n) != _ACT:
+        if kinds.get(n) != _ACT or (late(n) and _layer_of(n, prefix) is None):
             continue
         layer = _layer_of(n, prefix)
         after = [stage[a] for a in n.all_input_nodes if a in stage]
@@ -134,8 +135,12 @@ def _assign_stages(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list
     return stage
 
 
-def split_stages(gm: fx.GraphModule, n_stages: int, param_names: dict[str, str]) -> list[StageGraph]:
-    """Cut `gm` (one rank's graph) into `n_stages` stage graphs; see the module docstring."""
+def split_stages(gm: fx.GraphModule, n_stages: int, param_names: dict[str, str] | set[str],
+                 late: Callable[[fx.Node], bool] = lambda n: False) -> list[StageGraph]:
+    """Cut `gm` (one rank's graph) into `n_stages` stage graphs; see the module docstring. Nodes
+    outside the layers for which `late(node)` holds run where their users run, not where their
+    inputs are made: an identity-forward collective (Megatron's f) between a norm in one stage and a
+    matmul in the next would otherwise send the same values twice."""
     graph = gm.graph
     kinds = _kinds(graph, param_names)
     if n_stages == 1:       # one stage: the whole graph, whatever the model's structure
@@ -145,7 +150,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, param_names: dict[str, str])
         stack = find_layers(graph)
         counts = layers_per_stage(stack.count, n_stages)
         layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
-        stage = _assign_stages(graph, kinds, layer_stage, stack.path, n_stages - 1)
+        stage = _assign_stages(graph, kinds, layer_stage, stack.path, n_stages - 1, late)
     output = next(n for n in graph.nodes if n.op == "output")
     readers: dict[fx.Node, int] = {}      # last stage that reads each ACT value
     for n in graph.nodes:

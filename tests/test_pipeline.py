@@ -144,3 +144,14 @@ def test_gradient_buckets(one_process_group):
     calls = all_reduce_buckets(grads, None, 0.5, bucket_bytes=120)
     assert calls == 4          # [10, 10] [100] [5] [5 (float64)]
     assert all(bool((g == 0.5).all()) for g in grads)
+
+
+@pytest.mark.parametrize("name,sp", [("bert", False), ("gpt2", True), ("llama", True), ("nanogpt", False)])
+def test_only_hidden_states_cross_stages_under_tensor_parallelism(name, sp):
+    """At tp=2 an f (identity forward) sits between the last norm of one stage and the first matmul
+    of the next: it runs in the later stage, so the hidden states are sent once, not twice."""
+    model = build_model(name, layers=4)
+    kw = _kwargs(name, torch.randint(0, 128, (2, 16)))
+    prog = autoshard(model, tp=2, pp=2, microbatches=2, example_kwargs=kw, sequence_parallel=sp)
+    assert [len(sg.receives) for sg in prog.stage_graphs(prog.rank(0).graph_module)] == [0, 1]
+    assert max_rel(_loss(prog.simulate(**kw)), _loss(model(**kw))) < 1e-5
