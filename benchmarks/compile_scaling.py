@@ -1,11 +1,14 @@
 """Compile time of autoshard against bare torch.export, as layers grow (meta-device models).
 
     .venv/bin/python benchmarks/compile_scaling.py [--layers 2 4 8 16 32] [--tp 4] [--append]
+    .venv/bin/python benchmarks/compile_scaling.py --layers 16 32 64 128 --hidden 25600 --heads 160 \
+        --tp 8 --pp 8 --virtual 2          # the paper's 1T shape (128 layers), pipelined
 
-Both are timed side by side in one run, on GPT-2-small-shaped models (hidden 768, 12 heads) built on
-the meta device, so nothing is materialized. "autoshard" is the whole call plus building rank 0's
-module (capture, analysis, rewrite, emit); "export" is torch.export.export alone with the same
-dynamic-shape settings. The slope is a least-squares fit of seconds against layers.
+Both are timed side by side in one run, on GPT-2-shaped models (default hidden 768, 12 heads) built
+on the meta device, so nothing is materialized. "autoshard" is the whole call plus building rank 0's
+module (capture, analysis, rewrite, emit) and, with --pp, cutting it into pp x virtual stages;
+"export" is torch.export.export alone with the same dynamic-shape settings. The slope is a
+least-squares fit of seconds against layers.
 """
 from __future__ import annotations
 
@@ -21,10 +24,10 @@ from torch.export import Dim
 from autoshard import autoshard
 
 
-def gpt2(layers: int):
+def gpt2(layers: int, hidden: int = 768, heads: int = 12):
     import transformers as hf
     with torch.device("meta"):
-        return hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257))
+        return hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=50257))
 
 
 def timed(fn) -> float:
@@ -42,27 +45,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--tp", type=int, default=4, help="12 heads: tp in 1, 2, 3, 4, 6, 12")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--virtual", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args()
+
+    def compile_(model):
+        prog = autoshard(model, tp=args.tp, pp=args.pp, virtual=args.virtual, microbatches=args.pp)
+        rank = prog.rank(0)
+        return prog.stage_graphs(rank.graph_module) if args.pp > 1 else rank
     ids = torch.zeros(2, 64, dtype=torch.long)
     kw = {"input_ids": ids, "use_cache": False}
     dyn = {"input_ids": {0: Dim.AUTO, 1: Dim.AUTO}, "use_cache": None}
-    timed(lambda: autoshard(gpt2(1), tp=args.tp).rank(0))          # warm-up: imports, first export
+    shape = dict(hidden=args.hidden, heads=args.heads)
+    timed(lambda: autoshard(gpt2(1, **shape), tp=args.tp).rank(0))          # warm-up: imports, first export
     rows, ex, au = [], [], []
     for n in args.layers:
-        model = gpt2(n)
+        model = gpt2(n, **shape)
         t_export = timed(lambda: torch.export.export(model, (), kw, dynamic_shapes=dyn, strict=False))
-        t_auto = timed(lambda: autoshard(model, tp=args.tp).rank(0))
+        t_auto = timed(lambda: compile_(model))
         ex.append(t_export)
         au.append(t_auto)
         rows.append([n, f"{t_export:.2f}", f"{t_auto:.2f}", f"{t_auto / t_export:.2f}"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     table = tabulate(rows, headers=["layers", "export s", "autoshard s", "ratio"], tablefmt="github")
     fit = (f"slope: export {slope(args.layers, ex):.3f} s/layer, autoshard {slope(args.layers, au):.3f} s/layer; "
-           f"autoshard / export at {args.layers[-1]} layers: {au[-1] / ex[-1]:.2f}; peak RSS {rss:.2f} GiB")
+           if len(set(args.layers)) > 1 else "")
+    fit += f"autoshard / export at {args.layers[-1]} layers: {au[-1] / ex[-1]:.2f}; peak RSS {rss:.2f} GiB"
     report(table, fit, append=args.append, title="Compile scaling",
            command=f".venv/bin/python benchmarks/compile_scaling.py --layers {' '.join(map(str, args.layers))} "
-                   f"--tp {args.tp} --append", what=f"GPT-2-small shape on meta, tp={args.tp}")
+                   f"--hidden {args.hidden} --heads {args.heads} --tp {args.tp} --pp {args.pp} "
+                   f"--virtual {args.virtual} --append",
+           what=f"GPT-2 shape (hidden {args.hidden}, {args.heads} heads) on meta, tp={args.tp}, pp={args.pp}, "
+                f"virtual={args.virtual}")
 
 
 if __name__ == "__main__":
