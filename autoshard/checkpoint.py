@@ -53,7 +53,7 @@ def layout_of(prog, name: str, tp_rank: int):
 def _owned_pieces(prog, name: str, pp_rank: int, dp_rank: int, tp_rank: int) -> list[tuple[int, int, int]] | None:
     """(start, stop, local offset) of the rows this rank writes; [] when another rank writes them;
     None when it writes the whole tensor."""
-    if dp_rank != 0 or pp_rank != min(prog._holders.get(name, {0})):
+    if dp_rank != 0 or pp_rank != min(prog.param_holders.get(name, {0})):
         return []
     lay = layout_of(prog, name, tp_rank)
     if lay is None:

@@ -107,7 +107,7 @@ class ShardedProgram:
                 if n.op == "get_attr":
                     holders.setdefault(n.target, set()).add(sg.index % self.pp)
         self.shared_params: dict[tuple[int, ...], list[str]] = {}
-        self._holders = holders
+        self.param_holders: dict[str, set[int]] = holders      # parameter -> pipeline ranks reading it
         for name, h in holders.items():
             if len(h) > 1:
                 self.shared_params.setdefault(tuple(sorted(h)), []).append(name)
@@ -115,7 +115,7 @@ class ShardedProgram:
     def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float:
         """The share of a parameter's local gradient rank `tp_rank` counts in the global norm:
         1 / (ranks holding the same element), per row for sharded parameters."""
-        share = 1.0 / len(self._holders.get(name, (0,)))
+        share = 1.0 / len(self.param_holders.get(name, (0,)))
         use = self.plan.params.get(name)
         if use is None:
             return share / self.tp
@@ -251,7 +251,7 @@ class ShardedProgram:
         rows = []
         for name, p in self.model.named_parameters():
             use = self.plan.params.get(name)
-            where = [",".join(map(str, sorted(self._holders.get(name, ()))))] if self.pp > 1 else []
+            where = [",".join(map(str, sorted(self.param_holders.get(name, ()))))] if self.pp > 1 else []
             if use is None:
                 rows.append([name, tuple(p.shape), "replicated", tuple(p.shape), *where])
                 continue
