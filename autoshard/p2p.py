@@ -1,9 +1,11 @@
 """Point-to-point transfers between pipeline stages (batched isend / irecv).
 
-Activations go forward with a small header per tensor (rank, dtype, sizes), so a receiver needs no
-shape inference: shapes follow the microbatch, and stages may carry several values (hidden states
-and pass-through tensors). Gradients go back without headers: their receiver made the activations
-they belong to. Every message carries a tag naming (stage, microbatch, direction, slot); gloo
+Activations go forward with a small header per tensor (rank, dtype, sizes) on a step's first
+microbatch, so a receiver needs no shape inference: shapes follow the microbatch, and stages may
+carry several values (hidden states and pass-through tensors). Later microbatches of the step have
+the same shapes (the batch is cut evenly) and go without headers; every schedule runs microbatch 0
+of a stage first. Gradients go back without headers: their receiver made the activations they
+belong to. Every message carries a tag naming (stage, microbatch, direction, slot); gloo
 matches by tag, NCCL matches sends and receives between a pair in issue order, which the
 schedules keep (both sides walk microbatches in the same order).
 """
@@ -38,7 +40,8 @@ class Transfer:
         self.n_stages, self.device = n_stages, torch.device(device)
         self._works: list[dist.Work] = []
         self._buffers: list[torch.Tensor] = []        # what in-flight sends read
-        self.bytes_sent = 0
+        self._shapes: dict[int, list[tuple[list[int], torch.dtype]]] = {}   # stage -> its inputs' shapes
+        self.bytes_sent = self.messages_sent = 0
 
     def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
         """Post sends of `tensors` (outputs of `stage` going forward, or gradients of `stage`'s
@@ -46,25 +49,28 @@ class Transfer:
         ops = []
         for i, t in enumerate(tensors):
             payload = t.detach().contiguous()
-            if direction == FORWARD:
+            if direction == FORWARD and microbatch == 0:
                 head = _header(payload).to(self.device)
                 ops.append(dist.P2POp(dist.isend, head, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i)))
                 self._buffers.append(head)
             ops.append(dist.P2POp(dist.isend, payload, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i + 1)))
             self._buffers.append(payload)
             self.bytes_sent += payload.numel() * payload.element_size()
+        self.messages_sent += len(ops)
         if ops:
             self._works += dist.batch_isend_irecv(ops)
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive the `count` activations `stage` takes from global rank `src`."""
-        heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
-        self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, microbatch, self.n_stages, FORWARD, 2 * i))
-                    for i, h in enumerate(heads)])
-        out = []
-        for h in heads:
-            ndim, code, *sizes = h.tolist()
-            out.append(torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=self.device))
+        if microbatch == 0:
+            heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
+            self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i))
+                        for i, h in enumerate(heads)])
+            self._shapes[stage] = [(sizes[:ndim], _DTYPES[code]) for ndim, code, *sizes in (h.tolist() for h in heads)]
+        elif stage not in self._shapes:
+            raise RuntimeError(f"stage {stage} received microbatch {microbatch} before microbatch 0; "
+                               f"the schedule must run each stage's microbatches in order")
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._shapes[stage]]
         self._wait([dist.P2POp(dist.irecv, t, src, tag=_tag(stage - 1, microbatch, self.n_stages, FORWARD, 2 * i + 1))
                     for i, t in enumerate(out)])
         return out

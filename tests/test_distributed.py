@@ -50,6 +50,10 @@ def test_gloo_pipeline_training_matches_single_device(config, tmp_path):
         assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5 and r["param_norm_rel"] <= 1e-5, r
         assert r["params_here"] < r["params_total"], r       # a pipeline rank holds only its stages
         assert r["optim"] == "adamw" or r["param_rel"] <= 1e-5, r
+        # rank 0 runs stage 0 (and, interleaved, stage pp): each forward sends the hidden states
+        # on, each backward of a later chunk its input gradient back; one header per step and stage
+        m, senders = 2 * pp, v
+        assert r["messages_sent"] == 10 * (senders * m + (v - 1) * m + senders), r
         trace = json.load(open(tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.json"))
         assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * tp * pp * dp * v * 2 * pp
         assert (tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.png").read_bytes()[:4] == b"\x89PNG"

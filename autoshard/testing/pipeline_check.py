@@ -68,7 +68,8 @@ def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
             "schedule": prog.schedule_name, "optim": optim, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
             "clipped_steps": sum(1 for n in norms if n > args.max_norm),
             "param_norm_rel": norm_rel(local, want), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
-            "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent}
+            "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent,
+            "messages_sent": rt.transfer.messages_sent}
 
 
 def main() -> None:
