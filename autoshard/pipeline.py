@@ -10,6 +10,7 @@ gradients are synchronised (grad_sync.py). Each action's start and end are recor
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,20 +31,21 @@ from .trace import ActionRecord
 __all__ = ["PipelineRuntime", "split_batch", "pick_loss"]
 
 
+_TARGETS = "__autoshard_targets__"      # loss_fn's targets ride along with the inputs while splitting
+
+
 def split_batch(named: dict[str, object], parts: int, what: str) -> list[dict[str, object]]:
-    """Split every tensor input with the batch's leading size into `parts` equal chunks."""
-    sizes = [v.shape[0] for v in named.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    """Split every tensor input (also inside lists, tuples and dicts) with the batch's leading size
+    into `parts` equal chunks."""
+    sizes = [v.shape[0] for v in pytree.tree_leaves(named) if isinstance(v, torch.Tensor) and v.dim() > 0]
     if not sizes:
         raise ShardingError("the step's inputs hold no batched tensor to split")
     batch = sizes[0]
     if batch % parts:
         raise ShardingError(f"a batch of {batch} samples cannot be split into {what} = {parts} equal parts")
-    out: list[dict[str, object]] = [{} for _ in range(parts)]
-    for k, v in named.items():
-        chunks = v.chunk(parts) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else [v] * parts
-        for o, c in zip(out, chunks):
-            o[k] = c
-    return out
+    def cut(v, i):
+        return v.chunk(parts)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+    return [pytree.tree_map(lambda v, i=i: cut(v, i), named) for i in range(parts)]
 
 
 def pick_loss(outputs: object) -> torch.Tensor:
@@ -115,20 +117,32 @@ class PipelineRuntime(nn.Module):
         self.device = self.transfer.device = next(self.parameters()).device
 
     # ---- one step ----------------------------------------------------------------------------
-    def train_step(self, *args, max_norm: float | None = None, **kwargs) -> torch.Tensor:
+    def train_step(self, *args, max_norm: float | None = None,
+                   loss_fn: Callable[[object, object], torch.Tensor] | None = None, targets: object = None,
+                   **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (every rank passes the same batch; data-parallel
         rank d trains on its d-th slice, cut into microbatches); gradients are accumulated into
         `.grad`, synchronised, and clipped to `max_norm` if given. Returns the batch's mean loss on
-        every rank. Call your optimizer's `step()` after it."""
+        every rank. Call your optimizer's `step()` after it.
+
+        The loss is the model's own (`.loss`, or its one scalar output), or `loss_fn(outputs,
+        targets)` on the last stage, with `targets` (tensors batched like the inputs) cut into the
+        same microbatches. Either must be a mean over the microbatch's samples."""
         named = self._program._normalize(args, kwargs)
+        if loss_fn is not None:
+            named = {**named, _TARGETS: targets}
         mine = split_batch(named, self.dims.dp, "dp")[self.dp_rank]
         micro = split_batch(mine, self.microbatches, "microbatches")
+        goals = [mb.pop(_TARGETS, None) for mb in micro]
+
+        def loss_of(outputs: object, i: int) -> torch.Tensor:
+            return loss_fn(outputs, goals[i]) if loss_fn is not None else pick_loss(outputs)
         flats = []
         for mb in micro:
             gm, flat, out_spec = self._program.graph_for((), mb)
             flats.append(flat)
         chunks = self._chunks_for(gm)
-        losses = self._run(chunks, flats, out_spec)
+        losses = self._run(chunks, flats, out_spec, loss_of)
         self.transfer.wait_sends()
         self._sync_grads(max_norm)
         total = torch.zeros((), device=self.device)
@@ -137,7 +151,8 @@ class PipelineRuntime(nn.Module):
         dist.all_reduce(total)          # the last stages' mean, on every rank
         return total
 
-    def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec) -> list[torch.Tensor]:
+    def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec,
+             loss_of: Callable[[object, int], torch.Tensor]) -> list[torch.Tensor]:
         last, scale = self.n_stages - 1, 1.0 / self.microbatches
         saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         losses, origin = [], time.time()
@@ -154,7 +169,7 @@ class PipelineRuntime(nn.Module):
                     start = time.time()           # waiting for the previous stage is idle time
                 outs = list(chunks[a.chunk][1](*flats[i], *received))
                 if stage == last:
-                    loss = pick_loss(pytree.tree_unflatten(outs, out_spec))
+                    loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
                     losses.append(loss.detach())
                     outs = [loss * scale]
                 else:

@@ -157,3 +157,23 @@ def test_only_hidden_states_cross_stages_under_tensor_parallelism(name, sp):
     prog = autoshard(model, tp=2, pp=2, microbatches=2, example_kwargs=kw, sequence_parallel=sp)
     assert [len(sg.receives) for sg in prog.stage_graphs(prog.rank(0).graph_module)] == [0, 1]
     assert max_rel(_loss(prog.simulate(**kw)), _loss(model(**kw))) < 1e-5
+
+
+def test_executor_with_a_loss_outside_the_model(one_process_group):
+    """nanoGPT called without targets returns logits; the loss comes from loss_fn on the last stage,
+    with the targets cut into the same microbatches."""
+    import torch.nn.functional as F
+    model, ref = build_model("nanogpt", layers=2), build_model("nanogpt", layers=2)
+    ids, labels = torch.randint(0, 128, (8, 16)), torch.randint(0, 128, (8, 16))
+    prog = autoshard(model, microbatches=4, example_inputs=(ids[:2],))
+    rt = prog.distributed()
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out[0].reshape(-1, 128), y.reshape(-1))
+
+    loss = rt.train_step(ids, loss_fn=loss_fn, targets=labels)
+    ref_loss = loss_fn(ref(ids), labels)
+    ref_loss.backward()
+    assert max_rel(loss, ref_loss) < 1e-6
+    errs = grad_errors({n: p.grad for n, p in rt.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+    assert max(errs.values()) < 1e-5
