@@ -78,10 +78,12 @@ class Reducer:
 
     sum: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     max: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    gather: Callable[[list[torch.Tensor], int], list[torch.Tensor]]   # equal chunks along a dim, rank order
 
 
 def dist_reducer(comm: Communicator) -> Reducer:
-    return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])])
+    return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])],
+                   gather=lambda xs, d: [comm.all_gather(xs[0], d)])
 
 
 def sim_reducer() -> Reducer:
@@ -92,7 +94,11 @@ def sim_reducer() -> Reducer:
     def peak(xs):
         m = torch.stack(xs).amax(0)
         return [m.clone() for _ in xs]
-    return Reducer(sum=total, max=peak)
+
+    def gather(xs, d):
+        full = torch.cat(xs, d)
+        return [full.clone() for _ in xs]
+    return Reducer(sum=total, max=peak, gather=gather)
 
 
 class CommHandle:

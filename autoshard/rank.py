@@ -120,7 +120,7 @@ class RankProgram(nn.Module):
         if isinstance(spec, CrossEntropySpec):
             shard = VocabShard(spec.start, spec.count, spec.valid)
             return VocabParallelCrossEntropy(self.handle, shard, spec.ignore_index, spec.reduction)
-        return GatherFromTensorParallelRegion(self.handle, spec.dim, spec.size, spec.valid, spec.ranges)
+        return GatherFromTensorParallelRegion(self.handle, spec.dim, spec.size, spec.valid, spec.ranges, spec.chunks)
 
     def graph_for(self, args: tuple, kwargs: dict):
         named = self._normalize(args, kwargs)

@@ -93,12 +93,17 @@ def vocab_cross_entropy(red: Reducer, shards: list[VocabShard], target: torch.Te
 
 
 class _Gather(torch.autograd.Function):
-    """All-gather along a vocabulary-sharded dim (forward); backward keeps this rank's rows."""
+    """All-gather along a vocabulary-sharded dim (forward); backward keeps this rank's rows.
+    Equal contiguous chunks in rank order go through all_gather; any other layout (shared or
+    strided rows) is placed into a zero buffer and summed, twice the bytes but any layout."""
 
     @staticmethod
-    def forward(ctx, red: Reducer, dim: int, size: int, valid: int, ranges: list, *xs: torch.Tensor):
+    def forward(ctx, red: Reducer, dim: int, size: int, valid: int, ranges: list, chunks: bool, *xs: torch.Tensor):
         ctx.args = (dim, size, ranges)
-        fulls = red.sum([scatter_into_full(x, dim, size, r) for x, r in zip(xs, ranges)])
+        if chunks:
+            fulls = red.gather([x.contiguous() for x in xs], dim)
+        else:
+            fulls = red.sum([scatter_into_full(x, dim, size, r) for x, r in zip(xs, ranges)])
         return tuple(f.narrow(dim, 0, valid) for f in fulls)
 
     @staticmethod
@@ -110,11 +115,12 @@ class _Gather(torch.autograd.Function):
             pad[dim] = size - g.shape[dim]
             full = torch.cat([g, g.new_zeros(pad)], dim) if pad[dim] else g
             outs.append(take_from_full(full, dim, r))
-        return (None, None, None, None, None, *outs)
+        return (None, None, None, None, None, None, *outs)
 
 
-def gather_shards(red: Reducer, dim: int, size: int, valid: int, ranges: list, xs: list[torch.Tensor]):
-    return list(_Gather.apply(red, dim, size, valid, ranges, *xs))
+def gather_shards(red: Reducer, dim: int, size: int, valid: int, ranges: list, xs: list[torch.Tensor],
+                  chunks: bool = False):
+    return list(_Gather.apply(red, dim, size, valid, ranges, chunks, *xs))
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -142,19 +148,21 @@ class VocabParallelCrossEntropy(nn.Module):
 class GatherFromTensorParallelRegion(nn.Module):
     """All-gather a sharded output to full size (forward); backward keeps this rank's part."""
 
-    def __init__(self, handle: CommHandle, dim: int, size: int, valid: int, ranges):
+    def __init__(self, handle: CommHandle, dim: int, size: int, valid: int, ranges, chunks: bool = False):
         super().__init__()
         self.handle, self.dim, self.size, self.valid, self.ranges = handle, dim, size, valid, tuple(ranges)
+        self.chunks = chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         red = dist_reducer(self.handle.get())
-        return gather_shards(red, self.dim, self.size, self.valid, [self.ranges], [x])[0]
+        return gather_shards(red, self.dim, self.size, self.valid, [self.ranges], [x], self.chunks)[0]
 
     @staticmethod
     def simulate(mods: list["GatherFromTensorParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:
         m = mods[0]
         return gather_shards(sim_reducer(), m.dim, m.size, m.valid, [k.ranges for k in mods],
-                             [a[0] for a in rank_args])
+                             [a[0] for a in rank_args], m.chunks)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, size={self.valid}, rows={list(self.ranges)}"
+        how = "all_gather" if self.chunks else "sum of placed shards"
+        return f"dim={self.dim}, size={self.valid}, rows={list(self.ranges)}, {how}"

@@ -73,6 +73,7 @@ class GatherSpec:
     size: int          # padded global size of the gathered dim
     valid: int         # its real size (what the model returns)
     ranges: Ranges
+    chunks: bool = False   # every rank holds one equal contiguous chunk, in rank order: all_gather
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,10 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         if not isinstance(p, Shard) or not want:
             return env[n]
         if n not in gathered:
-            spec = GatherSpec(f"gather_{n.name}{suffix}", p.dim, p.size, int(n.meta["val"].shape[p.dim]), p.layout[r])
+            step = p.size // len(p.layout)
+            chunks = all(tuple(rs) == ((k * step, (k + 1) * step),) for k, rs in enumerate(p.layout))
+            spec = GatherSpec(f"gather_{n.name}{suffix}", p.dim, p.size, int(n.meta["val"].shape[p.dim]), p.layout[r],
+                              chunks)
             modules.append(spec)
             gathered[n] = g.call_module(spec.module, (env[n],))
         return gathered[n]
