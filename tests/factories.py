@@ -4,3 +4,7 @@ from autoshard.testing.models import build_model
 
 def small_llama():
     return build_model("llama", layers=2)
+
+
+def small_gpt2():
+    return build_model("gpt2", layers=4)

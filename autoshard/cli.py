@@ -1,0 +1,102 @@
+"""The `autoshard` command line.
+
+    autoshard inspect pkg.module:make_model --tp 2 [--pp 2 --virtual 1 --microbatches 2] [--code] [--rank R]
+    autoshard schedule --pp 4 --chunks 2 --microbatches 8 [--schedule interleaved] [--out docs/picture]
+
+`inspect` builds the model with the factory (any callable returning an nn.Module; Hugging Face and
+nanoGPT-style models need no example inputs, others take --batch/--seq token ids), compiles it, and
+prints the per-rank table; --code adds tensor-parallel rank R's program, or with pp > 1 each of its
+stages. `schedule` prints a schedule's unit-cost timeline and bubble, and with --out writes its
+Chrome trace (.json) and picture (.png). Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+import torch
+
+from .api import autoshard
+from .schedules import SCHEDULES, bubble_fraction, check, make_schedule
+from .trace import export_trace, records_of, text_timeline
+
+__all__ = ["main"]
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _factory(spec: str):
+    module, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:         # as `python -m` would: the user's modules next to them
+        sys.path.insert(0, os.getcwd())
+    if not name:
+        raise SystemExit(f"autoshard inspect: expected module:callable, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"autoshard inspect: cannot load {spec!r}: {e}") from None
+
+
+def inspect(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    _progress(f"building {args.factory} ...")
+    model = _factory(args.factory)()
+    example = None
+    if args.seq:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+        example = (torch.randint(0, vocab, (args.batch, args.seq)),)
+    _progress(f"compiling {type(model).__name__} at tp={args.tp}, pp={args.pp}, virtual={args.virtual} ...")
+    prog = autoshard(model, tp=args.tp, pp=args.pp, virtual=args.virtual, microbatches=args.microbatches,
+                     example_inputs=example)
+    print(prog)
+    if args.code:
+        _progress(f"rewriting rank {args.rank} ...")
+        if args.pp > 1:
+            for s, gm in enumerate(prog.stage_modules(args.rank)):
+                print(f"\n# ---- tensor-parallel rank {args.rank}, stage {s} (pipeline rank {s % args.pp}) ----")
+                print(gm.code)
+        else:
+            print(f"\n# ---- rank {args.rank} ----")
+            print(prog.rank(args.rank).code)
+    _progress(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+def schedule(args: argparse.Namespace) -> None:
+    timeline = check(make_schedule(args.schedule, args.pp, args.chunks, args.microbatches), args.chunks,
+                     args.microbatches)
+    print(text_timeline(timeline))
+    print(f"bubble: {bubble_fraction(timeline):.4f} of ideal time "
+          f"((p - 1) / (v m) = {(args.pp - 1) / (args.chunks * args.microbatches):.4f})")
+    if args.out:
+        export_trace(records_of(timeline, 1e-3), args.out)
+        _progress(f"wrote {args.out}.json and {args.out}.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="autoshard", description="Megatron-style sharding as a compiler pass.")
+    verbs = ap.add_subparsers(dest="verb", required=True)
+    ins = verbs.add_parser("inspect", help="shard a model and print the per-rank table (and code)")
+    ins.add_argument("factory", help="module:callable returning the model")
+    for flag, default in (("--tp", 1), ("--pp", 1), ("--virtual", 1), ("--microbatches", 1), ("--rank", 0),
+                          ("--batch", 2), ("--seq", 0)):
+        ins.add_argument(flag, type=int, default=default)
+    ins.add_argument("--code", action="store_true", help="print the rank's rewritten program")
+    ins.set_defaults(run=inspect)
+    sch = verbs.add_parser("schedule", help="draw a pipeline schedule")
+    sch.add_argument("--pp", type=int, default=4)
+    sch.add_argument("--chunks", type=int, default=2, help="virtual chunks per rank")
+    sch.add_argument("--microbatches", type=int, default=8)
+    sch.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
+    sch.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png")
+    sch.set_defaults(run=schedule)
+    args = ap.parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The `autoshard` command line: inspect and schedule (in process, and once as the installed command)."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from autoshard.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_inspect_prints_table_and_stage_code(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    main(["inspect", "tests.factories:small_gpt2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--code",
+          "--rank", "1"])
+    out, err = capsys.readouterr()
+    assert "autoshard program: tp=2 x pp=2 x dp=1, world size 4" in out
+    assert "transformer.h.0.attn.c_attn.weight" in out and "split dim 1" in out
+    assert "# ---- tensor-parallel rank 1, stage 1 (pipeline rank 1) ----" in out
+    assert "self.g(" in out and "compiling GPT2LMHeadModel at tp=2, pp=2" in err and "done in" in err
+
+
+def test_inspect_refuses_a_bad_factory(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit, match="expected module:callable"):
+        main(["inspect", "tests.factories"])
+    with pytest.raises(SystemExit, match="cannot load 'tests.factories:nothing'"):
+        main(["inspect", "tests.factories:nothing"])
+
+
+def test_schedule_prints_timeline_and_writes_picture(capsys, tmp_path):
+    main(["schedule", "--pp", "4", "--chunks", "2", "--microbatches", "8", "--out", str(tmp_path / "s")])
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("rank 0 | F0 F1 F2 F3 f0 f1 f2 f3 F4")
+    assert "bubble: 0.1875 of ideal time" in out
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "s.json").exists()
+    with pytest.raises(Exception, match="microbatches divisible by pp: 6 microbatches, pp=4"):
+        main(["schedule", "--pp", "4", "--chunks", "2", "--microbatches", "6"])
+
+
+@pytest.mark.skipif(shutil.which("autoshard") is None and not os.path.exists(os.path.join(ROOT, ".venv/bin/autoshard")),
+                    reason="the package is not installed with its console script")
+def test_installed_command(tmp_path):
+    exe = shutil.which("autoshard") or os.path.join(ROOT, ".venv/bin/autoshard")
+    proc = subprocess.run([exe, "schedule", "--pp", "2", "--chunks", "1", "--schedule", "1f1b",
+                           "--microbatches", "4"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "bubble: 0.2500" in proc.stdout
