@@ -84,10 +84,10 @@ class PipelineRuntime(nn.Module):
         object.__setattr__(self, "_program", program)
         object.__setattr__(self, "_chunks", {})        # id(rank graph) -> [(StageGraph, GraphModule)]
         gm, _, _ = program.graph_for((), prog.example_inputs)
-        for _, chunk in self._chunks_for(gm):
+        for _, chunk in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
             for n in chunk.graph.nodes:
                 value = fetch_attr(chunk, n.target) if n.op == "get_attr" else None
-                if isinstance(value, nn.Parameter):
+                if isinstance(value, torch.Tensor) and not has_attr(self, n.target):
                     assign_attr(self, n.target, value)
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
         self.transfer = Transfer(self.n_stages, self.device)

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from .annotate import ShardingPlan
 from .graph_reading import op_name, param_read
-from .index_sets import Ranges, is_partition
+from .index_sets import Ranges, is_even_chunks, is_partition
 from .placement import (
     ArgEdit,
     ColumnInput,
@@ -184,10 +184,8 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         if not isinstance(p, Shard) or not want:
             return env[n]
         if n not in gathered:
-            step = p.size // len(p.layout)
-            chunks = all(tuple(rs) == ((k * step, (k + 1) * step),) for k, rs in enumerate(p.layout))
             spec = GatherSpec(f"gather_{n.name}{suffix}", p.dim, p.size, int(n.meta["val"].shape[p.dim]), p.layout[r],
-                              chunks)
+                              is_even_chunks(tuple(map(tuple, p.layout)), p.size))
             modules.append(spec)
             gathered[n] = g.call_module(spec.module, (env[n],))
         return gathered[n]

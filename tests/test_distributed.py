@@ -59,10 +59,10 @@ def test_gloo_pipeline_training_matches_single_device(config, tmp_path):
         assert (tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def _checkpoint_job(root, kill_at=-1):
+def _checkpoint_job(root, name, kill_at=-1):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
            "-m", "autoshard.testing.checkpoint_check", "--tp", "2", "--pp", "2", "--meta", "--root", str(root),
-           "--kill-at", str(kill_at)]
+           "--kill-at", str(kill_at), "--model", name]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -70,11 +70,12 @@ def _checkpoint_job(root, kill_at=-1):
 
 
 @pytest.mark.slow
-def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path):
-    """GPT-2 built on the meta device, tp=2 x pp=2, 6 AdamW steps saving every 2. Run once
-    uninterrupted; run again with global rank 1 killed (SIGKILL) before step 3 and torchrun
-    --max-restarts 1: the job resumes from step 2 and ends with identical losses and parameters.
-    The final checkpoint then loads at (tp=4, pp=1) and (tp=1, pp=1) and into GPT2LMHeadModel."""
+@pytest.mark.parametrize("name", ["gpt2", "llama"])   # tied embedding across stages; rotary buffers
+def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path, name):
+    """Built on the meta device, tp=2 x pp=2, 6 AdamW steps saving every 2. Run once uninterrupted;
+    run again with global rank 1 killed (SIGKILL) before step 3 and torchrun --max-restarts 1: the
+    job resumes from step 2 and ends with identical losses and parameters. The final checkpoint
+    then loads at (tp=4, pp=1) and (tp=1, pp=1) and into the model's own class."""
     import torch
 
     from autoshard import autoshard
@@ -83,8 +84,8 @@ def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path):
     from autoshard.testing.checkpoint_check import batch
     from autoshard.testing.models import build_model
 
-    plain = _checkpoint_job(tmp_path / "a")
-    killed = _checkpoint_job(tmp_path / "b", kill_at=3)
+    plain = _checkpoint_job(tmp_path / "a", name)
+    killed = _checkpoint_job(tmp_path / "b", name, kill_at=3)
     assert [r["attempt"] for r in killed] == [0, 0, 0, 1, 1, 1, 1]
     assert killed[3]["resumed_from"].endswith("step-00000002")
     assert {r["step"]: r["loss"] for r in killed} == {r["step"]: r["loss"] for r in plain}
@@ -92,12 +93,12 @@ def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     outs = []
     for tp in (4, 1):
-        prog = autoshard(build_model("gpt2", layers=4, seed=11), tp=tp, example_kwargs=batch("gpt2", 0, 2))
+        prog = autoshard(build_model(name, layers=4, seed=11), tp=tp, example_kwargs=batch(name, 0, 2))
         for rank in prog.ranks():
             ck.load(str(tmp_path / "a" / "final"), prog, rank)
-        outs.append(prog.simulate(**batch("gpt2", 9, 2)).logits)
-    consolidate(str(tmp_path / "a" / "final"), build_model("gpt2", layers=4), str(tmp_path / "hf"))
-    model = type(build_model("gpt2", layers=1)).from_pretrained(str(tmp_path / "hf"))
-    want = model(**batch("gpt2", 9, 2)).logits
+        outs.append(prog.simulate(**batch(name, 9, 2)).logits)
+    consolidate(str(tmp_path / "a" / "final"), build_model(name, layers=4), str(tmp_path / "hf"))
+    model = type(build_model(name, layers=1)).from_pretrained(str(tmp_path / "hf"))
+    want = model(**batch(name, 9, 2)).logits
     for out in outs:
         assert ((out - want).abs().max() / want.abs().max()).item() < 1e-5

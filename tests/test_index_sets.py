@@ -6,6 +6,7 @@ from autoshard.passes.index_sets import (
     compress,
     even_layout,
     expand,
+    is_even_chunks,
     is_partition,
     layout_from_segments,
     local_size,
@@ -50,3 +51,10 @@ def test_positions_within():
     assert positions_within(((0, 4),), ((2, 4),)) == ((2, 4),)
     assert positions_within(((4, 8), (12, 16)), ((12, 14),)) == ((4, 6),)
     assert positions_within(((0, 4),), ((3, 6),)) is None
+
+
+def test_even_chunks():
+    assert is_even_chunks(even_layout(8, 4), 8)
+    assert not is_even_chunks((((0, 2),), ((4, 6),)), 8)                 # gaps: not a partition
+    assert not is_even_chunks((((2, 4),), ((0, 2),)), 4)                 # chunks, but not in rank order
+    assert not is_even_chunks((((0, 2), (4, 6)), ((2, 4), (6, 8))), 8)   # strided (fused QKV)
