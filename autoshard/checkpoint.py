@@ -33,13 +33,7 @@ from .checkpoint_index import (
     write_json_atomic,
 )
 
-__all__ = ["save", "save_ranks", "load", "latest", "coords", "layout_of"]
-
-def coords(module: nn.Module) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a rank module or pipeline runtime."""
-    if hasattr(module, "pp_rank"):
-        return module.pp_rank, module.dp_rank, module.tp_rank
-    return 0, 0, module.rank
+__all__ = ["save", "save_ranks", "load", "latest", "layout_of"]
 
 
 def layout_of(prog, name: str, tp_rank: int):
@@ -83,17 +77,17 @@ def _tensors_of(name: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | N
 
 
 def _write_rank(folder: str, prog, module: nn.Module, optimizer) -> dict:
-    pp_rank, dp_rank, tp_rank = coords(module)
+    pp_rank, dp_rank, tp_rank = module.pp_rank, module.dp_rank, module.tp_rank
     fname = f"rank-pp{pp_rank}-tp{tp_rank}.safetensors"
     tensors, entries, scalars = {}, {}, {}
     for name, p in module.named_parameters():
         pieces = _owned_pieces(prog, name, pp_rank, dp_rank, tp_rank)
+        lay = layout_of(prog, name, tp_rank)
         for key, t in _tensors_of(name, p, optimizer):
             if key is None:
                 if t and pieces != []:
                     scalars[name] = t
                 continue
-            lay = layout_of(prog, name, tp_rank)
             entries[key] = {"shape": list(prog.model.get_parameter(name).shape), "dtype": str(t.dtype).split(".")[-1],
                             "dim": lay[0] if lay else None, "pieces": []}
             for a, b, off in ([(0, 0, 0)] if pieces is None else pieces):
@@ -196,7 +190,7 @@ def load(folder: str, prog, module: nn.Module, optimizer: torch.optim.Optimizer 
     index = read_index(folder, verify=False)
     params = dict(module.named_parameters())
     _check_model(prog, index, list(params))
-    tp_rank = coords(module)[2]
+    tp_rank = module.tp_rank
     reader = PieceReader(folder, index)
     new, state = {}, {}
     for name, p in params.items():

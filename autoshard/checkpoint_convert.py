@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import coords, layout_of
+from .checkpoint import layout_of
 from .checkpoint_index import SEP, CheckpointError, PieceReader, read_index
 
 __all__ = ["load_full_state_dict", "consolidate", "load_from_file"]
@@ -83,7 +83,7 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
         index["tensors"][name] = {"shape": shape, "dtype": dtypes.get(dtype, "float32"), "dim": None,
                                   "pieces": [{"file": weight_map[stored], "key": stored, "start": 0, "stop": 0}]}
     reader = PieceReader("", index, verify=False)
-    tp_rank = coords(module)[2]
+    tp_rank = module.tp_rank
     new = {name: reader.rows(name, layout_of(prog, name, tp_rank)) for name in index["tensors"]}
     with torch.no_grad():
         for name, p in module.named_parameters():

@@ -76,7 +76,7 @@ def full_tensor(model: nn.Module, name: str, seed: int = 0, init: Callable[[nn.M
 def materialize(prog, module: nn.Module, *, seed: int = 0, init: Callable[[nn.Module], None] | None = None) -> int:
     """Give a rank module (`prog.rank(r)`) or pipeline runtime (`prog.distributed()`) of a program
     compiled from a meta-device model real tensors for its shards. Returns the number of tensors set."""
-    tp_rank = module.tp_rank if hasattr(module, "tp_rank") else module.rank
+    tp_rank = module.tp_rank
     new: dict[str, torch.Tensor] = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if not t.is_meta:

@@ -104,13 +104,16 @@ class PipelineRuntime(nn.Module):
     def _rank_of_stage(self, stage: int) -> int:
         return self.dims.rank_of(stage % self.dims.pp, self.dp_rank, self.tp_rank)
 
+    def _chunk_modules(self) -> list[fx.GraphModule]:
+        return [gm for chunks in self._chunks.values() for _, gm in chunks]
+
     def graph_modules(self) -> list[fx.GraphModule]:
-        return [gm for chunks in self._chunks.values() for _, gm in chunks] + self._program.graph_modules()
+        return self._chunk_modules() + self._program.graph_modules()
 
     def set_tensors(self, values: dict[str, torch.Tensor]) -> None:
         """Replace parameters or buffers by name in this runtime, its chunks and its rank program."""
         for name, value in values.items():
-            for root in [self] + [gm for chunks in self._chunks.values() for _, gm in chunks]:
+            for root in [self] + self._chunk_modules():
                 if has_attr(root, name):
                     assign_attr(root, name, value)
         self._program.set_tensors(values)

@@ -51,6 +51,7 @@ class ShardedProgram:
         self._compiled: list[_Compiled] = []
         self._stages: dict[int, tuple[fx.GraphModule, list[StageGraph]]] = {}   # id(rank graph) -> split
         self._sim_modules: dict[int, list[fx.GraphModule]] = {}
+        self._weights: dict[tuple[str, int], torch.Tensor | float] = {}
         self._compile(named_inputs)
         self._find_shared_params()
 
@@ -114,7 +115,13 @@ class ShardedProgram:
 
     def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float:
         """The share of a parameter's local gradient rank `tp_rank` counts in the global norm:
-        1 / (ranks holding the same element), per row for sharded parameters."""
+        1 / (ranks holding the same element), per row for sharded parameters (cached: clipping
+        asks on every step)."""
+        if (name, tp_rank) not in self._weights:
+            self._weights[(name, tp_rank)] = self._param_weight(name, tp_rank)
+        return self._weights[(name, tp_rank)]
+
+    def _param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float:
         share = 1.0 / len(self.param_holders.get(name, (0,)))
         use = self.plan.params.get(name)
         if use is None:

@@ -71,6 +71,12 @@ def assign_attr(root: nn.Module, path: str, value: object) -> None:
 class RankProgram(nn.Module):
     """Rank `rank` of `world_size`: call it like the original model (inside a torchrun job)."""
 
+    pp_rank = dp_rank = 0       # mesh coordinates, as a PipelineRuntime has them
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank
+
     def __init__(self, rank: int, world_size: int, params: dict[str, nn.Parameter],
                  normalize: Callable[[tuple, dict], dict]):
         super().__init__()
