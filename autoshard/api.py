@@ -11,16 +11,20 @@ from torch import nn
 
 from .capture import infer_example_inputs, normalize_inputs
 from .errors import ShardingError
+from .hardware import Hardware
 from .passes.annotate import ShardOptions
+from .planner import plan
 from .program import ShardedProgram
 
 __all__ = ["autoshard"]
 
 
-def autoshard(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int = 1, virtual: int = 1,
-              microbatches: int = 1, schedule: str | None = None, example_inputs: tuple | None = None,
-              example_kwargs: dict | None = None, vocab_parallel: bool = True,
-              gather_output: bool = True, sequence_parallel: bool = False) -> ShardedProgram:
+def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
+              virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+              example_inputs: tuple | None = None, example_kwargs: dict | None = None,
+              vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
+              world_size: int | None = None, global_batch: int | None = None,
+              hardware: str | Hardware = "a100-80gb") -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
 
     tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
@@ -32,6 +36,9 @@ def autoshard(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int = 1, virtua
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
     False each rank returns its own shard and no rank materializes full logits.
+    world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
+    many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
+    chosen costmodel.Estimate is `prog.estimate`.
     sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
     1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
     and each new input shape is compiled once (sizes are exported static).
@@ -44,6 +51,18 @@ def autoshard(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int = 1, virtua
     >>> torch.allclose(prog.simulate(ids)[0], model(ids)[0], atol=1e-5)
     True
     """
+    chosen = None
+    if world_size is not None:
+        given = {k: x for k, x in dict(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatches=microbatches).items()
+                 if x is not None}
+        if given:
+            raise ShardingError(f"world_size={world_size} asks the planner to choose tp, pp, dp, virtual and "
+                                f"microbatches; drop {', '.join(f'{k}={x}' for k, x in given.items())} or world_size")
+        chosen = plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
+                      sequence_parallel=sequence_parallel)[0]
+        tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.v
+        microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
+    tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ShardingError(f"tp must be a positive integer, got {tp!r}")
     if not isinstance(model, nn.Module):
@@ -57,5 +76,7 @@ def autoshard(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int = 1, virtua
                             "where the vocabulary-parallel embedding's partial sums are reduced")
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
                            sequence_parallel=sequence_parallel)
-    return ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options, pp=pp, dp=dp,
+    prog = ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options, pp=pp, dp=dp,
                           virtual=virtual, microbatches=microbatches, schedule=schedule)
+    prog.estimate = chosen
+    return prog

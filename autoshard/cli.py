@@ -2,12 +2,16 @@
 
     autoshard inspect pkg.module:make_model --tp 2 [--pp 2 --virtual 1 --microbatches 2] [--code] [--rank R]
     autoshard schedule --pp 4 --chunks 2 --microbatches 8 [--schedule interleaved] [--out docs/picture]
+    autoshard plan (pkg.module:make_model | --hidden H --layers L --heads A --vocab V --seq S)
+                   --gpus N --global-batch B [--hardware a100-80gb] [--top 5]
 
 `inspect` builds the model with the factory (any callable returning an nn.Module; Hugging Face and
 nanoGPT-style models need no example inputs, others take --batch/--seq token ids), compiles it, and
 prints the per-rank table; --code adds tensor-parallel rank R's program, or with pp > 1 each of its
 stages. `schedule` prints a schedule's unit-cost timeline and bubble, and with --out writes its
-Chrome trace (.json) and picture (.png). Progress goes to stderr.
+Chrome trace (.json) and picture (.png). `plan` ranks every legal tp x pp x dp split of N GPUs by
+the cost model's predicted iteration time (each with its best microbatch and interleaving) and
+explains the first three. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import time
 import torch
 
 from .api import autoshard
+from .hardware import PRESETS
+from .planner import ModelShape, explain, plan
 from .schedules import SCHEDULES, bubble_fraction, check, make_schedule
 from .trace import export_trace, records_of, text_timeline
 
@@ -77,6 +83,30 @@ def schedule(args: argparse.Namespace) -> None:
         _progress(f"wrote {args.out}.json and {args.out}.png")
 
 
+def plan_verb(args: argparse.Namespace) -> None:
+    from tabulate import tabulate
+    fields = ("hidden", "layers", "heads", "vocab", "seq")
+    if args.factory:
+        _progress(f"building {args.factory} to read its shape ...")
+        source = _factory(args.factory)()
+    else:
+        missing = [f"--{f}" for f in fields if getattr(args, f) is None]
+        if missing:
+            raise SystemExit(f"autoshard plan: give module:factory or all of {', '.join(missing)}")
+        source = ModelShape(**{f: getattr(args, f) for f in fields})
+    _progress(f"estimating every split of {args.gpus} GPUs on {args.hardware} ...")
+    try:
+        plans = plan(source, gpus=args.gpus, global_batch=args.global_batch, hardware=args.hardware,
+                     seq=args.seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel)
+    except ValueError as e:
+        raise SystemExit(f"autoshard plan: {e}") from None
+    rows = [(i + 1, e.tp, e.pp, e.dp, e.microbatch, e.v, f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
+             f"{e.seconds_per_iteration:.3g}", f"{e.memory_gib_per_gpu:.1f}") for i, e in enumerate(plans[:args.top])]
+    print(tabulate(rows, headers=("#", "tp", "pp", "dp", "microbatch", "v", "TFLOP/s/GPU", "% peak", "s/iter",
+                                  "GiB/GPU")))
+    print(f"\n{len(plans)} configurations fit; the first three:\n{explain(plans)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="autoshard", description="Megatron-style sharding as a compiler pass.")
     verbs = ap.add_subparsers(dest="verb", required=True)
@@ -94,6 +124,17 @@ def main(argv: list[str] | None = None) -> None:
     sch.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     sch.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png")
     sch.set_defaults(run=schedule)
+    pl = verbs.add_parser("plan", help="rank tp x pp x dp splits by the cost model's predicted speed")
+    pl.add_argument("factory", nargs="?", default=None, help="module:callable returning the model (or give the shape)")
+    for flag in ("--hidden", "--layers", "--heads", "--vocab", "--seq"):
+        pl.add_argument(flag, type=int, default=None)
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    pl.add_argument("--hardware", choices=sorted(PRESETS), default="a100-80gb")
+    pl.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
+    pl.add_argument("--sequence-parallel", action="store_true")
+    pl.add_argument("--top", type=int, default=5)
+    pl.set_defaults(run=plan_verb)
     args = ap.parse_args(argv)
     args.run(args)
 

@@ -45,6 +45,7 @@ class ShardedProgram:
             raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
         self.schedule = make_schedule(self.schedule_name, pp, virtual, microbatches)
         check(self.schedule, virtual, microbatches)     # complete and deadlock-free, or it raises
+        self.estimate = None    # the planner's Estimate when autoshard chose the split (world_size=)
         self.example_inputs = named_inputs
         self._seed = 0
         self._ranks: dict[int, RankProgram] = {}

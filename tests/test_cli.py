@@ -47,3 +47,24 @@ def test_installed_command(tmp_path):
                            "--microbatches", "4"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "bubble: 0.2500" in proc.stdout
+
+
+def test_plan_from_a_shape_prints_ranked_table(capsys):
+    main(["plan", "--hidden", "10240", "--layers", "60", "--heads", "80", "--vocab", "51200", "--seq", "2048",
+          "--gpus", "1024", "--global-batch", "1792", "--top", "3"])
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["#", "tp", "pp", "dp", "microbatch", "v"]
+    assert lines[2].split()[:4] == ["1", "8", "4", "32"]
+    assert "configurations fit; the first three:" in out and "estimating every split of 1024 GPUs" in err
+
+
+def test_plan_from_a_factory_and_its_errors(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    main(["plan", "tests.factories:small_gpt2", "--gpus", "4", "--global-batch", "8", "--hardware", "h200"])
+    assert "1. tp=" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="give module:factory or all of --hidden"):
+        main(["plan", "--gpus", "4", "--global-batch", "8"])
+    with pytest.raises(SystemExit, match="no split of 2 GPUs fits"):
+        main(["plan", "--hidden", "12288", "--layers", "96", "--heads", "96", "--vocab", "51200", "--seq", "2048",
+              "--gpus", "2", "--global-batch", "8"])
