@@ -45,9 +45,10 @@ FORMULAS: dict[str, sp.Expr] = {
     "inflight_layers_interleaved": l * (1 + (p - 1) / (p * v)),
     # Bytes each tensor-parallel all-reduce of a layer's output carries; two per layer per pass.
     "tp_allreduce_bytes": 2 * b * s * h,
-    # A ring all-reduce moves 2 (n - 1)/n of the buffer through each link; all-gather and
-    # reduce-scatter (sequence parallelism) each move (n - 1)/n, the same total.
+    # A ring all-reduce moves 2 (t - 1)/t of the buffer through each link. Sequence parallelism
+    # replaces each all-reduce by an all-gather and a reduce-scatter, (t - 1)/t each: the same bytes.
     "ring_allreduce_factor": 2 * (t - 1) / t,
+    "sp_allgather_reduce_scatter_factor": (t - 1) / t + (t - 1) / t,
     # Pipeline send of one microbatch's hidden states, split over the t ranks of the stage
     # (Megatron's scatter/gather) and all-gathered on the far side over NVLink.
     "p2p_bytes_per_gpu": 2 * b * s * h / t,

@@ -23,6 +23,7 @@ def test_flops_formula_matches_the_gemm_table():
     full, none = FORMULAS["flops_full_recompute"], FORMULAS["flops_no_recompute"]
     # Recomputation adds one forward of the layers (a third of 72), never of the LM head.
     assert sp.simplify(full - none - 24 * B * s * l * h**2 * (1 + s / (6 * h))) == 0
+    assert sp.simplify(FORMULAS["sp_allgather_reduce_scatter_factor"] - FORMULAS["ring_allreduce_factor"]) == 0
 
 
 def test_parameter_formula_matches_a_built_gpt2():
