@@ -1,0 +1,1 @@
+"""Hand-written Megatron-style parallel GPT: the baseline for autoshard's runtime benchmarks."""
