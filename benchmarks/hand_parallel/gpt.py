@@ -31,13 +31,17 @@ def _qkv_rows(w: torch.Tensor, rank: int, t: int) -> torch.Tensor:
     return torch.cat([_rows(part, rank, t) for part in w.chunk(3, dim=0)])   # q_r, k_r, v_r
 
 
+def _pair(first: nn.Linear, second: nn.Linear, rows, rank: int, t: int, group):
+    """Megatron's pair: `first` split by output rows (taken by `rows`), `second` by input columns."""
+    column = ColumnParallelLinear(rows(first.weight, rank, t),
+                                  None if first.bias is None else rows(first.bias, rank, t), group)
+    return column, RowParallelLinear(second.weight.chunk(t, dim=1)[rank], second.bias, group)
+
+
 class ParallelAttention(nn.Module):
     def __init__(self, attn, rank: int, t: int, group):
         super().__init__()
-        bias = attn.c_attn.bias
-        self.qkv = ColumnParallelLinear(_qkv_rows(attn.c_attn.weight, rank, t),
-                                        None if bias is None else _qkv_rows(bias, rank, t), group)
-        self.proj = RowParallelLinear(attn.c_proj.weight.chunk(t, dim=1)[rank], attn.c_proj.bias, group)
+        self.qkv, self.proj = _pair(attn.c_attn, attn.c_proj, _qkv_rows, rank, t, group)
         self.heads, self.width = attn.n_head // t, attn.n_embd // t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,10 +57,7 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     def __init__(self, mlp, rank: int, t: int, group):
         super().__init__()
-        bias = mlp.c_fc.bias
-        self.fc = ColumnParallelLinear(_rows(mlp.c_fc.weight, rank, t),
-                                       None if bias is None else _rows(bias, rank, t), group)
-        self.proj = RowParallelLinear(mlp.c_proj.weight.chunk(t, dim=1)[rank], mlp.c_proj.bias, group)
+        self.fc, self.proj = _pair(mlp.c_fc, mlp.c_proj, _rows, rank, t, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))

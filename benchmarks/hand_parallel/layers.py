@@ -52,27 +52,23 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_r = f(x) A_r^T + b_r: this rank's rows of A (output features); output stays split."""
-
+class _ShardLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.group = group
+
+
+class ColumnParallelLinear(_ShardLinear):
+    """y_r = f(x) A_r^T + b_r: this rank's rows of A (output features); output stays split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardLinear):
     """y = g(x_r B_r^T) + b: this rank's columns of B (input features); the bias is added once."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
