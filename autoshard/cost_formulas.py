@@ -19,6 +19,8 @@ __all__ = ["SYMBOLS", "FORMULAS", "evaluate", "formula"]
 h, l, a, V, s, b, B, t, p, d, v, m = SYMBOLS = sp.symbols("h l a V s b B t p d v m", positive=True)
 
 _attn = s / (6 * h)                      # attention scores' share of a layer's matmul FLOPs
+# The first pipeline stage holds the most: its layers, its vocabulary shard, the position table.
+_params_gpu = (l / p) * (12 * h**2 + 13 * h) / t + V * h / t + s * h
 
 FORMULAS: dict[str, sp.Expr] = {
     # FLOPs per iteration, counted as the paper counts them: 24 b s h^2 (1 + s/6h) per layer forward,
@@ -27,11 +29,10 @@ FORMULAS: dict[str, sp.Expr] = {
     "flops_selective_recompute": 72 * B * s * l * h**2 * (1 + _attn + s / (18 * h) + V / (12 * l * h)),
     "flops_no_recompute": 72 * B * s * l * h**2 * (1 + _attn + V / (12 * l * h)),
     "parameters": 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h)),
-    # The first pipeline stage holds the most: its layers, its vocabulary shard, the position table.
-    "parameters_per_gpu": (l / p) * (12 * h**2 + 13 * h) / t + V * h / t + s * h,
+    "parameters_per_gpu": _params_gpu,
     # Mixed-precision Adam: fp16 weights (2) and gradients (2), fp32 master, momentum, variance (12),
     # fp32 gradient copy in the optimizer (2 more on average once buffers are reused).
-    "weight_and_optimizer_bytes": 18 * ((l / p) * (12 * h**2 + 13 * h) / t + V * h / t + s * h),
+    "weight_and_optimizer_bytes": 18 * _params_gpu,
     # Activation bytes of one layer for one microbatch (Korthikanti et al., equations 2-6).
     "activation_bytes_no_recompute": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
     "activation_bytes_no_recompute_sp": s * b * h / t * (34 + 5 * a * s / h),
@@ -52,7 +53,7 @@ FORMULAS: dict[str, sp.Expr] = {
     # Pipeline send of one microbatch's hidden states, split over the t ranks of the stage
     # (Megatron's scatter/gather) and all-gathered on the far side over NVLink.
     "p2p_bytes_per_gpu": 2 * b * s * h / t,
-    "dp_allreduce_bytes": 2 * ((l / p) * (12 * h**2 + 13 * h) / t + V * h / t + s * h),
+    "dp_allreduce_bytes": 2 * _params_gpu,          # fp16 gradients
     "microbatches": B / (d * b),
     "bubble_fraction": (p - 1) / (v * m),
 }
