@@ -58,8 +58,13 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         if given:
             raise ShardingError(f"world_size={world_size} asks the planner to choose tp, pp, dp, virtual and "
                                 f"microbatches; drop {', '.join(f'{k}={x}' for k, x in given.items())} or world_size")
-        chosen = plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
-                      sequence_parallel=sequence_parallel)[0]
+        try:
+            chosen = plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
+                          sequence_parallel=sequence_parallel)[0]
+        except ValueError as e:
+            raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
+                                "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"
+                                "virtual/microbatches") from None
         tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.v
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
     tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))

@@ -58,6 +58,19 @@ def test_autoshard_world_size_excludes_an_explicit_split():
         autoshard(model, world_size=4, tp=2)
 
 
+def test_autoshard_world_size_without_a_config_says_how_to_plan():
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(ShardingError, match="world_size=2: cannot read the shape of Plain.*autoshard.plan"):
+        autoshard(Plain(), world_size=2, example_inputs=(torch.randn(2, 4),))
+
+
 def test_docstring_examples_run():
     import doctest
 
