@@ -83,6 +83,11 @@ def _allreduce_seconds(nbytes: float, n: int, link_gb_s: float, hw: Hardware) ->
     return hw.latency_us * 1e-6 + 2 * (n - 1) / n * nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
 
 
+def _tp_allreduce_seconds(x: LayerShape, hw: Hardware) -> float:
+    """One all-reduce of a layer's (b, s, h) output over the tensor-parallel ranks on NVLink."""
+    return _allreduce_seconds(evaluate("tp_allreduce_bytes", b=x.b, s=x.s, h=x.h), x.t, hw.nvlink_gb_s, hw)
+
+
 def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
     """(forward compute, backward compute with recomputation, tensor-parallel communication) seconds
     of one layer for one microbatch."""
@@ -96,7 +101,7 @@ def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, 
     elif recompute == "selective":
         backward += layer_gemm_seconds(x, hw, attention_core_only=True)[0]
         backward += layer_elementwise_seconds(x, hw, attention_core_only=True)[0]
-    return gf + ef, backward, passes * _allreduce_seconds(2 * x.b * x.s * x.h, x.t, hw.nvlink_gb_s, hw)
+    return gf + ef, backward, passes * _tp_allreduce_seconds(x, hw)
 
 
 def _ends_seconds(x: LayerShape, vocab: int, hw: Hardware) -> tuple[float, float, float]:
@@ -108,8 +113,7 @@ def _ends_seconds(x: LayerShape, vocab: int, hw: Hardware) -> tuple[float, float
             + gemm_seconds(x.h, vocab // x.t, rows, hw)
             + bytes_seconds(14 * logits + 10 * tokens, hw))    # fp32 cross-entropy both ways, final norm
     embed = bytes_seconds(8 * tokens, hw)                      # lookup and gradient scatter
-    embed_comm = _allreduce_seconds(2 * x.b * x.s * x.h, x.t, hw.nvlink_gb_s, hw)   # vocab-parallel sum
-    return embed, head, embed_comm
+    return embed, head, _tp_allreduce_seconds(x, hw)          # the vocab-parallel embedding's sum
 
 
 def _check(name: str, x, *, low: int = 1) -> None:
@@ -191,20 +195,22 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     work = work_compute + work_comm
     node = hw.gpus_per_node
     one_node = tp * pp * dp <= node
-    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm, "bubble": (pp - 1) / v * work}
+    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm,
+                 "bubble": evaluate("bubble_fraction", p=pp, v=v, m=m) * m * work}
+    tied = 0.0
     if pp > 1:
         link = hw.nvlink_gb_s if one_node else hw.network_gb_s
         hop = (hw.latency_us * 1e-6 + evaluate("p2p_bytes_per_gpu", **sym) / (link * 1e9 * hw.network_efficiency)
-               + _allreduce_seconds(2 * microbatch * seq * hidden, tp, hw.nvlink_gb_s, hw) / 2)  # all-gather
+               + _tp_allreduce_seconds(x, hw) / 2)          # the all-gather: half an all-reduce
         breakdown["p2p"] = 2 * v * m * hop
-        tied = 2 * vocab * hidden / tp     # GPT's tied embedding: first and last stage add their gradients
-        breakdown["dp_comm"] = _allreduce_seconds(tied, 2, hw.network_gb_s, hw)
+        # GPT's tied embedding: the first and last stage add their gradients.
+        tied = _allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
     grads = evaluate("dp_allreduce_bytes", **sym)
     dp_link = hw.nvlink_gb_s if tp * dp <= node else hw.network_gb_s
     grad_reduce = _allreduce_seconds(grads, dp, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
         grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
-    breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + grad_reduce
+    breakdown["dp_comm"] = tied + grad_reduce
     breakdown["optimizer"] = bytes_seconds(_ADAM_BYTES * evaluate("parameters_per_gpu", **sym), hw)
     seconds = sum(breakdown.values())
 
@@ -225,8 +231,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
 def _memory_bytes(sym: dict, m: int, per_rank: int, recompute: str, sp: bool) -> float:
     """Peak bytes on the busiest rank: weights and optimizer, stored activations of the microbatches
     in flight, one layer's full activations (being recomputed or back-propagated), the logits."""
-    p, v = sym["p"], sym["v"]
-    inflight = evaluate("inflight_layers_1f1b" if v == 1 else "inflight_layers_interleaved", **sym)
+    inflight = evaluate("inflight_layers_1f1b" if sym["v"] == 1 else "inflight_layers_interleaved", **sym)
     inflight = min(inflight, per_rank * m)      # a short step never fills the pipeline
     suffix = "_sp" if sp else ""
     stored = {"full": "checkpoint_bytes", "selective": "activation_bytes_selective",
@@ -235,7 +240,5 @@ def _memory_bytes(sym: dict, m: int, per_rank: int, recompute: str, sp: bool) ->
     # nothing is recomputed).
     working = 0.0 if recompute == "none" else evaluate("activation_bytes_no_recompute" + suffix, **sym)
     logits = 8 * sym["b"] * sym["s"] * sym["V"] / sym["t"]      # fp16 logits, fp32 softmax and its gradient
-    if p == 1:
-        inflight = per_rank
     return evaluate("weight_and_optimizer_bytes", **sym) + inflight * evaluate(stored, **sym) + working + logits
 

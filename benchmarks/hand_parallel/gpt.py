@@ -6,6 +6,8 @@ attention is split by heads (rows of q, k and v of c_attn, columns of c_proj), t
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,11 +68,9 @@ class ParallelMLP(nn.Module):
 class ParallelBlock(nn.Module):
     def __init__(self, block, rank: int, t: int, group):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(block.ln_1.normalized_shape)
-        self.ln_1.load_state_dict(block.ln_1.state_dict())
+        self.ln_1 = copy.deepcopy(block.ln_1)
         self.attn = ParallelAttention(block.attn, rank, t, group)
-        self.ln_2 = nn.LayerNorm(block.ln_2.normalized_shape)
-        self.ln_2.load_state_dict(block.ln_2.state_dict())
+        self.ln_2 = copy.deepcopy(block.ln_2)
         self.mlp = ParallelMLP(block.mlp, rank, t, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,7 @@ class ParallelGPT(nn.Module):
         self.wte = VocabParallelEmbedding(_rows(model.wte.weight, rank, t), self.start, self.group)
         self.wpe = nn.Embedding.from_pretrained(model.wpe.weight.detach().clone(), freeze=False)
         self.h = nn.ModuleList(ParallelBlock(b, rank, t, self.group) for b in model.h)
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.ln_f.load_state_dict(model.ln_f.state_dict())
+        self.ln_f = copy.deepcopy(model.ln_f)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         T = idx.size(1)
