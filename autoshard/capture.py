@@ -109,6 +109,10 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True)
     matter); its graph then names the meta device, until materialization retargets it."""
     if any(p.is_meta for p in model.parameters()):
         named = pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, named)
+    # Every example tensor its own contiguous copy: export would read one tensor passed as two
+    # inputs (idx and targets both `ids`) as one input, and reject overlapping views of one batch.
+    named = pytree.tree_map(lambda x: x.clone(memory_format=torch.contiguous_format)
+                            if isinstance(x, torch.Tensor) else x, named)
     errors = []
     for dyn in ((True, False) if dynamic else (False,)):
         try:

@@ -28,6 +28,18 @@ def test_a_specialized_size_compiles_again_transparently():
     assert len(prog.rank(0)._graphs) == 2
 
 
+def test_example_inputs_that_alias_each_other_capture_as_separate_inputs():
+    """One tensor passed as both idx and targets, or two overlapping views of one batch (the
+    usual data[:, :-1], data[:, 1:]), must still give a program with two independent inputs."""
+    model = build_model("nanogpt")
+    data = torch.randint(0, VOCAB, (2, 9))
+    ids, targets = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
+    want = model(ids, targets)[1]
+    for example in [(data[:, :-1], data[:, :-1]), (data[:, :-1], data[:, 1:])]:
+        prog = autoshard(model, tp=2, example_inputs=example)
+        assert max_rel(prog.simulate(ids, targets)[1], want) <= 1e-5
+
+
 def test_meta_device_model_compiles_without_materializing():
     with torch.device("meta"):
         model = build_model("llama", layers=2)
