@@ -1,0 +1,79 @@
+"""Every benchmark of issue 6 in one go; each appends its dated table to benchmarks/RESULTS.md.
+
+    ./run bench                 # or: .venv/bin/python benchmarks/run_all.py [--quick] [--no-append]
+
+1. Step time, autoshard against the hand-parallel baseline (gloo, torchrun, one thread per
+   process): tp=2, pp=2 and tp=2 x pp=2 (1F1B, 4 microbatches) on the same nanoGPT.
+2. Compile time against bare torch.export on meta-device models: GPT-2 width from 8 to 128 layers
+   (tp=4); the 1T shape (hidden 25600, 160 heads) from 16 to 128 layers at tp=8, pp=8, v=2 and at
+   128 layers with pp=64, v=2; GPT-3 175B (96 layers, hidden 12288, 96 heads) at tp=8, pp=8, v=2.
+3. On a machine with CUDA only: the single-GPU MFU run (benchmarks/mfu.py).
+
+`--quick` runs tiny sizes (a smoke test of the scripts, not a measurement) and never appends.
+Exit status: the first failing benchmark's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = ["--layers", "4", "--hidden", "512", "--heads", "8", "--vocab", "8192", "--seq", "256", "--batch", "8"]
+TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "8",
+        "--rounds", "2", "--warmup", "0"]
+STEP_CONFIGS = [["--tp", "2"], ["--tp", "1", "--pp", "2", "--microbatches", "4"],
+                ["--tp", "2", "--pp", "2", "--microbatches", "4"]]
+T1 = ["--hidden", "25600", "--heads", "160", "--tp", "8"]
+COMPILE_CONFIGS = [["--layers", "8", "16", "32", "64", "128", "--tp", "4"],
+                   ["--layers", "16", "32", "64", "128", *T1, "--pp", "8", "--virtual", "2"],
+                   ["--layers", "128", *T1, "--pp", "64", "--virtual", "2"],
+                   ["--layers", "96", "--hidden", "12288", "--heads", "96", "--tp", "8", "--pp", "8", "--virtual", "2"]]
+COMPILE_TINY = [["--layers", "2", "4", "--tp", "2"], ["--layers", "4", "--tp", "2", "--pp", "2", "--virtual", "2"]]
+
+
+def _world(cfg: list[str]) -> int:
+    def get(flag: str) -> int:
+        return int(cfg[cfg.index(flag) + 1]) if flag in cfg else 1
+    return get("--tp") * get("--pp")
+
+
+def commands(quick: bool, append: bool) -> list[list[str]]:
+    py, extra = sys.executable, (["--append"] if append and not quick else [])
+    out = []
+    for cfg in STEP_CONFIGS:
+        out.append([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={_world(cfg)}",
+                    str(HERE / "step_time.py"), *cfg, *(TINY if quick else MODEL + ["--rounds", "20"]), *extra])
+    for cfg in COMPILE_TINY if quick else COMPILE_CONFIGS:
+        out.append([py, str(HERE / "compile_scaling.py"), *cfg, *extra])
+    if _has_cuda():
+        out.append([py, str(HERE / "mfu.py"), *(["--quick"] if quick else []), *extra])
+    return out
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, nothing appended")
+    ap.add_argument("--no-append", dest="append", action="store_false", help="print only")
+    args = ap.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}         # several processes share the cores
+    for cmd in commands(args.quick, args.append):
+        print("$", " ".join(cmd), flush=True)
+        rc = subprocess.call(cmd, env=env, cwd=HERE.parent)
+        if rc:
+            print(f"run_all: failed with exit status {rc}", file=sys.stderr)
+            return rc
+    if not _has_cuda():
+        print("run_all: no CUDA device here; the GPU benchmark (benchmarks/mfu.py) was not run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
