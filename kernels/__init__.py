@@ -1,1 +1,6 @@
-"""Fused CuPy kernels (installed as `autoshard.kernels`). None yet: they arrive with the fusion issue."""
+"""Fused kernels (installed as `autoshard.kernels`): CUDA sources in `cuda/`, compiled by NVRTC
+(`build.py`), launched through CuPy (`launch.py`), exposed as torch custom ops with exact torch
+fallbacks (`ops.py`, `reference.py`). Importing this package registers the `autoshard::` ops."""
+from . import ops
+
+__all__ = ["ops"]

@@ -1,0 +1,119 @@
+"""Kernel sources and their compilation: NVRTC through ctypes (no GPU needed) or CuPy (on a GPU).
+
+Each `cuda/*.cu` file is compiled with `cuda/common.cuh` in front of it and its templates
+instantiated for fp32, fp16 and bf16 storage (`name<float>`, `name<f16>`, `name<bf16>`).
+`compile_cubin` builds a file for a GPU architecture on any machine with the NVRTC library (the
+`nvidia-cuda-nvrtc-cu12` wheel, a test dependency), so CI catches a kernel that does not build;
+`function` loads a kernel through CuPy on the current CUDA device.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["KERNELS", "STORAGE", "source", "name_expressions", "compile_cubin", "function", "KernelBuildError"]
+
+_DIR = Path(__file__).with_name("cuda")
+
+# file -> the kernel templates it defines
+KERNELS: dict[str, tuple[str, ...]] = {
+    "bias_gelu.cu": ("bias_gelu_fwd", "bias_gelu_bwd"),
+    "swiglu.cu": ("swiglu_fwd", "swiglu_bwd"),
+    "softmax.cu": ("scaled_masked_softmax_fwd", "scaled_masked_softmax_bwd"),
+    "bias_dropout_add.cu": ("bias_dropout_add_fwd", "bias_dropout_add_bwd"),
+    "norm.cu": ("norm_fwd", "norm_bwd"),
+    "rope.cu": ("rope_apply",),
+}
+# torch dtype name -> the storage type the templates take
+STORAGE = {"float32": "float", "float16": "f16", "bfloat16": "bf16"}
+_OPTIONS = ("--std=c++17",)
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel source did not compile; the message carries the compiler's log."""
+
+
+def source(file: str) -> str:
+    if file not in KERNELS:
+        raise KeyError(f"no kernel file {file!r}; known: {', '.join(KERNELS)}")
+    return (_DIR / "common.cuh").read_text() + f"\n// ---- {file}\n" + (_DIR / file).read_text()
+
+
+def name_expressions(file: str) -> list[str]:
+    return [f"{k}<{t}>" for k in KERNELS[file] for t in STORAGE.values()]
+
+
+@dataclass(frozen=True)
+class Cubin:
+    file: str
+    arch: str
+    image: bytes
+    log: str
+    lowered: dict[str, str]     # name expression -> mangled symbol in the image
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    try:
+        import nvidia.cuda_nvrtc as pkg
+        lib = Path(next(iter(pkg.__path__))) / "lib" / "libnvrtc.so.12"
+        return ctypes.CDLL(str(lib))
+    except (ImportError, OSError, StopIteration):
+        pass
+    try:
+        return ctypes.CDLL("libnvrtc.so")
+    except OSError as e:
+        raise KernelBuildError("NVRTC not found: pip install nvidia-cuda-nvrtc-cu12 (a test dependency)") from e
+
+
+def _check(lib: ctypes.CDLL, status: int, what: str) -> None:
+    if status:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise KernelBuildError(f"{what}: {lib.nvrtcGetErrorString(status).decode()}")
+
+
+def compile_cubin(file: str, arch: str = "sm_90") -> Cubin:
+    """Compile `file` for `arch` with NVRTC; raise KernelBuildError with the log on failure."""
+    lib, prog = _nvrtc(), ctypes.c_void_p()
+    text = source(file).encode()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), text, file.encode(), 0, None, None), "nvrtcCreateProgram")
+    try:
+        names = name_expressions(file)
+        for n in names:
+            _check(lib, lib.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
+        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS)]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        log_text = log.value.decode(errors="replace")
+        if status:
+            raise KernelBuildError(f"{file} does not compile for {arch}:\n{log_text}")
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        image = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+        lowered = {}
+        for n in names:
+            out = ctypes.c_char_p()
+            _check(lib, lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out)), f"nvrtcGetLoweredName({n})")
+            lowered[n] = out.value.decode()
+        return Cubin(file, arch, image.raw, log_text, lowered)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.cache
+def _module(file: str):
+    import cupy
+    return cupy.RawModule(code=source(file), options=_OPTIONS, name_expressions=name_expressions(file))
+
+
+def function(kernel: str, dtype_name: str):
+    """The CuPy kernel `kernel<storage of dtype_name>` on the current device (compiled once)."""
+    file = next((f for f, names in KERNELS.items() if kernel in names), None)
+    if file is None or dtype_name not in STORAGE:
+        raise KeyError(f"no kernel {kernel!r} for {dtype_name}")
+    return _module(file).get_function(f"{kernel}<{STORAGE[dtype_name]}>")

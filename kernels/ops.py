@@ -1,0 +1,314 @@
+"""The fused ops as torch custom ops (namespace `autoshard`), so graphs, autograd and torch.compile
+see ordinary ops. Each has an exact torch implementation (kernels/reference.py) that runs on every
+device, a CUDA implementation launching the CuPy kernel of kernels/cuda/ on torch's current stream
+(tensors cross by DLPack, no copies), a fake implementation for tracing, and autograd whose
+backward is again a custom op.
+
+    from autoshard.kernels import ops
+    y = ops.bias_gelu(x, b)                        # gelu(x + b), tanh form
+    y = torch.ops.autoshard.bias_gelu(x, b, "none")   # the erf form, as the registered op
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+from .launch import cuda_impl
+
+__all__ = ["bias_gelu", "swiglu", "scaled_masked_softmax", "bias_dropout_add", "layer_norm", "rms_norm",
+           "rotary", "draw_seed"]
+
+_LIB = "autoshard"
+
+
+def _lead_sum(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if like is None else t.reshape(-1, t.shape[-1]).sum(0).to(like.dtype)
+
+
+# ---- bias + GeLU ---------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::bias_gelu", mutates_args=())
+def _bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    acc = ref._acc(x)
+    return ref.gelu(x.to(acc) + ref._up(bias, acc), approximate == "tanh").to(x.dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::bias_gelu_backward", mutates_args=())
+def _bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                        approximate: str) -> torch.Tensor:
+    acc = ref._acc(x)
+    u = x.to(acc) + ref._up(bias, acc)
+    return (grad.to(acc) * ref.gelu_slope(u, approximate == "tanh")).to(x.dtype)
+
+
+@_bias_gelu.register_fake
+def _(x, bias, approximate):
+    return torch.empty_like(x)
+
+
+@_bias_gelu_backward.register_fake
+def _(grad, x, bias, approximate):
+    return torch.empty_like(x)
+
+
+def _bias_gelu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.approximate = inputs[2]
+
+
+def _bias_gelu_grad(ctx, grad):
+    x, bias = ctx.saved_tensors
+    dx = _bias_gelu_backward(grad, x, bias, ctx.approximate)
+    return dx, _lead_sum(dx, bias), None
+
+
+_bias_gelu.register_autograd(_bias_gelu_grad, setup_context=_bias_gelu_setup)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(x + bias); `approximate` "tanh" or "none" (erf), as torch.nn.functional.gelu."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    return _bias_gelu(x, bias, approximate)
+
+
+# ---- SwiGLU --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::swiglu", mutates_args=())
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
+            up_bias: torch.Tensor | None) -> torch.Tensor:
+    return ref.swiglu_fwd(gate, up, gate_bias, up_bias)
+
+
+@torch.library.custom_op(f"{_LIB}::swiglu_backward", mutates_args=())
+def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
+                     up_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return ref.swiglu_bwd(grad, gate, up, gate_bias, up_bias)
+
+
+@_swiglu.register_fake
+def _(gate, up, gate_bias, up_bias):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@_swiglu_backward.register_fake
+def _(grad, gate, up, gate_bias, up_bias):
+    return torch.empty_like(grad), torch.empty_like(grad)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx, grad):
+    gate, up, gb, ub = ctx.saved_tensors
+    da, du = _swiglu_backward(grad, gate, up, gb, ub)
+    return da, du, _lead_sum(da, gb), _lead_sum(du, ub)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None = None,
+           up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate + gate_bias) * (up + up_bias); gate and up may be two views of one [.., 2n] tensor."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return _swiglu(gate, up, gate_bias, up_bias)
+
+
+# ---- scaled masked softmax -----------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::scaled_masked_softmax", mutates_args=())
+def _softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+    return ref.softmax_fwd(x, mask, scale, causal)
+
+
+@torch.library.custom_op(f"{_LIB}::scaled_masked_softmax_backward", mutates_args=())
+def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    return ref.softmax_bwd(grad, y, scale)
+
+
+@_softmax.register_fake
+def _(x, mask, scale, causal):
+    return torch.empty_like(x)
+
+
+@_softmax_backward.register_fake
+def _(grad, y, scale):
+    return torch.empty_like(y)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[2]
+
+
+def _softmax_grad(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return _softmax_backward(grad, y, ctx.scale), None, None, None
+
+
+_softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
+
+
+def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0,
+                          causal: bool = False) -> torch.Tensor:
+    """softmax(scale * x) over the last dim of [b, heads, sq, sk] scores, keys masked where `mask`
+    [1 or b, sq, sk] is nonzero and, with `causal`, above the diagonal; fully masked rows are 0."""
+    if x.dim() != 4:
+        raise ValueError(f"scaled_masked_softmax takes [batch, heads, sq, sk] scores, got {tuple(x.shape)}")
+    if mask is not None and (mask.dim() != 3 or mask.shape[1:] != x.shape[2:] or mask.shape[0] not in (1, x.shape[0])):
+        raise ValueError(f"mask {tuple(mask.shape)} is not [1 or {x.shape[0]}, {x.shape[2]}, {x.shape[3]}]")
+    return _softmax(x, mask, float(scale), bool(causal))
+
+
+# ---- bias + dropout + residual -------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::bias_dropout_add", mutates_args=())
+def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
+                      seed: int) -> torch.Tensor:
+    acc = ref._acc(x)
+    v = x.to(acc) + ref._up(bias, acc)
+    if p > 0:
+        v = torch.where(ref.keep_mask(x.shape, p, seed, x.device), v / (1 - p), 0.0) if p < 1 else v * 0
+    return (residual.to(acc) + v).to(x.dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::bias_dropout_add_backward", mutates_args=())
+def _bias_dropout_add_backward(grad: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    if p == 0:
+        return grad.clone()
+    if p >= 1:
+        return torch.zeros_like(grad)
+    acc = ref._acc(grad)
+    return torch.where(ref.keep_mask(grad.shape, p, seed, grad.device), grad.to(acc) / (1 - p), 0.0).to(grad.dtype)
+
+
+@_bias_dropout_add.register_fake
+def _(x, bias, residual, p, seed):
+    return torch.empty_like(x)
+
+
+@_bias_dropout_add_backward.register_fake
+def _(grad, p, seed):
+    return torch.empty_like(grad)
+
+
+def _bda_setup(ctx, inputs, output):
+    ctx.bias_like = inputs[1]
+    ctx.p, ctx.seed = inputs[3], inputs[4]
+
+
+def _bda_grad(ctx, grad):
+    dx = _bias_dropout_add_backward(grad, ctx.p, ctx.seed)
+    return dx, _lead_sum(dx, ctx.bias_like), grad, None, None
+
+
+_bias_dropout_add.register_autograd(_bda_grad, setup_context=_bda_setup)
+
+
+def draw_seed(device: torch.device | str = "cpu") -> int:
+    """A 31-bit seed from torch's generator for `device` (so torch.manual_seed and autoshard's
+    per-region RNG states govern the fused dropout too)."""
+    return int(torch.randint(0, 2**31 - 1, (1,), device=device).item())
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, *,
+                     training: bool = True, seed: int | None = None) -> torch.Tensor:
+    """residual + dropout(x + bias, p); the mask is a hash of (seed, element index), regenerated in
+    backward instead of stored."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if x.shape != residual.shape:
+        raise ValueError(f"bias_dropout_add: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    p = float(p) if training else 0.0
+    return _bias_dropout_add(x, bias, residual, p, draw_seed(x.device) if seed is None and p > 0 else (seed or 0))
+
+
+# ---- LayerNorm / RMSNorm -------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::norm", mutates_args=())
+def _norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+          rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ref.norm_fwd(x, weight, bias, eps, rms)
+
+
+@torch.library.custom_op(f"{_LIB}::norm_backward", mutates_args=())
+def _norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+                   rstd: torch.Tensor, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ref.norm_bwd(grad, x, weight, mean, rstd, rms)
+
+
+@_norm.register_fake
+def _(x, weight, bias, eps, rms):
+    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=stat), x.new_empty(x.shape[:-1], dtype=stat)
+
+
+@_norm_backward.register_fake
+def _(grad, x, weight, mean, rstd, rms):
+    acc = ref._acc(x)
+    return torch.empty_like(x), x.new_empty(x.shape[-1:], dtype=acc), x.new_empty(x.shape[-1:], dtype=acc)
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, _, rms = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.rms, ctx.bias_like = rms, bias
+
+
+def _norm_grad(ctx, grad, _gmean, _grstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _norm_backward(grad, x, weight, mean, rstd, ctx.rms)
+    bias = ctx.bias_like
+    return (dx, None if weight is None else dw.to(weight.dtype), None if bias is None else db.to(bias.dtype),
+            None, None)
+
+
+_norm.register_autograd(_norm_grad, setup_context=_norm_setup)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim (torch.nn.functional.layer_norm with normalized_shape = x.shape[-1:])."""
+    return _norm(x, weight, bias, float(eps), False)[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (Llama's RMSNorm)."""
+    return _norm(x, weight, None, float(eps), True)[0]
+
+
+# ---- rotary position embedding -------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::rotary", mutates_args=())
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    return ref.rope_apply(x, cos, sin, inverse)
+
+
+@_rotary.register_fake
+def _(x, cos, sin, inverse):
+    return torch.empty_like(x)
+
+
+def _rotary_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+    ctx.inverse = inputs[3]
+
+
+def _rotary_grad(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    return _rotary(grad, cos, sin, not ctx.inverse), None, None, None
+
+
+_rotary.register_autograd(_rotary_grad, setup_context=_rotary_setup)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding (rotate-half form) applied to q and k [b, heads, s, d] with cos, sin
+    [1 or b, s, d] (no gradient flows into the tables)."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4 or t.shape[-1] % 2 or cos.shape[-2:] != t.shape[-2:]:
+            raise ValueError(f"rotary: {name} {tuple(t.shape)} must be [b, heads, s, d] (d even) matching "
+                             f"cos {tuple(cos.shape)} [1 or b, s, d]")
+    cos, sin = cos.detach(), sin.detach()
+    return _rotary(q, cos, sin, False), _rotary(k, cos, sin, False)
+
+
+cuda_impl(_bias_gelu, _bias_gelu_backward, _swiglu, _swiglu_backward, _softmax, _softmax_backward,
+          _bias_dropout_add, _bias_dropout_add_backward, _norm, _norm_backward, _rotary)
