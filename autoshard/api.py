@@ -23,6 +23,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
+              fuse: bool | None = None,
               world_size: int | None = None, global_batch: int | None = None,
               hardware: str | Hardware = "a100-80gb") -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
@@ -36,6 +37,9 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
     False each rank returns its own shard and no rank materializes full logits.
+    fuse: replace LayerNorm, bias+GeLU, SiLU*up (SwiGLU) and bias+residual subgraphs of every rank
+    graph by autoshard.kernels' fused ops (CuPy kernels on CUDA, exact torch code elsewhere);
+    default: on when the model's parameters are on a CUDA device.
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
     many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
     chosen costmodel.Estimate is `prog.estimate`.
@@ -79,8 +83,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
                             "where the vocabulary-parallel embedding's partial sums are reduced")
+    if fuse is None:                 # fused kernels pay off on GPUs; on CPU they are the torch ops
+        fuse = any(p.is_cuda for p in model.parameters())
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, fuse=bool(fuse))
     prog = ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options, pp=pp, dp=dp,
                           virtual=virtual, microbatches=microbatches, schedule=schedule)
     prog.estimate = chosen

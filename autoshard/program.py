@@ -15,6 +15,7 @@ from .collectives import write_rows
 from .errors import ShardingError
 from .mesh import MeshGroups, ParallelDims
 from .passes.annotate import ShardingPlan, ShardOptions, annotate
+from .passes.fuse import fuse
 from .passes.partition import StageGraph, split_stages
 from .passes.rewrite import rewrite_rank
 from .pipeline import PipelineRuntime
@@ -141,6 +142,8 @@ class ShardedProgram:
         cap = entry.captured
         k = self._compiled.index(entry)
         rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, rank.rank, f"_s{k}" if k else "")   # rewrite
+        if self.options.fuse:        # after the rewrite: fused ops see the shards and the collectives
+            fuse(rg.graph, lambda target: fetch_attr(cap.gm, target))
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:

@@ -185,11 +185,27 @@ _IMPLS = {"bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward, "swi
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _with_fallback(impl, reference):
-    """The kernels take fp32 / fp16 / bf16; anything else (fp64 checks) runs the reference."""
+def _plain(args: tuple) -> bool:
+    """What the kernels take: fp32 / fp16 / bf16, one dtype, and no broadcasting beyond a 1-D bias
+    over the last dim (norm weights, rotary tables and masks are checked by their shapes above)."""
+    ts = [a for a in args if isinstance(a, torch.Tensor) and a.dtype != torch.bool]
+    if ts[0].dtype not in _KERNEL_DTYPES or any(t.dtype != ts[0].dtype for t in ts if t.dim() > 1):
+        return False
+    big = [t for t in ts if t.dim() > 1]
+    vectors = [t for t in ts if t.dim() == 1]
+    return (all(t.shape == big[0].shape for t in big[1:2]) or len(big) < 2) and \
+        all(v.numel() == big[0].shape[-1] for v in vectors)
+
+
+_CHECK_SHAPES = {"bias_gelu", "swiglu", "bias_dropout_add"}
+
+
+def _with_fallback(name: str, impl, reference):
+    """Run the kernel when it takes these arguments, else the exact torch implementation."""
     def run(*args):
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        return impl(*args) if first.dtype in _KERNEL_DTYPES else reference(*args)
+        ok = first.dtype in _KERNEL_DTYPES and (name not in _CHECK_SHAPES or _plain(args))
+        return impl(*args) if ok else reference(*args)
     return run
 
 
@@ -201,4 +217,4 @@ def cuda_impl(*ops) -> None:
         return
     for op in ops:
         name = op._name.split("::")[-1]
-        op.register_kernel("cuda")(_with_fallback(_IMPLS[name], op._init_fn))   # _init_fn: the reference body
+        op.register_kernel("cuda")(_with_fallback(name, _IMPLS[name], op._init_fn))   # _init_fn: the reference body

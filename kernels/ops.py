@@ -21,8 +21,20 @@ __all__ = ["bias_gelu", "swiglu", "scaled_masked_softmax", "bias_dropout_add", "
 _LIB = "autoshard"
 
 
-def _lead_sum(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if like is None else t.reshape(-1, t.shape[-1]).sum(0).to(like.dtype)
+def _sum_to(t: torch.Tensor, like: torch.Tensor | tuple | None) -> torch.Tensor | None:
+    """The gradient of a broadcast input: `t` summed down to `like`'s shape. The ops broadcast as
+    the unfused torch code does (the fusion pass relies on it); the CUDA kernels take the plain
+    case and leave the rest to the torch implementation."""
+    if like is None:
+        return None
+    shape, dtype = like if isinstance(like, tuple) else (like.shape, like.dtype)
+    return t.sum_to_size(shape).to(dtype)
+
+
+def _broadcast(*ts: torch.Tensor | None) -> torch.Tensor:
+    live = [t for t in ts if t is not None]
+    shape = torch.broadcast_shapes(*(t.shape for t in live))
+    return live[0].new_empty(shape)
 
 
 # ---- bias + GeLU ---------------------------------------------------------------------------------
@@ -42,12 +54,12 @@ def _bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor 
 
 @_bias_gelu.register_fake
 def _(x, bias, approximate):
-    return torch.empty_like(x)
+    return _broadcast(x, bias)
 
 
 @_bias_gelu_backward.register_fake
 def _(grad, x, bias, approximate):
-    return torch.empty_like(x)
+    return torch.empty_like(grad)
 
 
 def _bias_gelu_setup(ctx, inputs, output):
@@ -58,7 +70,7 @@ def _bias_gelu_setup(ctx, inputs, output):
 def _bias_gelu_grad(ctx, grad):
     x, bias = ctx.saved_tensors
     dx = _bias_gelu_backward(grad, x, bias, ctx.approximate)
-    return dx, _lead_sum(dx, bias), None
+    return _sum_to(dx, x), _sum_to(dx, bias), None
 
 
 _bias_gelu.register_autograd(_bias_gelu_grad, setup_context=_bias_gelu_setup)
@@ -86,7 +98,7 @@ def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, g
 
 @_swiglu.register_fake
 def _(gate, up, gate_bias, up_bias):
-    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    return _broadcast(gate, up, gate_bias, up_bias)
 
 
 @_swiglu_backward.register_fake
@@ -101,7 +113,7 @@ def _swiglu_setup(ctx, inputs, output):
 def _swiglu_grad(ctx, grad):
     gate, up, gb, ub = ctx.saved_tensors
     da, du = _swiglu_backward(grad, gate, up, gb, ub)
-    return da, du, _lead_sum(da, gb), _lead_sum(du, ub)
+    return _sum_to(da, gate), _sum_to(du, up), _sum_to(da, gb), _sum_to(du, ub)
 
 
 _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
@@ -110,8 +122,6 @@ _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None = None,
            up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate + gate_bias) * (up + up_bias); gate and up may be two views of one [.., 2n] tensor."""
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     return _swiglu(gate, up, gate_bias, up_bias)
 
 
@@ -166,6 +176,9 @@ def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torc
                       seed: int) -> torch.Tensor:
     acc = ref._acc(x)
     v = x.to(acc) + ref._up(bias, acc)
+    if p > 0 and v.shape != residual.shape:
+        raise ValueError(f"bias_dropout_add with p > 0 needs x + bias {tuple(v.shape)} shaped like the "
+                         f"residual {tuple(residual.shape)}")
     if p > 0:
         v = torch.where(ref.keep_mask(x.shape, p, seed, x.device), v / (1 - p), 0.0) if p < 1 else v * 0
     return (residual.to(acc) + v).to(x.dtype)
@@ -183,7 +196,7 @@ def _bias_dropout_add_backward(grad: torch.Tensor, p: float, seed: int) -> torch
 
 @_bias_dropout_add.register_fake
 def _(x, bias, residual, p, seed):
-    return torch.empty_like(x)
+    return _broadcast(x, bias, residual)
 
 
 @_bias_dropout_add_backward.register_fake
@@ -192,13 +205,14 @@ def _(grad, p, seed):
 
 
 def _bda_setup(ctx, inputs, output):
-    ctx.bias_like = inputs[1]
+    ctx.likes = tuple(None if t is None else (t.shape, t.dtype) for t in inputs[:3])
     ctx.p, ctx.seed = inputs[3], inputs[4]
 
 
 def _bda_grad(ctx, grad):
+    x, bias, residual = ctx.likes
     dx = _bias_dropout_add_backward(grad, ctx.p, ctx.seed)
-    return dx, _lead_sum(dx, ctx.bias_like), grad, None, None
+    return _sum_to(dx, x), _sum_to(dx, bias), _sum_to(grad, residual), None, None
 
 
 _bias_dropout_add.register_autograd(_bda_grad, setup_context=_bda_setup)
@@ -216,8 +230,6 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     backward instead of stored."""
     if not 0 <= p <= 1:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    if x.shape != residual.shape:
-        raise ValueError(f"bias_dropout_add: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
     p = float(p) if training else 0.0
     return _bias_dropout_add(x, bias, residual, p, draw_seed(x.device) if seed is None and p > 0 else (seed or 0))
 

@@ -57,11 +57,13 @@ class ShardOptions:
     """What the analysis may do. vocab_parallel: split embeddings, LM heads and the loss over the
     vocabulary; gather_output: return full tensors where the model returns sharded ones (else each
     rank returns its own shard); sequence_parallel: between tensor-parallel regions, split the
-    activations along the sequence (Korthikanti et al. 2022)."""
+    activations along the sequence (Korthikanti et al. 2022); fuse: swap in autoshard.kernels' fused
+    ops after the rewrite (passes/fuse.py)."""
 
     vocab_parallel: bool = True
     gather_output: bool = True
     sequence_parallel: bool = False
+    fuse: bool = False
 
 
 @dataclass

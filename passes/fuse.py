@@ -1,0 +1,185 @@
+"""Fuse: swap subgraphs of a rank graph for the fused ops of autoshard.kernels (runs after rewrite).
+
+The rewrites are data: `RULES` is a table of (name, pattern, build). A pattern is a tree of `P`
+(a call_function node with one of some targets, its arguments matched in turn) and `V` (any value,
+bound to a name, optionally tested); a name bound twice must bind the same node. A match's inner
+nodes must have no other users (they disappear); `build` inserts the replacement before the
+matched root and returns it. Rows are tried in order at every node.
+
+    fused = fuse(graph, lookup)      # -> [(rule name, root node name)], graph rewritten in place
+
+On CUDA the ops run the CuPy kernels, elsewhere their exact torch implementations, so a fused graph
+computes what the unfused one does. The ops broadcast like the torch code they replace (rank
+graphs carry no shapes to check), and their CUDA kernels fall back to the torch implementation
+outside the plain case, so no pattern needs shapes to be correct. Dropout with p > 0 is left alone: the fused kernel draws its
+mask from its own counter-based hash, not from torch's generator, so it would change the masks.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import autoshard.kernels  # noqa: F401  (registers torch.ops.autoshard.*)
+import torch
+import torch.fx as fx
+
+__all__ = ["P", "V", "RULES", "fuse"]
+
+aten, fused = torch.ops.aten, torch.ops.autoshard
+
+
+@dataclass(frozen=True)
+class V:
+    name: str
+    test: Callable[[object], bool] | None = None
+    default: object = ...                      # bound when the node has fewer arguments
+
+
+@dataclass(frozen=True)
+class P:
+    targets: tuple
+    args: tuple = ()
+    bind: str | None = None
+    kwargs_ok: Callable[[dict], bool] = lambda kw: not kw
+
+
+def _match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, root: bool) -> bool:
+    if isinstance(pat, V):
+        if pat.name in env and env[pat.name] is not value:
+            return False
+        if pat.test is not None and not pat.test(value, lookup):
+            return False
+        env[pat.name] = value
+        return True
+    n = value
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in pat.targets
+            and pat.kwargs_ok(dict(n.kwargs))):
+        return False
+    if not root:
+        if len(n.users) != 1:
+            return False
+        inner.append(n)
+    if pat.bind:
+        env[pat.bind] = n
+    for i, sub in enumerate(pat.args):
+        if i < len(n.args):
+            if not _match(sub, n.args[i], env, inner, lookup, False):
+                return False
+        elif isinstance(sub, V) and sub.default is not ...:
+            env.setdefault(sub.name, sub.default)
+        else:
+            return False
+    return True
+
+
+# ---- tests on bound values -------------------------------------------------------------------------
+def _vector_param(v, lookup) -> bool:
+    """A 1-D parameter or buffer (a bias)."""
+    if not (isinstance(v, fx.Node) and v.op == "get_attr"):
+        return False
+    t = lookup(v.target)
+    return isinstance(t, torch.Tensor) and t.dim() == 1
+
+
+def _last_dim_only(v, lookup) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 1
+
+
+def _zero(v, lookup) -> bool:
+    return v == 0
+
+
+# ---- builders -----------------------------------------------------------------------------------------
+# A builder gets `call(target, args, like=root)`, which inserts a node carrying `like`'s meta (its
+# module path places it in the right pipeline stage), the bound values and the matched root.
+Call = Callable[..., fx.Node]
+
+
+def _layer_norm(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    n = call(fused.norm.default, (env["x"], env["w"], env["b"], float(env["eps"]), False))
+    return call(operator.getitem, (n, 0))
+
+
+def _bias_gelu(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    x = call(aten.linear.default, (env["x"], env["w"]), like=env["lin"]) if "lin" in env else env["x"]
+    return call(fused.bias_gelu.default, (x, env["b"], root.kwargs.get("approximate", "none")))
+
+
+def _swiglu(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    return call(fused.swiglu.default, (env["a"], env["u"], None, None))
+
+
+def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    res, y = env["res"], env.get("y")
+    if "lin" in env:                                 # the bias came inside a linear: take it out
+        y = call(aten.linear.default, (env["x"], env["w"]), like=env["lin"])
+    return call(fused.bias_dropout_add.default, (y, env["b"], res, 0.0, 0))
+
+
+def _gelu_ok(kw: dict) -> bool:
+    return set(kw) <= {"approximate"}
+
+
+_BIAS = V("b", _vector_param)
+_LINEAR_BIAS = P((aten.linear.default,), (V("x"), V("w"), _BIAS), bind="lin")
+
+
+def _residual_patterns() -> list[P]:
+    """res + [dropout(p=0)](y + b), both operand orders, and res + linear(x, w, b)."""
+    biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
+    no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero))) for b in biased]
+    inner = no_drop + [P((aten.linear.default,), (V("x"), V("w"), _BIAS), bind="lin")]
+    return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
+            for i, first in itertools.product(inner, (True, False))]
+
+
+RULES: list[tuple[str, P, Callable]] = [
+    ("layer_norm", P((aten.layer_norm.default,),
+                     (V("x"), V("shape", _last_dim_only), V("w", default=None), V("b", default=None),
+                      V("eps", default=1e-5))), _layer_norm),
+    ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
+    ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
+     _bias_gelu),
+    ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),
+    ("swiglu", P((aten.mul.Tensor,), (V("u"), P((aten.silu.default,), (V("a"),)))), _swiglu),
+    *(("bias_residual", p, _bias_residual) for p in _residual_patterns()),
+]
+
+
+def fuse(graph: fx.Graph, lookup: Callable[[str], object],
+         rules: list[tuple[str, P, Callable]] | None = None) -> list[tuple[str, str]]:
+    """Apply `rules` (default RULES) to `graph` in place; `lookup(target)` gives a get_attr node's
+    tensor. Returns (rule, root node) for each fusion made."""
+    done = []
+    for root in list(graph.nodes):
+        if getattr(root, "_erased", False) or root.op != "call_function":
+            continue                                  # erased by an earlier fusion, or not an op
+        for name, pat, build in rules if rules is not None else RULES:
+            env, inner = {}, []
+            if not _match(pat, root, env, inner, lookup, True):
+                continue
+            made: list[fx.Node] = []
+
+            def call(target, args, like=root):
+                n = graph.call_function(target, args)
+                n.meta = {k: v for k, v in like.meta.items() if like is not root or k != "val"}
+                made.append(n)
+                return n
+            with graph.inserting_before(root):
+                new = build(call, env, root)
+            if new is None:
+                for n in reversed(made):
+                    graph.erase_node(n)
+                continue
+            new.meta = {**root.meta, "fused": name}
+            root.replace_all_uses_with(new)
+            graph.erase_node(root)
+            for n in reversed(inner):
+                if not n.users:
+                    graph.erase_node(n)
+            done.append((name, root.name))
+            break
+    graph.lint()
+    return done
