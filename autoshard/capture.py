@@ -107,11 +107,11 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True)
     """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index).
     A model on the meta device is traced with its example inputs moved there too (only shapes
     matter); its graph then names the meta device, until materialization retargets it."""
-    if any(p.is_meta for p in model.parameters()):
-        named = pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, named)
-    # Every example tensor its own contiguous copy: export would read one tensor passed as two
-    # inputs (idx and targets both `ids`) as one input, and reject overlapping views of one batch.
-    named = pytree.tree_map(lambda x: x.clone(memory_format=torch.contiguous_format)
+    # Every example tensor its own contiguous copy (on meta for a meta model): export would read one
+    # tensor passed as two inputs (idx and targets both `ids`) as one input, and reject overlapping
+    # views of one batch.
+    meta = any(p.is_meta for p in model.parameters())
+    named = pytree.tree_map(lambda x: (x.to("meta") if meta else x.clone(memory_format=torch.contiguous_format))
                             if isinstance(x, torch.Tensor) else x, named)
     errors = []
     for dyn in ((True, False) if dynamic else (False,)):

@@ -111,6 +111,7 @@ def _module(file: str):
     return cupy.RawModule(code=source(file), options=_OPTIONS, name_expressions=name_expressions(file))
 
 
+@functools.cache
 def function(kernel: str, dtype_name: str):
     """The CuPy kernel `kernel<storage of dtype_name>` on the current device (compiled once)."""
     file = next((f for f, names in KERNELS.items() if kernel in names), None)

@@ -175,37 +175,42 @@ def rotary(x, cos, sin, inverse):
     return y
 
 
-_IMPLS = {"bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward, "swiglu": swiglu,
-          "swiglu_backward": swiglu_backward, "scaled_masked_softmax": softmax,
-          "scaled_masked_softmax_backward": softmax_backward, "bias_dropout_add": bias_dropout_add,
-          "bias_dropout_add_backward": bias_dropout_add_backward, "norm": norm, "norm_backward": norm_backward,
-          "rotary": rotary}
-
-
+# op -> (CUDA implementation, positions of the arguments the kernel reads as the first tensor's
+# kind: same dtype, and its shape or a vector over its last dim). Anything else falls back.
+_KERNELS = {
+    "bias_gelu": (bias_gelu, (1,)),
+    "bias_gelu_backward": (bias_gelu_backward, (1, 2)),
+    "swiglu": (swiglu, (1, 2, 3)),
+    "swiglu_backward": (swiglu_backward, (1, 2, 3, 4)),
+    "scaled_masked_softmax": (softmax, ()),
+    "scaled_masked_softmax_backward": (softmax_backward, (1,)),
+    "bias_dropout_add": (bias_dropout_add, (1, 2)),
+    "bias_dropout_add_backward": (bias_dropout_add_backward, ()),
+    "norm": (norm, (1, 2)),
+    "norm_backward": (norm_backward, (1, 2)),
+    "rotary": (rotary, ()),
+}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _plain(args: tuple) -> bool:
-    """What the kernels take: fp32 / fp16 / bf16, one dtype, and no broadcasting beyond a 1-D bias
-    over the last dim (norm weights, rotary tables and masks are checked by their shapes above)."""
-    ts = [a for a in args if isinstance(a, torch.Tensor) and a.dtype != torch.bool]
-    if ts[0].dtype not in _KERNEL_DTYPES or any(t.dtype != ts[0].dtype for t in ts if t.dim() > 1):
+def _kernel_takes(args: tuple, like_first: tuple[int, ...]) -> bool:
+    """fp32 / fp16 / bf16, and every `like_first` argument (if given) of the first's dtype with its
+    shape or as a vector over its last dim: the kernels neither convert nor broadcast otherwise."""
+    first = args[0]
+    if first.dtype not in _KERNEL_DTYPES:
         return False
-    big = [t for t in ts if t.dim() > 1]
-    vectors = [t for t in ts if t.dim() == 1]
-    return (all(t.shape == big[0].shape for t in big[1:2]) or len(big) < 2) and \
-        all(v.numel() == big[0].shape[-1] for v in vectors)
+    for i in like_first:
+        t = args[i]
+        if t is not None and (t.dtype != first.dtype or (t.shape != first.shape and
+                                                         not (t.dim() == 1 and t.numel() == first.shape[-1]))):
+            return False
+    return True
 
 
-_CHECK_SHAPES = {"bias_gelu", "swiglu", "bias_dropout_add"}
-
-
-def _with_fallback(name: str, impl, reference):
+def _with_fallback(impl, like_first: tuple[int, ...], reference):
     """Run the kernel when it takes these arguments, else the exact torch implementation."""
     def run(*args):
-        first = next(a for a in args if isinstance(a, torch.Tensor))
-        ok = first.dtype in _KERNEL_DTYPES and (name not in _CHECK_SHAPES or _plain(args))
-        return impl(*args) if ok else reference(*args)
+        return impl(*args) if _kernel_takes(args, like_first) else reference(*args)
     return run
 
 
@@ -216,5 +221,5 @@ def cuda_impl(*ops) -> None:
     except ImportError:
         return
     for op in ops:
-        name = op._name.split("::")[-1]
-        op.register_kernel("cuda")(_with_fallback(name, _IMPLS[name], op._init_fn))   # _init_fn: the reference body
+        impl, like_first = _KERNELS[op._name.split("::")[-1]]
+        op.register_kernel("cuda")(_with_fallback(impl, like_first, op._init_fn))   # _init_fn: the reference body

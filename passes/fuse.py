@@ -21,7 +21,6 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
-import autoshard.kernels  # noqa: F401  (registers torch.ops.autoshard.*)
 import torch
 import torch.fx as fx
 
@@ -130,7 +129,7 @@ def _residual_patterns() -> list[P]:
     """res + [dropout(p=0)](y + b), both operand orders, and res + linear(x, w, b)."""
     biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
     no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero))) for b in biased]
-    inner = no_drop + [P((aten.linear.default,), (V("x"), V("w"), _BIAS), bind="lin")]
+    inner = no_drop + [_LINEAR_BIAS]
     return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
             for i, first in itertools.product(inner, (True, False))]
 
@@ -152,6 +151,7 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object],
          rules: list[tuple[str, P, Callable]] | None = None) -> list[tuple[str, str]]:
     """Apply `rules` (default RULES) to `graph` in place; `lookup(target)` gives a get_attr node's
     tensor. Returns (rule, root node) for each fusion made."""
+    import autoshard.kernels  # noqa: F401  (registers torch.ops.autoshard.*; only when fusing)
     done = []
     for root in list(graph.nodes):
         if getattr(root, "_erased", False) or root.op != "call_function":
@@ -160,19 +160,12 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object],
             env, inner = {}, []
             if not _match(pat, root, env, inner, lookup, True):
                 continue
-            made: list[fx.Node] = []
-
             def call(target, args, like=root):
                 n = graph.call_function(target, args)
                 n.meta = {k: v for k, v in like.meta.items() if like is not root or k != "val"}
-                made.append(n)
                 return n
             with graph.inserting_before(root):
                 new = build(call, env, root)
-            if new is None:
-                for n in reversed(made):
-                    graph.erase_node(n)
-                continue
             new.meta = {**root.meta, "fused": name}
             root.replace_all_uses_with(new)
             graph.erase_node(root)

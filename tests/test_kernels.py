@@ -168,3 +168,16 @@ def test_cuda_kernels_match_the_float64_reference(dtype, shape):
             got = fn(x, b)
         want = fn(x.double().cpu(), b.double().cpu())
         assert not got.isnan().any() and _rel(got.cpu(), want) < tol
+
+
+def test_cuda_path_takes_only_what_the_kernels_read_else_the_reference():
+    """The kernels read every tensor as the first one's dtype and do not broadcast beyond a vector
+    over the last dim; anything else must go to the exact torch implementation."""
+    from autoshard.kernels.launch import _KERNELS, _kernel_takes
+    x, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    like = _KERNELS["bias_dropout_add"][1]
+    assert _kernel_takes((x, b, x.clone(), 0.1, 3), like)
+    assert not _kernel_takes((x, b.float(), x, 0.1, 3), like)               # an fp32 bias on bf16 data
+    assert not _kernel_takes((x, b, torch.randn(4, 1, dtype=torch.bfloat16), 0.1, 3), like)   # broadcast residual
+    assert not _kernel_takes((x.double(), None, x.double(), 0.0, 0), like)  # fp64: reference
+    assert not _kernel_takes((x, x.float()[0], x[0], 1e-5, False), _KERNELS["norm"][1])   # fp32 LayerNorm weight

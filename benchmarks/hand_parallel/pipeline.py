@@ -139,10 +139,11 @@ class PipelineGPT(nn.Module):
         return loss
 
     def _sum_embedding_grads(self) -> None:
+        """Pipeline rank 0's first chunk is stage 0 (the embedding), rank p - 1's last chunk the
+        last stage (the head): their tied weight's two gradients are summed."""
         if self.emb_group is None:
             return
-        first, lastc = self.chunks[0], self.chunks[-1]
-        if self.pp_rank == 0 and first.first:
-            dist.all_reduce(first.wte.weight.grad, group=self.emb_group)
-        if self.pp_rank == self.p - 1 and lastc.last:
-            dist.all_reduce(lastc.head.grad, group=self.emb_group)
+        if self.pp_rank == 0:
+            dist.all_reduce(self.chunks[0].wte.weight.grad, group=self.emb_group)
+        if self.pp_rank == self.p - 1:
+            dist.all_reduce(self.chunks[-1].head.grad, group=self.emb_group)
