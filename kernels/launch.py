@@ -1,28 +1,61 @@
 """CUDA implementations of the fused ops: CuPy launches of kernels/cuda/ on torch's current stream.
 
-Tensors cross to CuPy by DLPack (no copies); absent optional tensors are null pointers. Element-wise
-kernels take 16-byte packs when the last dim and every pointer allow (`vec`), row kernels one
-block per row. Only registered when CuPy imports; without it CUDA tensors run the reference.
+Tensors cross to CuPy by DLPack (no copies), converted while CuPy's current stream is torch's, so
+the exchange adds no cross-stream wait (and works under CUDA graph capture); absent optional tensors
+are null pointers. Element-wise kernels take 16-byte packs when the last dim and every pointer allow
+(`vec`), row kernels one block per row. Only registered when CuPy imports; without it CUDA tensors
+run the reference. `poisoned_outputs()` fills every buffer a kernel writes with NaN first, so a
+test sees any element a kernel leaves unwritten.
 """
 from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from .build import function
+from .reference import result_dtype
 
-__all__ = ["cuda_impl"]
+__all__ = ["cuda_impl", "poisoned_outputs", "LAUNCHES"]
 
 _THREADS = 256
+_POISON = False
+LAUNCHES: Counter[str] = Counter()      # kernel name -> launches (tests: the kernel ran, not the fallback)
 
 
-def _ptr(t: torch.Tensor | None):
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Within the block, every output buffer the kernels write starts as NaN (checks, not speed)."""
+    global _POISON
+    before, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = before
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if _POISON else t
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    return _empty(t.shape, t.dtype, t.device)
+
+
+def _arg(a):
+    """A kernel argument for CuPy: tensors by DLPack, None as a null pointer, scalars as they are."""
     import cupy
-    return np.uint64(0) if t is None else cupy.from_dlpack(t.detach())
+    if isinstance(a, torch.Tensor):
+        return cupy.from_dlpack(a.detach())
+    return np.uint64(0) if a is None else a
 
 
 def _aligned(*ts: torch.Tensor | None) -> bool:
-    return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
+    return all(t is None or t.data % 16 == 0 for t in ts)
 
 
 def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None) -> int:
@@ -30,11 +63,15 @@ def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None) -> int:
 
 
 def _run(name: str, like: torch.Tensor, blocks: int, args: tuple, threads: int = _THREADS) -> None:
+    """Launch `name<like's dtype>` on torch's current stream with at most 32 blocks per SM (the
+    kernels stride over the rest)."""
     import cupy
     sms = torch.cuda.get_device_properties(like.device).multi_processor_count
     grid = max(1, min(blocks, sms * 32))
+    kernel = function(name, str(like.dtype).removeprefix("torch."))
     with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(like.device).cuda_stream):
-        function(name, str(like.dtype).removeprefix("torch."))((grid,), (threads,), args)
+        kernel((grid,), (threads,), tuple(_arg(a) for a in args))
+    LAUNCHES[name] += 1
 
 
 def _elementwise_blocks(n: int) -> int:
@@ -47,18 +84,18 @@ def _c(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def bias_gelu(x, bias, approximate):
     x, bias = x.contiguous(), _c(bias)
-    y, cols = torch.empty_like(x), x.shape[-1]
+    y, cols = _empty_like(x), x.shape[-1]
     _run("bias_gelu_fwd", x, _elementwise_blocks(x.numel()),
-         (_ptr(x), _ptr(bias), _ptr(y), np.int64(x.numel()), np.int64(cols), np.int32(approximate == "tanh"),
+         (x, bias, y, np.int64(x.numel()), np.int64(cols), np.int32(approximate == "tanh"),
           np.int32(_vec(cols, x, bias, y))))
     return y
 
 
 def bias_gelu_backward(grad, x, bias, approximate):
     grad, x, bias = grad.contiguous(), x.contiguous(), _c(bias)
-    dx, cols = torch.empty_like(x), x.shape[-1]
+    dx, cols = _empty_like(x), x.shape[-1]
     _run("bias_gelu_bwd", x, _elementwise_blocks(x.numel()),
-         (_ptr(grad), _ptr(x), _ptr(bias), _ptr(dx), np.int64(x.numel()), np.int64(cols),
+         (grad, x, bias, dx, np.int64(x.numel()), np.int64(cols),
           np.int32(approximate == "tanh"), np.int32(_vec(cols, x, grad, bias, dx))))
     return dx
 
@@ -77,11 +114,11 @@ def swiglu(gate, up, gate_bias, up_bias):
     u, su = _rows_view(up)
     gb, ub = _c(gate_bias), _c(up_bias)
     rows, cols = a.shape
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y = _empty(gate.shape, gate.dtype, gate.device)
     N = 16 // gate.element_size()
     vec = int(cols % N == 0 and sa % N == 0 and su % N == 0 and _aligned(a, u, gb, ub, y))
     _run("swiglu_fwd", gate, _elementwise_blocks(rows * cols),
-         (_ptr(a), _ptr(u), _ptr(gb), _ptr(ub), _ptr(y), np.int64(rows), np.int64(cols), np.int64(sa),
+         (a, u, gb, ub, y, np.int64(rows), np.int64(cols), np.int64(sa),
           np.int64(su), np.int32(vec)))
     return y
 
@@ -91,11 +128,11 @@ def swiglu_backward(grad, gate, up, gate_bias, up_bias):
     u, su = _rows_view(up)
     g, gb, ub = grad.contiguous(), _c(gate_bias), _c(up_bias)
     rows, cols = a.shape
-    da, du = torch.empty_like(g), torch.empty_like(g)
+    da, du = _empty_like(g), _empty_like(g)
     N = 16 // gate.element_size()
     vec = int(cols % N == 0 and sa % N == 0 and su % N == 0 and _aligned(g, a, u, gb, ub, da, du))
     _run("swiglu_bwd", gate, _elementwise_blocks(rows * cols),
-         (_ptr(g), _ptr(a), _ptr(u), _ptr(gb), _ptr(ub), _ptr(da), _ptr(du), np.int64(rows), np.int64(cols),
+         (g, a, u, gb, ub, da, du, np.int64(rows), np.int64(cols),
           np.int64(sa), np.int64(su), np.int32(vec)))
     return da, du
 
@@ -104,36 +141,36 @@ def softmax(x, mask, scale, causal):
     x = x.contiguous()
     b, h, sq, sk = x.shape
     m = None if mask is None else mask.to(torch.uint8).contiguous()
-    y = torch.empty_like(x)
+    y = _empty_like(x)
     _run("scaled_masked_softmax_fwd", x, b * h * sq,
-         (_ptr(x), _ptr(m), _ptr(y), np.int64(b * h * sq), np.int64(sq), np.int64(sk), np.int64(h),
+         (x, m, y, np.int64(b * h * sq), np.int64(sq), np.int64(sk), np.int64(h),
           np.float32(scale), np.int32(causal), np.int32(m is not None and m.shape[0] > 1)), threads=128)
     return y
 
 
 def softmax_backward(grad, y, scale):
     grad, y = grad.contiguous(), y.contiguous()
-    dx, sk = torch.empty_like(y), y.shape[-1]
+    dx, sk = _empty_like(y), y.shape[-1]
     rows = y.numel() // sk
     _run("scaled_masked_softmax_bwd", y, rows,
-         (_ptr(grad), _ptr(y), _ptr(dx), np.int64(rows), np.int64(sk), np.float32(scale)), threads=128)
+         (grad, y, dx, np.int64(rows), np.int64(sk), np.float32(scale)), threads=128)
     return dx
 
 
 def bias_dropout_add(x, bias, residual, p, seed):
     x, bias, residual = x.contiguous(), _c(bias), residual.contiguous()
-    y, cols = torch.empty_like(x), x.shape[-1]
+    y, cols = _empty_like(x), x.shape[-1]
     _run("bias_dropout_add_fwd", x, _elementwise_blocks(x.numel()),
-         (_ptr(x), _ptr(bias), _ptr(residual), _ptr(y), np.int64(x.numel()), np.int64(cols), np.float32(p),
+         (x, bias, residual, y, np.int64(x.numel()), np.int64(cols), np.float32(p),
           np.uint32(seed & 0xFFFFFFFF), np.int32(_vec(cols, x, bias, residual, y))))
     return y
 
 
 def bias_dropout_add_backward(grad, p, seed):
     grad = grad.contiguous()
-    dx = torch.empty_like(grad)
+    dx = _empty_like(grad)
     _run("bias_dropout_add_bwd", grad, _elementwise_blocks(grad.numel()),
-         (_ptr(grad), _ptr(dx), np.int64(grad.numel()), np.float32(p), np.uint32(seed & 0xFFFFFFFF),
+         (grad, dx, np.int64(grad.numel()), np.float32(p), np.uint32(seed & 0xFFFFFFFF),
           np.int32(_vec(grad.shape[-1], grad, dx))))
     return dx
 
@@ -142,10 +179,10 @@ def norm(x, weight, bias, eps, rms):
     x, weight, bias = x.contiguous(), _c(weight), _c(bias)
     cols = x.shape[-1]
     rows = x.numel() // cols
-    y = torch.empty_like(x)
-    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
-    _run("norm_fwd", x, rows, (_ptr(x), _ptr(weight), _ptr(bias), _ptr(y), _ptr(mean), _ptr(rstd), np.int64(rows),
+    y = _empty_like(x)
+    mean = _empty(x.shape[:-1], torch.float32, x.device)
+    rstd = _empty_like(mean)
+    _run("norm_fwd", x, rows, (x, weight, bias, y, mean, rstd, np.int64(rows),
                                np.int64(cols), np.float32(eps), np.int32(rms)))
     return y, mean, rstd
 
@@ -156,11 +193,11 @@ def norm_backward(grad, x, weight, mean, rstd, rms):
     rows = x.numel() // cols
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     blocks = max(1, min(rows, 2 * sms))
-    dx = torch.empty_like(x)
-    dw = torch.empty(blocks, cols, dtype=torch.float32, device=x.device)
-    db = torch.empty_like(dw)
-    _run("norm_bwd", x, blocks, (_ptr(grad), _ptr(x), _ptr(weight), _ptr(mean.contiguous()), _ptr(rstd.contiguous()),
-                                 _ptr(dx), _ptr(dw), _ptr(db), np.int64(rows), np.int64(cols), np.int32(rms)))
+    dx = _empty_like(x)
+    dw = _empty((blocks, cols), torch.float32, x.device)
+    db = _empty_like(dw)
+    _run("norm_bwd", x, blocks, (grad, x, weight, mean.contiguous(), rstd.contiguous(),
+                                 dx, dw, db, np.int64(rows), np.int64(cols), np.int32(rms)))
     return dx, dw.sum(0), db.sum(0)
 
 
@@ -168,49 +205,55 @@ def rotary(x, cos, sin, inverse):
     x = x.contiguous()
     c, s = cos.float().contiguous(), sin.float().contiguous()
     b, h, seq, d = x.shape
-    y = torch.empty_like(x)
+    y = _empty_like(x)
     _run("rope_apply", x, _elementwise_blocks(x.numel()),
-         (_ptr(x), _ptr(c), _ptr(s), _ptr(y), np.int64(b), np.int64(h), np.int64(seq), np.int64(d),
+         (x, c, s, y, np.int64(b), np.int64(h), np.int64(seq), np.int64(d),
           np.int32(c.shape[0] > 1), np.int32(inverse)))
     return y
 
 
 # op -> (CUDA implementation, positions of the arguments the kernel reads as the first tensor's
-# kind: same dtype, and its shape or a vector over its last dim). Anything else falls back.
+# kind (its shape, or a vector over its last dim), whether dtypes promote). The element-wise ops
+# compute in the promoted dtype like the `x + bias` they replace, so their inputs are converted to
+# it (for a bias, a vector, next to nothing); the others take one dtype or fall back.
 _KERNELS = {
-    "bias_gelu": (bias_gelu, (1,)),
-    "bias_gelu_backward": (bias_gelu_backward, (1, 2)),
-    "swiglu": (swiglu, (1, 2, 3)),
-    "swiglu_backward": (swiglu_backward, (1, 2, 3, 4)),
-    "scaled_masked_softmax": (softmax, ()),
-    "scaled_masked_softmax_backward": (softmax_backward, (1,)),
-    "bias_dropout_add": (bias_dropout_add, (1, 2)),
-    "bias_dropout_add_backward": (bias_dropout_add_backward, ()),
-    "norm": (norm, (1, 2)),
-    "norm_backward": (norm_backward, (1, 2)),
-    "rotary": (rotary, ()),
+    "bias_gelu": (bias_gelu, (1,), True),
+    "bias_gelu_backward": (bias_gelu_backward, (1, 2), True),
+    "swiglu": (swiglu, (1, 2, 3), True),
+    "swiglu_backward": (swiglu_backward, (1, 2, 3, 4), True),
+    "scaled_masked_softmax": (softmax, (), False),
+    "scaled_masked_softmax_backward": (softmax_backward, (1,), False),
+    "bias_dropout_add": (bias_dropout_add, (1, 2), True),
+    "bias_dropout_add_backward": (bias_dropout_add_backward, (), False),
+    "norm": (norm, (1, 2), False),
+    "norm_backward": (norm_backward, (1, 2), False),
+    "rotary": (rotary, (), False),
 }
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _kernel_takes(args: tuple, like_first: tuple[int, ...]) -> bool:
-    """fp32 / fp16 / bf16, and every `like_first` argument (if given) of the first's dtype with its
-    shape or as a vector over its last dim: the kernels neither convert nor broadcast otherwise."""
+def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tuple | None:
+    """The arguments as the kernel reads them, or None where it cannot: every `like_first` tensor
+    (if given) shaped like the first or a vector over its last dim (the kernels broadcast nothing
+    else), all of one fp32 / fp16 / bf16 dtype: the first's, or with `promote` the promoted one
+    they are converted to."""
     first = args[0]
-    if first.dtype not in _KERNEL_DTYPES:
-        return False
-    for i in like_first:
+    live = [i for i in like_first if args[i] is not None]
+    for i in live:
         t = args[i]
-        if t is not None and (t.dtype != first.dtype or (t.shape != first.shape and
-                                                         not (t.dim() == 1 and t.numel() == first.shape[-1]))):
-            return False
-    return True
+        if t.shape != first.shape and not (t.dim() == 1 and t.numel() == first.shape[-1]):
+            return None
+    dtype = result_dtype(first, *(args[i] for i in live)) if promote else first.dtype
+    if dtype not in _KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in live)):
+        return None
+    return tuple(a.to(dtype) if i == 0 or i in live else a for i, a in enumerate(args))
 
 
-def _with_fallback(impl, like_first: tuple[int, ...], reference):
+def _with_fallback(impl, like_first: tuple[int, ...], promote: bool, reference):
     """Run the kernel when it takes these arguments, else the exact torch implementation."""
     def run(*args):
-        return impl(*args) if _kernel_takes(args, like_first) else reference(*args)
+        kernel_args = _kernel_args(args, like_first, promote)
+        return reference(*args) if kernel_args is None else impl(*kernel_args)
     return run
 
 
@@ -221,5 +264,5 @@ def cuda_impl(*ops) -> None:
     except ImportError:
         return
     for op in ops:
-        impl, like_first = _KERNELS[op._name.split("::")[-1]]
-        op.register_kernel("cuda")(_with_fallback(impl, like_first, op._init_fn))   # _init_fn: the reference body
+        impl, like_first, promote = _KERNELS[op._name.split("::")[-1]]
+        op.register_kernel("cuda")(_with_fallback(impl, like_first, promote, op._init_fn))   # _init_fn: the reference body

@@ -32,24 +32,22 @@ def _sum_to(t: torch.Tensor, like: torch.Tensor | tuple | None) -> torch.Tensor 
 
 
 def _broadcast(*ts: torch.Tensor | None) -> torch.Tensor:
+    """The result of an element-wise op over `ts`: broadcast shape, promoted dtype (fake kernels)."""
     live = [t for t in ts if t is not None]
     shape = torch.broadcast_shapes(*(t.shape for t in live))
-    return live[0].new_empty(shape)
+    return live[0].new_empty(shape, dtype=ref.result_dtype(*live))
 
 
 # ---- bias + GeLU ---------------------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::bias_gelu", mutates_args=())
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
-    acc = ref._acc(x)
-    return ref.gelu(x.to(acc) + ref._up(bias, acc), approximate == "tanh").to(x.dtype)
+    return ref.bias_gelu_fwd(x, bias, approximate == "tanh")
 
 
 @torch.library.custom_op(f"{_LIB}::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                         approximate: str) -> torch.Tensor:
-    acc = ref._acc(x)
-    u = x.to(acc) + ref._up(bias, acc)
-    return (grad.to(acc) * ref.gelu_slope(u, approximate == "tanh")).to(x.dtype)
+    return ref.bias_gelu_bwd(grad, x, bias, approximate == "tanh")
 
 
 @_bias_gelu.register_fake
@@ -59,7 +57,7 @@ def _(x, bias, approximate):
 
 @_bias_gelu_backward.register_fake
 def _(grad, x, bias, approximate):
-    return torch.empty_like(grad)
+    return grad.new_empty(grad.shape, dtype=ref.result_dtype(grad, x, bias))
 
 
 def _bias_gelu_setup(ctx, inputs, output):
@@ -103,7 +101,8 @@ def _(gate, up, gate_bias, up_bias):
 
 @_swiglu_backward.register_fake
 def _(grad, gate, up, gate_bias, up_bias):
-    return torch.empty_like(grad), torch.empty_like(grad)
+    dtype = ref.result_dtype(grad, gate, up, gate_bias, up_bias)
+    return grad.new_empty(grad.shape, dtype=dtype), grad.new_empty(grad.shape, dtype=dtype)
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -174,14 +173,15 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None = None, sca
 @torch.library.custom_op(f"{_LIB}::bias_dropout_add", mutates_args=())
 def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
                       seed: int) -> torch.Tensor:
-    acc = ref._acc(x)
+    out = ref.result_dtype(x, bias, residual)
+    acc = ref._acc(out)
     v = x.to(acc) + ref._up(bias, acc)
     if p > 0 and v.shape != residual.shape:
         raise ValueError(f"bias_dropout_add with p > 0 needs x + bias {tuple(v.shape)} shaped like the "
                          f"residual {tuple(residual.shape)}")
     if p > 0:
         v = torch.where(ref.keep_mask(x.shape, p, seed, x.device), v / (1 - p), 0.0) if p < 1 else v * 0
-    return (residual.to(acc) + v).to(x.dtype)
+    return (residual.to(acc) + v).to(out)
 
 
 @torch.library.custom_op(f"{_LIB}::bias_dropout_add_backward", mutates_args=())
@@ -274,6 +274,8 @@ def _norm_grad(ctx, grad, _gmean, _grstd):
 
 
 _norm.register_autograd(_norm_grad, setup_context=_norm_setup)
+# CUDA autocast runs layer_norm in fp32 (CPU autocast leaves it alone); the fused norm does the same.
+torch.library.register_autocast(_norm, "cuda", torch.float32)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,

@@ -1,23 +1,31 @@
 """The fused ops' exact torch implementations: what runs on the CPU, and what the CUDA kernels are
-checked against. Arithmetic in fp32 (fp64 for fp64 inputs), results in the input's dtype.
+checked against. Arithmetic in fp32 (fp64 for fp64 inputs). The element-wise ops return the dtype
+torch's type promotion gives the expression they replace (`x + bias` with a bf16 x and an fp32 bias
+is fp32); norm, softmax and rotary return their input's dtype.
 
 Shapes: x [..., cols]; biases [cols]; attention scores [batch, heads, sq, sk] with a uint8/bool
 mask [1 or batch, sq, sk] (nonzero = masked); rotary tables [1 or batch, seq, dim].
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-__all__ = ["gelu", "gelu_slope", "swiglu_fwd", "swiglu_bwd", "softmax_fwd", "softmax_bwd", "keep_mask",
+__all__ = ["result_dtype", "gelu", "gelu_slope", "bias_gelu_fwd", "bias_gelu_bwd", "swiglu_fwd", "swiglu_bwd", "softmax_fwd", "softmax_bwd", "keep_mask",
            "norm_fwd", "norm_bwd", "rope_apply"]
 
 _M32 = 0xFFFFFFFF
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+def _acc(x: torch.Tensor | torch.dtype) -> torch.dtype:
+    return torch.promote_types(x if isinstance(x, torch.dtype) else x.dtype, torch.float32)
+
+
+def result_dtype(*ts: torch.Tensor | None) -> torch.dtype:
+    """The dtype of an element-wise expression over `ts` under torch's type promotion."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in ts if t is not None))
 
 
 def _up(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:
@@ -38,17 +46,31 @@ def gelu_slope(u: torch.Tensor, tanh_form: bool) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
 
 
+def bias_gelu_fwd(x, b, tanh_form: bool) -> torch.Tensor:
+    out = result_dtype(x, b)
+    acc = _acc(out)
+    return gelu(x.to(acc) + _up(b, acc), tanh_form).to(out)
+
+
+def bias_gelu_bwd(g, x, b, tanh_form: bool) -> torch.Tensor:
+    out = result_dtype(g, x, b)
+    acc = _acc(out)
+    return (g.to(acc) * gelu_slope(x.to(acc) + _up(b, acc), tanh_form)).to(out)
+
+
 def swiglu_fwd(a, u, ba, bu) -> torch.Tensor:
-    acc = _acc(a)
+    out = result_dtype(a, u, ba, bu)
+    acc = _acc(out)
     z, v = a.to(acc) + _up(ba, acc), u.to(acc) + _up(bu, acc)
-    return (torch.nn.functional.silu(z) * v).to(a.dtype)
+    return (torch.nn.functional.silu(z) * v).to(out)
 
 
 def swiglu_bwd(g, a, u, ba, bu) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc(a)
+    out = result_dtype(g, a, u, ba, bu)
+    acc = _acc(out)
     z, v, g = a.to(acc) + _up(ba, acc), u.to(acc) + _up(bu, acc), g.to(acc)
     s = torch.sigmoid(z)
-    return (g * v * s * (1 + z * (1 - s))).to(a.dtype), (g * z * s).to(a.dtype)
+    return (g * v * s * (1 + z * (1 - s))).to(out), (g * z * s).to(out)
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:

@@ -9,7 +9,12 @@ matched root and returns it. Rows are tried in order at every node.
     fused = fuse(graph, lookup)      # -> [(rule name, root node name)], graph rewritten in place
 
 On CUDA the ops run the CuPy kernels, elsewhere their exact torch implementations, so a fused graph
-computes what the unfused one does. The ops broadcast like the torch code they replace (rank
+computes what the unfused one does, in the same dtypes under autocast: the element-wise ops promote
+like the adds they replace, a bias taken out of a linear is cast to the linear's output dtype, and
+the norm runs in fp32 under CUDA autocast as layer_norm does. One exception: under CUDA autocast
+the written-out tanh GeLU's `pow` runs in fp32, so the unfused activation comes out fp32 where the
+fused one is the input's dtype, rounded once from the same fp32 arithmetic; the GEMM that consumes
+it casts to the low precision either way. The ops broadcast like the torch code they replace (rank
 graphs carry no shapes to check), and their CUDA kernels fall back to the torch implementation
 outside the plain case, so no pattern needs shapes to be correct. Dropout with p > 0 is left alone: the fused kernel draws its
 mask from its own counter-based hash, not from torch's generator, so it would change the masks.
@@ -17,6 +22,7 @@ mask from its own counter-based hash, not from torch's generator, so it would ch
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 from typing import Callable
@@ -90,6 +96,11 @@ def _zero(v, lookup) -> bool:
     return v == 0
 
 
+def _const(c: float) -> Callable[[object, object], bool]:
+    """A Python number equal to `c` to fp32 precision (traced constants such as sqrt(2 / pi))."""
+    return lambda v, lookup: isinstance(v, (int, float)) and abs(v - c) <= 1e-6 * abs(c)
+
+
 # ---- builders -----------------------------------------------------------------------------------------
 # A builder gets `call(target, args, like=root)`, which inserts a node carrying `like`'s meta (its
 # module path places it in the right pipeline stage), the bound values and the matched root.
@@ -101,9 +112,22 @@ def _layer_norm(call: Call, env: dict, root: fx.Node) -> fx.Node:
     return call(operator.getitem, (n, 0))
 
 
+def _take_bias_out(call: Call, env: dict) -> tuple[fx.Node, fx.Node]:
+    """linear(x, w, b) -> linear(x, w), and b in that output's dtype: autocast's linear casts its
+    bias with the weight, so the fused op must add the bias as the linear would have."""
+    y = call(aten.linear.default, (env["x"], env["w"]), like=env["lin"])
+    b = call(aten.type_as.default, (env["b"], y), like=env["lin"])
+    b.meta.pop("val", None)                           # the linear's value, not the bias's
+    return y, b
+
+
 def _bias_gelu(call: Call, env: dict, root: fx.Node) -> fx.Node:
-    x = call(aten.linear.default, (env["x"], env["w"]), like=env["lin"]) if "lin" in env else env["x"]
-    return call(fused.bias_gelu.default, (x, env["b"], root.kwargs.get("approximate", "none")))
+    x, b = _take_bias_out(call, env) if "lin" in env else (env["x"], env["b"])
+    return call(fused.bias_gelu.default, (x, b, root.kwargs.get("approximate", "none")))
+
+
+def _gelu_tanh(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    return call(fused.bias_gelu.default, (env["x"], None, "tanh"))
 
 
 def _swiglu(call: Call, env: dict, root: fx.Node) -> fx.Node:
@@ -111,10 +135,8 @@ def _swiglu(call: Call, env: dict, root: fx.Node) -> fx.Node:
 
 
 def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
-    res, y = env["res"], env.get("y")
-    if "lin" in env:                                 # the bias came inside a linear: take it out
-        y = call(aten.linear.default, (env["x"], env["w"]), like=env["lin"])
-    return call(fused.bias_dropout_add.default, (y, env["b"], res, 0.0, 0))
+    y, b = _take_bias_out(call, env) if "lin" in env else (env["y"], env["b"])
+    return call(fused.bias_dropout_add.default, (y, b, env["res"], 0.0, 0))
 
 
 def _gelu_ok(kw: dict) -> bool:
@@ -123,6 +145,16 @@ def _gelu_ok(kw: dict) -> bool:
 
 _BIAS = V("b", _vector_param)
 _LINEAR_BIAS = P((aten.linear.default,), (V("x"), V("w"), _BIAS), bind="lin")
+
+
+def _gelu_tanh_written_out() -> P:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3))), as Hugging Face's gelu_new
+    (GPT-2) traces: the tanh form of aten.gelu spelled in eight element-wise ops."""
+    mul, add, x = (aten.mul.Tensor,), (aten.add.Tensor,), V("x")
+    cubic = P(add, (x, P(mul, (P((aten.pow.Tensor_Scalar,), (x, V("three", _const(3.0)))),
+                               V("c", _const(0.044715))))))
+    inner = P((aten.tanh.default,), (P(mul, (cubic, V("k", _const(math.sqrt(2 / math.pi))))),))
+    return P(mul, (P(mul, (x, V("half", _const(0.5)))), P(add, (inner, V("one", _const(1.0))))))
 
 
 def _residual_patterns() -> list[P]:
@@ -141,6 +173,7 @@ RULES: list[tuple[str, P, Callable]] = [
     ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
     ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
      _bias_gelu),
+    ("gelu_tanh", _gelu_tanh_written_out(), _gelu_tanh),
     ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),
     ("swiglu", P((aten.mul.Tensor,), (V("u"), P((aten.silu.default,), (V("a"),)))), _swiglu),
     *(("bias_residual", p, _bias_residual) for p in _residual_patterns()),
@@ -166,7 +199,7 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object],
                 return n
             with graph.inserting_before(root):
                 new = build(call, env, root)
-            new.meta = {**root.meta, "fused": name}
+            new.meta = {**root.meta, "fused": name, "replaces": root.name}
             root.replace_all_uses_with(new)
             graph.erase_node(root)
             for n in reversed(inner):

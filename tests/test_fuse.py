@@ -11,8 +11,9 @@ from autoshard import autoshard
 from autoshard.testing import build_model, grad_errors, max_rel
 from autoshard.testing.models import VOCAB, input_name, logits_of
 
-# what each model's rank graph should get: LayerNorms, the MLP's bias+GeLU, SiLU*up, bias+residual
-EXPECTED = {"nanogpt": {"layer_norm", "bias_gelu", "bias_residual"}, "gpt2": {"layer_norm"},
+# what each model's rank graph should get: LayerNorms, the MLP's bias+GeLU (GPT-2: its written-out tanh
+# GeLU), SiLU*up, bias+residual
+EXPECTED = {"nanogpt": {"layer_norm", "bias_gelu", "bias_residual"}, "gpt2": {"layer_norm", "gelu_tanh"},
             "llama": {"swiglu"}}
 
 
@@ -20,13 +21,21 @@ def _fused(prog, rank=0) -> set[str]:
     return {n.meta["fused"] for n in prog.rank(rank).graph_module.graph.nodes if "fused" in n.meta}
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("name", list(EXPECTED))
-def test_fused_rank_graphs_match_unfused_forward_and_gradients(name):
+def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device):
+    """fp32, tp=2: on the CPU the fused ops' torch implementations, on CUDA their kernels (which
+    must have run) against the unfused graph's torch ops."""
+    from autoshard.kernels.launch import LAUNCHES
     torch.manual_seed(0)
-    model = build_model(name, heads=8, kv_heads=2)
-    ids, labels = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    model = build_model(name, heads=8, kv_heads=2).to(device)
+    ids, labels = torch.randint(0, VOCAB, (2, 16), device=device), torch.randint(0, VOCAB, (2, 16), device=device)
     kw = {input_name(name): ids}
     results = []
+    launches = sum(LAUNCHES.values())
     for fuse in (False, True):
         prog = autoshard(model, tp=2, example_kwargs=kw, fuse=fuse)
         out = prog.simulate(**kw)
@@ -34,6 +43,7 @@ def test_fused_rank_graphs_match_unfused_forward_and_gradients(name):
         results.append((logits_of(out).detach(), prog.full_grads(), _fused(prog)))
     (plain, plain_grads, none), (fused, fused_grads, kinds) = results
     assert none == set() and kinds == EXPECTED[name]
+    assert (sum(LAUNCHES.values()) > launches) == (device == "cuda")
     assert max_rel(fused, plain) <= 1e-5
     errs = grad_errors(fused_grads, plain_grads)
     worst = max(errs, key=errs.get)
@@ -94,3 +104,35 @@ def test_rules_are_a_table_a_new_row_is_a_new_fusion():
     t = torch.randn(10)
     assert torch.equal(gm(t), torch.relu(-t))
     assert [n.target for n in g.nodes if n.op == "call_function"] == [aten.neg.default, aten.clamp_min.default]
+
+
+def _dtypes_under_autocast(gm: fx.GraphModule, *inputs) -> dict[str, torch.dtype]:
+    """Each node's output dtype under bf16 autocast, a fused node's under the name of the node it replaced."""
+    seen = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                seen[n.meta.get("replaces", n.name)] = out.dtype
+            return out
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Recorder(gm).run(*inputs)
+    return seen
+
+
+def test_fused_ops_return_the_dtypes_of_the_nodes_they_replace_under_autocast():
+    """bf16 autocast (CPU here; the same dispatch on CUDA): a bias taken out of a linear follows
+    the linear's dtype, residual adds promote, so every fused node returns the dtype the unfused
+    node returned (bf16 GeLU activations, fp32 residual stream) and the logits agree."""
+    torch.manual_seed(0)
+    model = build_model("nanogpt")
+    ids = torch.randint(0, VOCAB, (2, 16))
+    gms = [autoshard(model, tp=1, example_inputs=(ids,), fuse=f).rank(0).graph_module for f in (False, True)]
+    plain, fused = (_dtypes_under_autocast(gm, ids) for gm in gms)
+    replaced = [n.meta["replaces"] for n in gms[1].graph.nodes if "replaces" in n.meta]
+    assert {plain[r] for r in replaced} == {torch.bfloat16, torch.float32}      # both kinds were fused
+    assert {r: fused[r] for r in replaced} == {r: plain[r] for r in replaced}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [logits_of(gm(ids)) for gm in gms]
+    assert outs[0].dtype == outs[1].dtype and max_rel(outs[1].float(), outs[0].float()) <= 2e-2
