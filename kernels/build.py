@@ -4,16 +4,19 @@ Each `cuda/*.cu` file is compiled with `cuda/common.cuh` in front of it and its 
 instantiated for fp32, fp16 and bf16 storage (`name<float>`, `name<f16>`, `name<bf16>`).
 `compile_cubin` builds a file for a GPU architecture on any machine with the NVRTC library (the
 `nvidia-cuda-nvrtc-cu12` wheel, a test dependency), so CI catches a kernel that does not build;
-`function` loads a kernel through CuPy on the current CUDA device.
+`function` loads a kernel through CuPy on the current CUDA device. `compile_cubin` also returns
+ptxas's report per kernel (registers, stack frame, spills, shared memory).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["KERNELS", "STORAGE", "source", "name_expressions", "compile_cubin", "function", "KernelBuildError"]
+__all__ = ["KERNELS", "STORAGE", "source", "name_expressions", "compile_cubin", "function", "KernelBuildError",
+           "Resources"]
 
 _DIR = Path(__file__).with_name("cuda")
 
@@ -46,12 +49,32 @@ def name_expressions(file: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Resources:
+    """What ptxas reports per kernel: the first numbers to read before any device time."""
+    registers: int
+    stack_bytes: int
+    spill_bytes: int            # stores + loads
+    shared_bytes: int
+
+
+@dataclass(frozen=True)
 class Cubin:
     file: str
     arch: str
     image: bytes
     log: str
     lowered: dict[str, str]     # name expression -> mangled symbol in the image
+    resources: dict[str, Resources] = field(default_factory=dict)    # name expression -> ptxas report
+
+
+_PROPS = re.compile(r"Function properties for (\S+)\s+ptxas\s+\.\s+(\d+) bytes stack frame, (\d+) bytes spill "
+                    r"stores, (\d+) bytes spill loads\s+ptxas info\s+: Used (\d+) registers[^\n]*?(?:, (\d+) bytes smem)?\n")
+
+
+def _resources(log: str, lowered: dict[str, str]) -> dict[str, Resources]:
+    by_symbol = {m[1]: Resources(int(m[5]), int(m[2]), int(m[3]) + int(m[4]), int(m[6] or 0))
+                 for m in _PROPS.finditer(log + "\n")}
+    return {name: by_symbol[sym] for name, sym in lowered.items() if sym in by_symbol}
 
 
 @functools.cache
@@ -83,7 +106,7 @@ def compile_cubin(file: str, arch: str = "sm_90") -> Cubin:
         names = name_expressions(file)
         for n in names:
             _check(lib, lib.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
-        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS)]
+        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS), b"--ptxas-options=-v"]
         status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -100,7 +123,7 @@ def compile_cubin(file: str, arch: str = "sm_90") -> Cubin:
             out = ctypes.c_char_p()
             _check(lib, lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out)), f"nvrtcGetLoweredName({n})")
             lowered[n] = out.value.decode()
-        return Cubin(file, arch, image.raw, log_text, lowered)
+        return Cubin(file, arch, image.raw, log_text, lowered, _resources(log_text, lowered))
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

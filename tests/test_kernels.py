@@ -18,6 +18,11 @@ def test_kernel_source_compiles_for_sm90(file):
     cubin = build.compile_cubin(file, "sm_90")
     assert cubin.image[:4] == b"\x7fELF"
     assert set(cubin.lowered) == set(build.name_expressions(file)) and all(cubin.lowered.values())
+    # ptxas's report: nothing in local memory (no stack arrays, no spills), and at most 64 registers
+    # per thread, so 256-thread blocks keep at least half of an SM's threads resident
+    assert set(cubin.resources) == set(cubin.lowered)
+    heavy = {k: r for k, r in cubin.resources.items() if r.stack_bytes or r.spill_bytes or r.registers > 64}
+    assert not heavy, heavy
 
 
 def test_a_kernel_that_does_not_build_fails_with_the_log(monkeypatch):
