@@ -3,21 +3,25 @@
 The rewrites are data: `RULES` is a table of (name, pattern, build). A pattern is a tree of `P`
 (a call_function node with one of some targets, its arguments matched in turn) and `V` (any value,
 bound to a name, optionally tested); a name bound twice must bind the same node. A match's inner
-nodes must have no other users (they disappear); `build` inserts the replacement before the
-matched root and returns it. Rows are tried in order at every node.
+nodes must have no other users (export's dtype assertions aside; they go with them); `build`
+inserts the replacement before the matched root and returns it. Rows are tried in order at every
+node.
 
     fused = fuse(graph, lookup)      # -> [(rule name, root node name)], graph rewritten in place
 
 On CUDA the ops run the CuPy kernels, elsewhere their exact torch implementations, so a fused graph
 computes what the unfused one does, in the same dtypes under autocast: the element-wise ops promote
 like the adds they replace, a bias taken out of a linear is cast to the linear's output dtype, and
-the norm runs in fp32 under CUDA autocast as layer_norm does. One exception: under CUDA autocast
-the written-out tanh GeLU's `pow` runs in fp32, so the unfused activation comes out fp32 where the
-fused one is the input's dtype, rounded once from the same fp32 arithmetic; the GEMM that consumes
-it casts to the low precision either way. The ops broadcast like the torch code they replace (rank
-graphs carry no shapes to check), and their CUDA kernels fall back to the torch implementation
-outside the plain case, so no pattern needs shapes to be correct. Dropout with p > 0 is left alone: the fused kernel draws its
-mask from its own counter-based hash, not from torch's generator, so it would change the masks.
+the norm runs in fp32 under CUDA autocast as layer_norm does. Two exceptions, both under CUDA
+autocast only: the written-out tanh GeLU's `pow` runs in fp32 there, so the unfused activation
+comes out fp32 where the fused one has the input's dtype (the same fp32 arithmetic, rounded once;
+the GEMM that reads it casts to the low precision either way); and a written-out RMSNorm of a model
+captured in bf16 casts back to bf16 where the fused norm, like layer_norm, returns fp32.
+
+The ops broadcast like the torch code they replace (rank graphs carry no shapes to check), and
+their CUDA kernels fall back to the torch implementation outside the plain case, so no pattern
+needs shapes to be correct. Dropout with p > 0 is left alone: the fused kernel draws its mask from
+its own counter-based hash, not from torch's generator, so it would change the masks.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ aten, fused = torch.ops.aten, torch.ops.autoshard
 @dataclass(frozen=True)
 class V:
     name: str
-    test: Callable[[object], bool] | None = None
+    test: Callable[[object, Callable, dict], bool] | None = None      # (value, lookup, bindings so far)
     default: object = ...                      # bound when the node has fewer arguments
 
 
@@ -50,11 +54,21 @@ class P:
     kwargs_ok: Callable[[dict], bool] = lambda kw: not kw
 
 
+# export's dtype assertions before a `.to`: not real users; they go with the node they check
+_ASSERTS = (aten._assert_tensor_metadata.default,)
+# bound values a fusion may leave without users, removed with it (pure casts)
+_PURE = (aten.to.dtype,)
+
+
+def _users(n: fx.Node) -> list[fx.Node]:
+    return [u for u in n.users if u.target not in _ASSERTS]
+
+
 def _match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, root: bool) -> bool:
     if isinstance(pat, V):
         if pat.name in env and env[pat.name] is not value:
             return False
-        if pat.test is not None and not pat.test(value, lookup):
+        if pat.test is not None and not pat.test(value, lookup, env):
             return False
         env[pat.name] = value
         return True
@@ -63,7 +77,7 @@ def _match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, 
             and pat.kwargs_ok(dict(n.kwargs))):
         return False
     if not root:
-        if len(n.users) != 1:
+        if len(_users(n)) != 1:
             return False
         inner.append(n)
     if pat.bind:
@@ -80,7 +94,7 @@ def _match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, 
 
 
 # ---- tests on bound values -------------------------------------------------------------------------
-def _vector_param(v, lookup) -> bool:
+def _vector_param(v, lookup, env) -> bool:
     """A 1-D parameter or buffer (a bias)."""
     if not (isinstance(v, fx.Node) and v.op == "get_attr"):
         return False
@@ -88,17 +102,41 @@ def _vector_param(v, lookup) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 1
 
 
-def _last_dim_only(v, lookup) -> bool:
+def _last_dim_only(v, lookup, env) -> bool:
     return isinstance(v, (list, tuple)) and len(v) == 1
 
 
-def _zero(v, lookup) -> bool:
+def _zero(v, lookup, env) -> bool:
     return v == 0
 
 
 def _const(c: float) -> Callable[[object, object], bool]:
     """A Python number equal to `c` to fp32 precision (traced constants such as sqrt(2 / pi))."""
-    return lambda v, lookup: isinstance(v, (int, float)) and abs(v - c) <= 1e-6 * abs(c)
+    return lambda v, lookup, env: isinstance(v, (int, float)) and abs(v - c) <= 1e-6 * abs(c)
+
+
+def _number(v, lookup, env) -> bool:
+    return isinstance(v, (int, float))
+
+
+def _last_dim(v, lookup, env) -> bool:
+    return isinstance(v, (list, tuple)) and list(v) == [-1]
+
+
+def _true(v, lookup, env) -> bool:
+    return v is True
+
+
+def _to_fp32(v, lookup, env) -> bool:
+    """A node `x.to(torch.float32)` (nothing else in the call)."""
+    return (isinstance(v, fx.Node) and v.op == "call_function" and v.target == aten.to.dtype and not v.kwargs
+            and len(v.args) == 2 and v.args[1] == torch.float32)
+
+
+def _weight_dtype(v, lookup, env) -> bool:
+    """The dtype a written-out norm casts back to is its weight's, so weight * y.to(dtype) has the
+    dtype the fused norm returns (the input's: export asserts it is the captured one)."""
+    return isinstance(v, torch.dtype) and lookup(env["w"].target).dtype == v
 
 
 # ---- builders -----------------------------------------------------------------------------------------
@@ -124,6 +162,12 @@ def _take_bias_out(call: Call, env: dict) -> tuple[fx.Node, fx.Node]:
 def _bias_gelu(call: Call, env: dict, root: fx.Node) -> fx.Node:
     x, b = _take_bias_out(call, env) if "lin" in env else (env["x"], env["b"])
     return call(fused.bias_gelu.default, (x, b, root.kwargs.get("approximate", "none")))
+
+
+def _rms_norm(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    x = env["h"].args[0]                             # the norm's input before its cast to fp32
+    n = call(fused.norm.default, (x, env["w"], None, float(env["eps"]), True))
+    return call(operator.getitem, (n, 0))
 
 
 def _gelu_tanh(call: Call, env: dict, root: fx.Node) -> fx.Node:
@@ -157,6 +201,16 @@ def _gelu_tanh_written_out() -> P:
     return P(mul, (P(mul, (x, V("half", _const(0.5)))), P(add, (inner, V("one", _const(1.0))))))
 
 
+def _rms_norm_written_out() -> P:
+    """weight * (h * rsqrt(mean(h ** 2, -1, keepdim) + eps)).to(dtype), h = x.to(float32), as
+    Hugging Face's LlamaRMSNorm traces (dtype: the input's at capture, which must be the weight's)."""
+    h = V("h", _to_fp32)
+    mean_sq = P((aten.mean.dim,), (P((aten.pow.Tensor_Scalar,), (h, V("two", _const(2.0)))), V("dims", _last_dim),
+                                   V("keep", _true)))
+    normed = P((aten.mul.Tensor,), (h, P((aten.rsqrt.default,), (P((aten.add.Tensor,), (mean_sq, V("eps", _number))),))))
+    return P((aten.mul.Tensor,), (V("w", _vector_param), P((aten.to.dtype,), (normed, V("dtype", _weight_dtype)))))
+
+
 def _residual_patterns() -> list[P]:
     """res + [dropout(p=0)](y + b), both operand orders, and res + linear(x, w, b)."""
     biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
@@ -173,6 +227,7 @@ RULES: list[tuple[str, P, Callable]] = [
     ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
     ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
      _bias_gelu),
+    ("rms_norm", _rms_norm_written_out(), _rms_norm),
     ("gelu_tanh", _gelu_tanh_written_out(), _gelu_tanh),
     ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),
     ("swiglu", P((aten.mul.Tensor,), (V("u"), P((aten.silu.default,), (V("a"),)))), _swiglu),
@@ -202,9 +257,14 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object],
             new.meta = {**root.meta, "fused": name, "replaces": root.name}
             root.replace_all_uses_with(new)
             graph.erase_node(root)
-            for n in reversed(inner):
+            for n in inner:                            # matched top-down: users before what they use
+                for u in [u for u in n.users if u.target in _ASSERTS and not u.users]:
+                    graph.erase_node(u)
                 if not n.users:
                     graph.erase_node(n)
+            for v in env.values():                     # a cast the match read, now read by nothing
+                if isinstance(v, fx.Node) and v.op == "call_function" and v.target in _PURE and not v.users:
+                    graph.erase_node(v)
             done.append((name, root.name))
             break
     graph.lint()
