@@ -127,6 +127,11 @@ def _true(v, lookup, env) -> bool:
     return v is True
 
 
+def _keeps_bias_dim(v, lookup, env) -> bool:
+    """A view's shape whose last dim is the bias's length (so the bias can be added after it)."""
+    return isinstance(v, (list, tuple)) and v[-1] == lookup(env["b"].target).shape[0]
+
+
 def _to_fp32(v, lookup, env) -> bool:
     """A node `x.to(torch.float32)` (nothing else in the call)."""
     return (isinstance(v, fx.Node) and v.op == "call_function" and v.target == aten.to.dtype and not v.kwargs
@@ -180,6 +185,8 @@ def _swiglu(call: Call, env: dict, root: fx.Node) -> fx.Node:
 
 def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
     y, b = _take_bias_out(call, env) if "lin" in env else (env["y"], env["b"])
+    if "shape" in env:                               # (y + b).view(shape) = y.view(shape) + b
+        y = call(aten.view.default, (y, env["shape"]))
     return call(fused.bias_dropout_add.default, (y, b, env["res"], 0.0, 0))
 
 
@@ -212,8 +219,11 @@ def _rms_norm_written_out() -> P:
 
 
 def _residual_patterns() -> list[P]:
-    """res + [dropout(p=0)](y + b), both operand orders, and res + linear(x, w, b)."""
+    """res + [dropout(p=0)]([view](y + b)), both operand orders, and res + linear(x, w, b). The
+    view is the one a 2-D GEMM's output takes back to [b, s, h] (GPT-2's Conv1D); it must keep the
+    last dim, the bias's."""
     biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
+    biased += [P((aten.view.default,), (b, V("shape", _keeps_bias_dim))) for b in biased]
     no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero))) for b in biased]
     inner = no_drop + [_LINEAR_BIAS]
     return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
