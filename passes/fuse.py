@@ -214,7 +214,8 @@ def _rms_norm_written_out() -> P:
     h = V("h", _to_fp32)
     mean_sq = P((aten.mean.dim,), (P((aten.pow.Tensor_Scalar,), (h, V("two", _const(2.0)))), V("dims", _last_dim),
                                    V("keep", _true)))
-    normed = P((aten.mul.Tensor,), (h, P((aten.rsqrt.default,), (P((aten.add.Tensor,), (mean_sq, V("eps", _number))),))))
+    rstd = P((aten.rsqrt.default,), (P((aten.add.Tensor,), (mean_sq, V("eps", _number))),))
+    normed = P((aten.mul.Tensor,), (h, rstd))
     return P((aten.mul.Tensor,), (V("w", _vector_param), P((aten.to.dtype,), (normed, V("dtype", _weight_dtype)))))
 
 
