@@ -68,7 +68,8 @@ class Cubin:
 
 
 _PROPS = re.compile(r"Function properties for (\S+)\s+ptxas\s+\.\s+(\d+) bytes stack frame, (\d+) bytes spill "
-                    r"stores, (\d+) bytes spill loads\s+ptxas info\s+: Used (\d+) registers[^\n]*?(?:, (\d+) bytes smem)?\n")
+                    r"stores, (\d+) bytes spill loads\s+ptxas info\s+: Used (\d+) registers"
+                    r"[^\n]*?(?:, (\d+) bytes smem)?\n")
 
 
 def _resources(log: str, lowered: dict[str, str]) -> dict[str, Resources]:

@@ -69,7 +69,8 @@ def _run(name: str, like: torch.Tensor, blocks: int, args: tuple, threads: int =
     sms = torch.cuda.get_device_properties(like.device).multi_processor_count
     grid = max(1, min(blocks, sms * 32))
     kernel = function(name, str(like.dtype).removeprefix("torch."))
-    with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(like.device).cuda_stream):
+    stream = torch.cuda.current_stream(like.device).cuda_stream
+    with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(stream):
         kernel((grid,), (threads,), tuple(_arg(a) for a in args))
     LAUNCHES[name] += 1
 
@@ -265,4 +266,5 @@ def cuda_impl(*ops) -> None:
         return
     for op in ops:
         impl, like_first, promote = _KERNELS[op._name.split("::")[-1]]
-        op.register_kernel("cuda")(_with_fallback(impl, like_first, promote, op._init_fn))   # _init_fn: the reference body
+        # op._init_fn: the function the op was defined with, its exact torch implementation
+        op.register_kernel("cuda")(_with_fallback(impl, like_first, promote, op._init_fn))

@@ -13,8 +13,8 @@ import math
 
 import torch
 
-__all__ = ["result_dtype", "gelu", "gelu_slope", "bias_gelu_fwd", "bias_gelu_bwd", "swiglu_fwd", "swiglu_bwd", "softmax_fwd", "softmax_bwd", "keep_mask",
-           "norm_fwd", "norm_bwd", "rope_apply"]
+__all__ = ["result_dtype", "gelu", "gelu_slope", "bias_gelu_fwd", "bias_gelu_bwd", "swiglu_fwd", "swiglu_bwd",
+           "softmax_fwd", "softmax_bwd", "keep_mask", "norm_fwd", "norm_bwd", "rope_apply"]
 
 _M32 = 0xFFFFFFFF
 
