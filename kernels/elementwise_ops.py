@@ -1,6 +1,6 @@
 """Element-wise fused ops as custom ops: bias + GeLU, SwiGLU, bias + dropout + residual. Each
-returns the dtype torch's type promotion gives the expression it replaces 
-(`x + bias` with a bf16 x and an fp32 bias is fp32), so a fused graph keeps the unfused dtypes."""
+returns the dtype torch's type promotion gives the expression it replaces (`x + bias` with a bf16
+x and an fp32 bias is fp32), so a fused graph keeps the unfused one's dtypes."""
 from __future__ import annotations
 
 import torch
