@@ -39,10 +39,14 @@ __all__ = ["P", "V", "RULES", "fuse"]
 aten, fused = torch.ops.aten, torch.ops.autoshard
 
 
+# a test on a bound value: (value, lookup of a get_attr target, the bindings made so far) -> ok
+Test = Callable[[object, Callable[[str], object], dict], bool]
+
+
 @dataclass(frozen=True)
 class V:
     name: str
-    test: Callable[[object, Callable, dict], bool] | None = None      # (value, lookup, bindings so far)
+    test: Test | None = None
     default: object = ...                      # bound when the node has fewer arguments
 
 
@@ -110,7 +114,7 @@ def _zero(v, lookup, env) -> bool:
     return v == 0
 
 
-def _const(c: float) -> Callable[[object, object], bool]:
+def _const(c: float) -> Test:
     """A Python number equal to `c` to fp32 precision (traced constants such as sqrt(2 / pi))."""
     return lambda v, lookup, env: isinstance(v, (int, float)) and abs(v - c) <= 1e-6 * abs(c)
 
