@@ -22,6 +22,7 @@ from .reference import result_dtype
 __all__ = ["cuda_impl", "poisoned_outputs", "LAUNCHES"]
 
 _THREADS = 256
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _POISON = False
 LAUNCHES: Counter[str] = Counter()      # kernel name -> launches (tests: the kernel ran, not the fallback)
 
@@ -202,8 +203,8 @@ def norm_backward(grad, x, weight, mean, rstd, rms):
     return dx, dw.sum(0), db.sum(0)
 
 
-def rotary(x, cos, sin, inverse):
-    x = x.contiguous()
+def rotary(x, cos, sin, inverse, half):
+    x = x.to(result_dtype(x, cos, sin)).contiguous()        # x * cos promotes (an fp32 table under autocast)
     c, s = cos.float().contiguous(), sin.float().contiguous()
     b, h, seq, d = x.shape
     y = _empty_like(x)
@@ -213,10 +214,17 @@ def rotary(x, cos, sin, inverse):
     return y
 
 
+def _rotary_takes(args: tuple) -> bool:
+    """The kernel rotates [b, heads, s, d] at the middle of d, in a dtype it has."""
+    x, cos, sin, _, half = args
+    return x.dim() == 4 and 2 * half == x.shape[-1] and result_dtype(x, cos, sin) in _KERNEL_DTYPES
+
+
 # op -> (CUDA implementation, positions of the arguments the kernel reads as the first tensor's
-# kind (its shape, or a vector over its last dim), whether dtypes promote). The element-wise ops
-# compute in the promoted dtype like the `x + bias` they replace, so their inputs are converted to
-# it (for a bias, a vector, next to nothing); the others take one dtype or fall back.
+# kind (its shape, or a vector over its last dim), whether dtypes promote[, a further test of the
+# arguments]). The element-wise ops compute in the promoted dtype like the `x + bias` they replace,
+# so their inputs are converted to it (for a bias, a vector, next to nothing); the others take one
+# dtype or fall back.
 _KERNELS = {
     "bias_gelu": (bias_gelu, (1,), True),
     "bias_gelu_backward": (bias_gelu_backward, (1, 2), True),
@@ -228,9 +236,8 @@ _KERNELS = {
     "bias_dropout_add_backward": (bias_dropout_add_backward, (), False),
     "norm": (norm, (1, 2), False),
     "norm_backward": (norm_backward, (1, 2), False),
-    "rotary": (rotary, (), False),
+    "rotary": (rotary, (), False, _rotary_takes),
 }
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tuple | None:
@@ -250,10 +257,10 @@ def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tup
     return tuple(a.to(dtype) if i == 0 or i in live else a for i, a in enumerate(args))
 
 
-def _with_fallback(impl, like_first: tuple[int, ...], promote: bool, reference):
+def _with_fallback(impl, like_first: tuple[int, ...], promote: bool, takes, reference):
     """Run the kernel when it takes these arguments, else the exact torch implementation."""
     def run(*args):
-        kernel_args = _kernel_args(args, like_first, promote)
+        kernel_args = _kernel_args(args, like_first, promote) if takes is None or takes(args) else None
         return reference(*args) if kernel_args is None else impl(*kernel_args)
     return run
 
@@ -265,6 +272,6 @@ def cuda_impl(*ops) -> None:
     except ImportError:
         return
     for op in ops:
-        impl, like_first, promote = _KERNELS[op._name.split("::")[-1]]
+        impl, like_first, promote, *takes = _KERNELS[op._name.split("::")[-1]]
         # op._init_fn: the function the op was defined with, its exact torch implementation
-        op.register_kernel("cuda")(_with_fallback(impl, like_first, promote, op._init_fn))
+        op.register_kernel("cuda")(_with_fallback(impl, like_first, promote, *(takes or [None]), op._init_fn))

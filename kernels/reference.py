@@ -146,12 +146,17 @@ def norm_bwd(g, x, w, mean, rstd, rms: bool):
     return dx.to(x.dtype), (gf * xh).sum(lead), gf.sum(lead)
 
 
-def rope_apply(x, cos, sin, inverse: bool) -> torch.Tensor:
-    """x [b, h, s, d]; cos, sin [1 or b, s, d]. inverse: the backward (transpose of the rotation)."""
-    acc = _acc(x)
+def rope_apply(x, cos, sin, inverse: bool, half: int) -> torch.Tensor:
+    """x [b, h, s, d]; cos, sin [1 or b, s, d] shared by the heads; the rotation pairs the two parts
+    of d split at `half` (d / 2 in every model we know). inverse: the backward (the transpose)."""
+    if x.dim() != 4 or not 0 < half < x.shape[-1]:
+        raise ValueError(f"rotary: x {tuple(x.shape)} must be [b, heads, s, d] with 0 < half ({half}) < d")
+    out = result_dtype(x, cos, sin)                  # x * cos promotes, as the unfused code does
+    acc, d = _acc(out), x.shape[-1]
     xf, c, s = x.to(acc), cos.to(acc).unsqueeze(1), sin.to(acc).unsqueeze(1)
-    x1, x2 = xf.chunk(2, dim=-1)
     if not inverse:
-        return (xf * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
-    s1, s2 = s.chunk(2, dim=-1)
-    return (xf * c + torch.cat([x2 * s2, -x1 * s1], dim=-1)).to(x.dtype)
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * s
+    else:                                            # the transpose of x -> cat([-x[h:], x[:h]]) * s
+        xs = xf * s
+        rotated = torch.cat([xs[..., d - half:], -xs[..., :d - half]], dim=-1)
+    return (xf * c + rotated).to(out)

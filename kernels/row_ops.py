@@ -1,5 +1,5 @@
 """Row-wise fused ops as custom ops: scaled masked softmax, LayerNorm / RMSNorm, rotary embedding.
-Each returns its input's dtype (the norm runs in fp32 under CUDA autocast, as layer_norm does)."""
+The norm returns its input's dtype, softmax too; rotary promotes like the `x * cos` it replaces."""
 from __future__ import annotations
 
 import torch
@@ -96,8 +96,10 @@ def _norm_grad(ctx, grad, _gmean, _grstd):
 
 
 _norm.register_autograd(_norm_grad, setup_context=_norm_setup)
-# CUDA autocast runs layer_norm in fp32 (CPU autocast leaves it alone); the fused norm does the same.
-torch.library.register_autocast(_norm, "cuda", torch.float32)
+# No autocast rule (CUDA autocast runs layer_norm in fp32): registering one with
+# torch.library.register_autocast made a later call of another autoshard op segfault inside torch's
+# dispatch (torch 2.13; 8 runs in 8 of tests/test_fuse.py then the rotary test). passes/fuse.py
+# says what that leaves different.
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -113,23 +115,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 
 # ---- rotary position embedding -------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::rotary", mutates_args=())
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    return ref.rope_apply(x, cos, sin, inverse)
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, half: int) -> torch.Tensor:
+    return ref.rope_apply(x, cos, sin, inverse, half)
 
 
 @_rotary.register_fake
-def _(x, cos, sin, inverse):
-    return torch.empty_like(x)
+def _(x, cos, sin, inverse, half):
+    return x.new_empty(x.shape, dtype=ref.result_dtype(x, cos, sin))
 
 
 def _rotary_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1], inputs[2])
-    ctx.inverse = inputs[3]
+    x, cos, sin, inverse, half = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.inverse, ctx.half, ctx.x_dtype = inverse, half, x.dtype
 
 
 def _rotary_grad(ctx, grad):
     cos, sin = ctx.saved_tensors
-    return _rotary(grad, cos, sin, not ctx.inverse), None, None, None
+    return _rotary(grad, cos, sin, not ctx.inverse, ctx.half).to(ctx.x_dtype), None, None, None, None
 
 
 _rotary.register_autograd(_rotary_grad, setup_context=_rotary_setup)
@@ -143,7 +146,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             raise ValueError(f"rotary: {name} {tuple(t.shape)} must be [b, heads, s, d] (d even) matching "
                              f"cos {tuple(cos.shape)} [1 or b, s, d]")
     cos, sin = cos.detach(), sin.detach()
-    return _rotary(q, cos, sin, False), _rotary(k, cos, sin, False)
+    return _rotary(q, cos, sin, False, q.shape[-1] // 2), _rotary(k, cos, sin, False, k.shape[-1] // 2)
 
 
 cuda_impl(_softmax, _softmax_backward, _norm, _norm_backward, _rotary)

@@ -14,7 +14,7 @@ from autoshard.testing.models import VOCAB, input_name, logits_of
 # what each model's rank graph should get: LayerNorms, the MLP's bias+GeLU (GPT-2: its written-out tanh
 # GeLU), SiLU*up, bias+residual
 EXPECTED = {"nanogpt": {"layer_norm", "bias_gelu", "bias_residual"},
-            "gpt2": {"layer_norm", "gelu_tanh", "bias_residual"}, "llama": {"rms_norm", "swiglu"}}
+            "gpt2": {"layer_norm", "gelu_tanh", "bias_residual"}, "llama": {"rms_norm", "rotary", "swiglu"}}
 
 
 def _fused(prog, rank=0) -> set[str]:

@@ -108,6 +108,20 @@ def test_rotary_is_the_rotate_half_embedding_and_its_transpose():
     assert torch.autograd.gradcheck(lambda q, k: ops.rotary(q, k, cos, sin), (q, k))
 
 
+@pytest.mark.parametrize("half", [3, 5])
+def test_rotary_split_off_the_middle_is_still_the_written_out_function(half):
+    """A split the kernels do not take (not d / 2) runs the general torch path: forward equals the
+    written-out rotation, backward its transpose; a bf16 x with an fp32 table promotes to fp32."""
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = torch.randn(1, 5, 8, dtype=torch.float64), torch.randn(1, 5, 8, dtype=torch.float64)
+    got = torch.ops.autoshard.rotary(x, cos, sin, False, half)
+    want = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
+    assert _rel(got, want) < 1e-14
+    assert torch.autograd.gradcheck(lambda x: torch.ops.autoshard.rotary(x, cos, sin, False, half), (x,))
+    low = torch.ops.autoshard.rotary(x.detach().bfloat16(), cos.float(), sin.float(), False, half)
+    assert low.dtype == torch.float32
+
+
 def _lowbias32(h: int) -> int:
     h ^= h >> 16
     h = (h * 0x7FEB352D) & 0xFFFFFFFF
@@ -154,7 +168,7 @@ def test_custom_op_registration_passes_opcheck(name):
     args = {"bias_gelu": (t(4, 8), t(8), "tanh"), "swiglu": (t(4, 8), t(4, 8), t(8), None),
             "scaled_masked_softmax": (t(1, 2, 4, 4), torch.rand(1, 4, 4) < 0.2, 0.5, True),
             "bias_dropout_add": (t(4, 8), t(8), t(4, 8), 0.1, 7), "norm": (t(4, 8), t(8), t(8), 1e-5, False),
-            "rotary": (t(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8), False)}[name]
+            "rotary": (t(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8), False, 4)}[name]
     torch.library.opcheck(getattr(torch.ops.autoshard, name).default, args)
 
 
@@ -267,17 +281,3 @@ def test_element_wise_ops_promote_dtypes_like_the_code_they_replace(case):
     }[case]
     got, want = fused(), plain()
     assert got.dtype == want.dtype == torch.float32 and _rel(got, want) < 1e-6
-
-
-def test_fused_norm_follows_layer_norms_autocast_policy():
-    """Autocast (CUDA) runs layer_norm in fp32; the fused norm registers the same rule. On the CPU
-    autocast leaves both alone."""
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    assert has("autoshard::norm", "AutocastCUDA") and not has("autoshard::norm", "AutocastCPU")
-    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert ops.layer_norm(x, w.bfloat16(), w.bfloat16()).dtype == F.layer_norm(x, (8,)).dtype
-    if torch.cuda.is_available():
-        xc = x.cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            assert ops.layer_norm(xc, w.cuda(), w.cuda()).dtype == F.layer_norm(xc, (8,), w.cuda()).dtype

@@ -210,7 +210,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 ROTARY = KernelCase(
     "rotary", _rotary_make,
-    fused=lambda x, cos, sin: torch.ops.autoshard.rotary(x, cos, sin, False),
+    fused=lambda x, cos, sin: torch.ops.autoshard.rotary(x, cos, sin, False, x.shape[-1] // 2),
     eager=lambda x, cos, sin: x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1),
     grads=("x",), shapes=HEAD_SHAPES, bench=((8, 16, 2048, 128), (4, 32, 4096, 128)),
     fwd_bytes=lambda i: _nb(i["x"], i["cos"], i["sin"], i["x"]),

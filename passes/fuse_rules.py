@@ -1,0 +1,218 @@
+"""The fusion pass's rewrites as data: `RULES`, rows of (name, pattern, builder). A pattern says which
+subgraph a fused op replaces; a builder inserts the replacement (see passes/fuse.py for how rows
+are applied and what they must keep: values and dtypes of the code they replace)."""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from .pattern import P, Test, V
+
+__all__ = ["RULES", "Call"]
+
+aten, fused = torch.ops.aten, torch.ops.autoshard
+
+
+# ---- tests on bound values -------------------------------------------------------------------------
+def _vector_param(v, lookup, env) -> bool:
+    """A 1-D parameter or buffer (a bias)."""
+    if not (isinstance(v, fx.Node) and v.op == "get_attr"):
+        return False
+    t = lookup(v.target)
+    return isinstance(t, torch.Tensor) and t.dim() == 1
+
+
+def _last_dim_only(v, lookup, env) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 1
+
+
+def _zero(v, lookup, env) -> bool:
+    return v == 0
+
+
+def _const(c: float) -> Test:
+    """A Python number equal to `c` to fp32 precision (traced constants such as sqrt(2 / pi))."""
+    return lambda v, lookup, env: isinstance(v, (int, float)) and abs(v - c) <= 1e-6 * abs(c)
+
+
+def _number(v, lookup, env) -> bool:
+    return isinstance(v, (int, float))
+
+
+def _last_dim(v, lookup, env) -> bool:
+    return isinstance(v, (list, tuple)) and list(v) == [-1]
+
+
+def _true(v, lookup, env) -> bool:
+    return v is True
+
+
+def _keeps_bias_dim(v, lookup, env) -> bool:
+    """A view's shape whose last dim is the bias's length (so the bias can be added after it)."""
+    return isinstance(v, (list, tuple)) and v[-1] == lookup(env["b"].target).shape[0]
+
+
+def _no_grad_table(v: object) -> bool:
+    """An output of a block traced under torch.no_grad (how Hugging Face builds its rotary cos and
+    sin tables), so no gradient is owed to it."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is operator.getitem):
+        return False
+    block = v.args[0]
+    return (isinstance(block, fx.Node) and getattr(block.target, "__name__", "") == "wrap_with_set_grad_enabled"
+            and block.args[0] is False)
+
+
+def _heads_unsqueezed_table(v, lookup, env) -> bool:
+    """table.unsqueeze(1), [b, s, d] -> [b, 1, s, d], of a no-grad rotary table."""
+    return (isinstance(v, fx.Node) and v.op == "call_function" and v.target == aten.unsqueeze.default
+            and v.args[1] == 1 and _no_grad_table(v.args[0]))
+
+
+def _dim_3(v, lookup, env) -> bool:
+    """The last dim of a [b, heads, s, d] tensor (the fused op refuses any other rank)."""
+    return v in (3, -1)
+
+
+def _int(v, lookup, env) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _to_end(v, lookup, env) -> bool:
+    return isinstance(v, int) and v >= 2**62             # slice to the end, as export writes x[..., h:]
+
+
+def _to_fp32(v, lookup, env) -> bool:
+    """A node `x.to(torch.float32)` (nothing else in the call)."""
+    return (isinstance(v, fx.Node) and v.op == "call_function" and v.target == aten.to.dtype and not v.kwargs
+            and len(v.args) == 2 and v.args[1] == torch.float32)
+
+
+def _weight_dtype(v, lookup, env) -> bool:
+    """The dtype a written-out norm casts back to is its weight's, so weight * y.to(dtype) has the
+    dtype the fused norm returns (the input's: export asserts it is the captured one)."""
+    return isinstance(v, torch.dtype) and lookup(env["w"].target).dtype == v
+
+
+# ---- builders -----------------------------------------------------------------------------------------
+# A builder gets `call(target, args, like=root)`, which inserts a node carrying `like`'s meta (its
+# module path places it in the right pipeline stage), the bound values and the matched root.
+Call = Callable[..., fx.Node]
+
+
+def _layer_norm(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    n = call(fused.norm.default, (env["x"], env["w"], env["b"], float(env["eps"]), False))
+    return call(operator.getitem, (n, 0))
+
+
+def _take_bias_out(call: Call, env: dict) -> tuple[fx.Node, fx.Node]:
+    """linear(x, w, b) -> linear(x, w), and b in that output's dtype: autocast's linear casts its
+    bias with the weight, so the fused op must add the bias as the linear would have."""
+    y = call(aten.linear.default, (env["x"], env["w"]), like=env["lin"])
+    b = call(aten.type_as.default, (env["b"], y), like=env["lin"])
+    b.meta.pop("val", None)                           # the linear's value, not the bias's
+    return y, b
+
+
+def _bias_gelu(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    x, b = _take_bias_out(call, env) if "lin" in env else (env["x"], env["b"])
+    return call(fused.bias_gelu.default, (x, b, root.kwargs.get("approximate", "none")))
+
+
+def _rms_norm(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    x = env["h"].args[0]                             # the norm's input before its cast to fp32
+    n = call(fused.norm.default, (x, env["w"], None, float(env["eps"]), True))
+    return call(operator.getitem, (n, 0))
+
+
+def _rotary(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    cos, sin = env["cos"].args[0], env["sin"].args[0]      # the [b, s, d] tables, before unsqueeze(1)
+    return call(fused.rotary.default, (env["x"], cos, sin, False, env["half"]))
+
+
+def _gelu_tanh(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    return call(fused.bias_gelu.default, (env["x"], None, "tanh"))
+
+
+def _swiglu(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    return call(fused.swiglu.default, (env["a"], env["u"], None, None))
+
+
+def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    y, b = _take_bias_out(call, env) if "lin" in env else (env["y"], env["b"])
+    if "shape" in env:                               # (y + b).view(shape) = y.view(shape) + b
+        y = call(aten.view.default, (y, env["shape"]))
+    return call(fused.bias_dropout_add.default, (y, b, env["res"], 0.0, 0))
+
+
+def _gelu_ok(kw: dict) -> bool:
+    return set(kw) <= {"approximate"}
+
+
+_BIAS = V("b", _vector_param)
+_LINEAR_BIAS = P((aten.linear.default,), (V("x"), V("w"), _BIAS), bind="lin")
+
+
+def _gelu_tanh_written_out() -> P:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3))), as Hugging Face's gelu_new
+    (GPT-2) traces: the tanh form of aten.gelu spelled in eight element-wise ops."""
+    mul, add, x = (aten.mul.Tensor,), (aten.add.Tensor,), V("x")
+    cubic = P(add, (x, P(mul, (P((aten.pow.Tensor_Scalar,), (x, V("three", _const(3.0)))),
+                               V("c", _const(0.044715))))))
+    inner = P((aten.tanh.default,), (P(mul, (cubic, V("k", _const(math.sqrt(2 / math.pi))))),))
+    return P(mul, (P(mul, (x, V("half", _const(0.5)))), P(add, (inner, V("one", _const(1.0))))))
+
+
+def _rms_norm_written_out() -> P:
+    """weight * (h * rsqrt(mean(h ** 2, -1, keepdim) + eps)).to(dtype), h = x.to(float32), as
+    Hugging Face's LlamaRMSNorm traces (dtype: the input's at capture, which must be the weight's)."""
+    h = V("h", _to_fp32)
+    mean_sq = P((aten.mean.dim,), (P((aten.pow.Tensor_Scalar,), (h, V("two", _const(2.0)))), V("dims", _last_dim),
+                                   V("keep", _true)))
+    rstd = P((aten.rsqrt.default,), (P((aten.add.Tensor,), (mean_sq, V("eps", _number))),))
+    normed = P((aten.mul.Tensor,), (h, rstd))
+    return P((aten.mul.Tensor,), (V("w", _vector_param), P((aten.to.dtype,), (normed, V("dtype", _weight_dtype)))))
+
+
+def _rotary_written_out() -> P:
+    """x * cos.unsqueeze(1) + cat([-x[..., h:], x[..., :h]], -1) * sin.unsqueeze(1), as Hugging
+    Face's apply_rotary_pos_emb traces for q and for k ([b, heads, s, d]; slices on dim 3, which
+    the op checks is the last). The tables come from a no-grad block: the fused op owes them none."""
+    x, half, dim = V("x"), V("half", _int), V("dim", _dim_3)
+    upper = P((aten.slice.Tensor,), (x, dim, half, V("end", _to_end)))
+    lower = P((aten.slice.Tensor,), (x, dim, V("zero", _zero), half))
+    rotated = P((aten.cat.default,), ([P((aten.neg.default,), (upper,)), lower], V("cat_dim", _dim_3)))
+    return P((aten.add.Tensor,), (P((aten.mul.Tensor,), (x, V("cos", _heads_unsqueezed_table))),
+                                  P((aten.mul.Tensor,), (rotated, V("sin", _heads_unsqueezed_table)))))
+
+
+def _residual_patterns() -> list[P]:
+    """res + [dropout(p=0)]([view](y + b)), both operand orders, and res + linear(x, w, b). The
+    view is the one a 2-D GEMM's output takes back to [b, s, h] (GPT-2's Conv1D); it must keep the
+    last dim, the bias's."""
+    biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
+    biased += [P((aten.view.default,), (b, V("shape", _keeps_bias_dim))) for b in biased]
+    no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero))) for b in biased]
+    inner = no_drop + [_LINEAR_BIAS]
+    return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
+            for i, first in itertools.product(inner, (True, False))]
+
+
+RULES: list[tuple[str, P, Callable]] = [
+    ("layer_norm", P((aten.layer_norm.default,),
+                     (V("x"), V("shape", _last_dim_only), V("w", default=None), V("b", default=None),
+                      V("eps", default=1e-5))), _layer_norm),
+    ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
+    ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
+     _bias_gelu),
+    ("rms_norm", _rms_norm_written_out(), _rms_norm),
+    ("gelu_tanh", _gelu_tanh_written_out(), _gelu_tanh),
+    ("rotary", _rotary_written_out(), _rotary),
+    ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),
+    ("swiglu", P((aten.mul.Tensor,), (V("u"), P((aten.silu.default,), (V("a"),)))), _swiglu),
+    *(("bias_residual", p, _bias_residual) for p in _residual_patterns()),
+]

@@ -1,0 +1,84 @@
+"""Op-tree patterns over FX graphs: `P` matches a call_function node and its arguments, `V` binds
+any value to a name (optionally tested), a list matches a list argument item by item. A name bound
+twice must bind the same node or an equal constant. Used by the fusion pass (passes/fuse.py).
+
+    env, inner = {}, []
+    if match(P((aten.relu.default,), (V("x"),)), node, env, inner, lookup):
+        env["x"]          # relu's input; `inner`: the matched nodes below the root
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["P", "V", "Test", "match", "ASSERTS", "users"]
+
+aten = torch.ops.aten
+
+# a test on a bound value: (value, lookup of a get_attr target, the bindings made so far) -> ok
+Test = Callable[[object, Callable[[str], object], dict], bool]
+
+
+@dataclass(frozen=True)
+class V:
+    name: str
+    test: Test | None = None
+    default: object = ...                      # bound when the node has fewer arguments
+
+
+@dataclass(frozen=True)
+class P:
+    targets: tuple
+    args: tuple = ()
+    bind: str | None = None
+    kwargs_ok: Callable[[dict], bool] = lambda kw: not kw
+
+
+# export's dtype assertions before a `.to`: not real users; they go with the node they check
+ASSERTS = (aten._assert_tensor_metadata.default,)
+
+
+def users(n: fx.Node) -> list[fx.Node]:
+    return [u for u in n.users if u.target not in ASSERTS]
+
+
+def _same(a: object, b: object) -> bool:
+    """Two bindings of one name: the same node, or equal constants."""
+    return a is b if isinstance(a, fx.Node) or isinstance(b, fx.Node) else type(a) is type(b) and a == b
+
+
+def match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, root: bool = True) -> bool:
+    """Match `pat` at `value`, binding names in `env` and listing the inner nodes (single-user,
+    so they can go) in `inner`, parents before children."""
+    if isinstance(pat, list):                        # a list argument (cat's tensors), matched item by item
+        return (isinstance(value, (list, tuple)) and len(value) == len(pat)
+                and all(match(p, v, env, inner, lookup, False) for p, v in zip(pat, value)))
+    if isinstance(pat, V):
+        if pat.name in env and not _same(env[pat.name], value):
+            return False
+        if pat.test is not None and not pat.test(value, lookup, env):
+            return False
+        env[pat.name] = value
+        return True
+    n = value
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in pat.targets
+            and pat.kwargs_ok(dict(n.kwargs))):
+        return False
+    if not root:
+        if len(users(n)) != 1:
+            return False
+        inner.append(n)
+    if pat.bind:
+        env[pat.bind] = n
+    for i, sub in enumerate(pat.args):
+        if i < len(n.args):
+            if not match(sub, n.args[i], env, inner, lookup, False):
+                return False
+        elif isinstance(sub, V) and sub.default is not ...:
+            env.setdefault(sub.name, sub.default)
+        else:
+            return False
+    return True
