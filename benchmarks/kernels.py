@@ -137,9 +137,10 @@ def bench_case(case: KernelCase, shape, dtype, device, timer, compile_: bool, re
             secs[name], mode = timer(_passes(case, fn, inputs)[pass_name], reps, 3)
             how.add(mode)
         fused = secs["fused"]
+        compiled = secs.get("compiled")
         rows.append([case.name, "x".join(map(str, shape)), pass_name, nbytes / 1e6, 1e6 * fused, nbytes / fused / 1e9,
-                     None, 1e6 * secs["eager"], 1e6 * secs["compiled"] if compile_ else None,
-                     secs["eager"] / fused, secs["compiled"] / fused if compile_ else None, agree, "/".join(sorted(how))])
+                     None, 1e6 * secs["eager"], None if compiled is None else 1e6 * compiled,
+                     secs["eager"] / fused, None if compiled is None else compiled / fused, agree, "/".join(sorted(how))])
     return rows
 
 
