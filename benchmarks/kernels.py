@@ -140,7 +140,8 @@ def bench_case(case: KernelCase, shape, dtype, device, timer, compile_: bool, re
         compiled = secs.get("compiled")
         rows.append([case.name, "x".join(map(str, shape)), pass_name, nbytes / 1e6, 1e6 * fused, nbytes / fused / 1e9,
                      None, 1e6 * secs["eager"], None if compiled is None else 1e6 * compiled,
-                     secs["eager"] / fused, None if compiled is None else compiled / fused, agree, "/".join(sorted(how))])
+                     secs["eager"] / fused, None if compiled is None else compiled / fused, agree,
+                     "/".join(sorted(how))])
     return rows
 
 
