@@ -56,7 +56,7 @@ def _arg(a):
 
 
 def _aligned(*ts: torch.Tensor | None) -> bool:
-    return all(t is None or t.data % 16 == 0 for t in ts)
+    return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
 
 def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None) -> int:

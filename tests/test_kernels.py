@@ -252,6 +252,15 @@ def test_cuda_kernels_are_deterministic_run_to_run():
         assert all(torch.equal(a, b) for a, b in zip(*runs)), case.name
 
 
+def test_16_byte_packs_only_where_the_width_and_every_pointer_allow():
+    """The launch helpers run only on CUDA; their pack test is plain pointer arithmetic, checked here."""
+    from autoshard.kernels.launch import _aligned, _vec
+    x = torch.randn(4, 8)                              # fp32: 4 lanes per 16-byte pack
+    assert _aligned(x, None) and _vec(8, x, x.clone()) == 1
+    assert not _aligned(x.view(-1)[1:]) and _vec(8, x, x.view(-1)[1:]) == 0     # 4 bytes off
+    assert _vec(6, x) == 0                             # a width that is not a pack multiple
+
+
 def test_cuda_path_takes_only_what_the_kernels_read_else_the_reference():
     """The kernels read every tensor in one dtype and broadcast nothing beyond a vector over the last
     dim: element-wise ops convert their inputs to the promoted dtype, the others take one dtype;
