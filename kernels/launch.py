@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,8 +60,11 @@ def _aligned(*ts: torch.Tensor | None) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
 
-def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None) -> int:
-    return int(cols % (16 // x.element_size()) == 0 and _aligned(x, *ts))
+def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None, strides: tuple[int, ...] = ()) -> int:
+    """1 when rows of `cols` elements (and every row stride) are whole 16-byte packs of x's dtype and
+    every pointer is 16-byte aligned."""
+    n = 16 // x.element_size()
+    return int(all(v % n == 0 for v in (cols, *strides)) and _aligned(x, *ts))
 
 
 def _run(name: str, like: torch.Tensor, blocks: int, args: tuple, threads: int = _THREADS) -> None:
@@ -117,11 +121,9 @@ def swiglu(gate, up, gate_bias, up_bias):
     gb, ub = _c(gate_bias), _c(up_bias)
     rows, cols = a.shape
     y = _empty(gate.shape, gate.dtype, gate.device)
-    N = 16 // gate.element_size()
-    vec = int(cols % N == 0 and sa % N == 0 and su % N == 0 and _aligned(a, u, gb, ub, y))
     _run("swiglu_fwd", gate, _elementwise_blocks(rows * cols),
          (a, u, gb, ub, y, np.int64(rows), np.int64(cols), np.int64(sa),
-          np.int64(su), np.int32(vec)))
+          np.int64(su), np.int32(_vec(cols, a, u, gb, ub, y, strides=(sa, su)))))
     return y
 
 
@@ -131,11 +133,9 @@ def swiglu_backward(grad, gate, up, gate_bias, up_bias):
     g, gb, ub = grad.contiguous(), _c(gate_bias), _c(up_bias)
     rows, cols = a.shape
     da, du = _empty_like(g), _empty_like(g)
-    N = 16 // gate.element_size()
-    vec = int(cols % N == 0 and sa % N == 0 and su % N == 0 and _aligned(g, a, u, gb, ub, da, du))
     _run("swiglu_bwd", gate, _elementwise_blocks(rows * cols),
          (g, a, u, gb, ub, da, du, np.int64(rows), np.int64(cols),
-          np.int64(sa), np.int64(su), np.int32(vec)))
+          np.int64(sa), np.int64(su), np.int32(_vec(cols, g, a, u, gb, ub, da, du, strides=(sa, su)))))
     return da, du
 
 
@@ -220,23 +220,28 @@ def _rotary_takes(args: tuple) -> bool:
     return x.dim() == 4 and 2 * half == x.shape[-1] and result_dtype(x, cos, sin) in _KERNEL_DTYPES
 
 
-# op -> (CUDA implementation, positions of the arguments the kernel reads as the first tensor's
-# kind (its shape, or a vector over its last dim), whether dtypes promote[, a further test of the
-# arguments]). The element-wise ops compute in the promoted dtype like the `x + bias` they replace,
-# so their inputs are converted to it (for a bias, a vector, next to nothing); the others take one
-# dtype or fall back.
+class _Kernel(NamedTuple):
+    impl: Callable
+    like_first: tuple[int, ...]     # arguments read as the first tensor's kind (its shape, or a vector
+                                    # over its last dim)
+    promote: bool                   # inputs converted to their promoted dtype (else: one dtype or fall back)
+    takes: Callable[[tuple], bool] | None = None      # a further test of the arguments
+
+
+# op -> its kernel. The element-wise ops compute in the promoted dtype like the `x + bias` they
+# replace, so their inputs are converted to it (for a bias, a vector, next to nothing).
 _KERNELS = {
-    "bias_gelu": (bias_gelu, (1,), True),
-    "bias_gelu_backward": (bias_gelu_backward, (1, 2), True),
-    "swiglu": (swiglu, (1, 2, 3), True),
-    "swiglu_backward": (swiglu_backward, (1, 2, 3, 4), True),
-    "scaled_masked_softmax": (softmax, (), False),
-    "scaled_masked_softmax_backward": (softmax_backward, (1,), False),
-    "bias_dropout_add": (bias_dropout_add, (1, 2), True),
-    "bias_dropout_add_backward": (bias_dropout_add_backward, (), False),
-    "norm": (norm, (1, 2), False),
-    "norm_backward": (norm_backward, (1, 2), False),
-    "rotary": (rotary, (), False, _rotary_takes),
+    "bias_gelu": _Kernel(bias_gelu, (1,), True),
+    "bias_gelu_backward": _Kernel(bias_gelu_backward, (1, 2), True),
+    "swiglu": _Kernel(swiglu, (1, 2, 3), True),
+    "swiglu_backward": _Kernel(swiglu_backward, (1, 2, 3, 4), True),
+    "scaled_masked_softmax": _Kernel(softmax, (), False),
+    "scaled_masked_softmax_backward": _Kernel(softmax_backward, (1,), False),
+    "bias_dropout_add": _Kernel(bias_dropout_add, (1, 2), True),
+    "bias_dropout_add_backward": _Kernel(bias_dropout_add_backward, (), False),
+    "norm": _Kernel(norm, (1, 2), False),
+    "norm_backward": _Kernel(norm_backward, (1, 2), False),
+    "rotary": _Kernel(rotary, (), False, _rotary_takes),
 }
 
 
@@ -257,11 +262,12 @@ def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tup
     return tuple(a.to(dtype) if i == 0 or i in live else a for i, a in enumerate(args))
 
 
-def _with_fallback(impl, like_first: tuple[int, ...], promote: bool, takes, reference):
+def _with_fallback(kernel: _Kernel, reference: Callable):
     """Run the kernel when it takes these arguments, else the exact torch implementation."""
     def run(*args):
-        kernel_args = _kernel_args(args, like_first, promote) if takes is None or takes(args) else None
-        return reference(*args) if kernel_args is None else impl(*kernel_args)
+        ok = kernel.takes is None or kernel.takes(args)
+        kernel_args = _kernel_args(args, kernel.like_first, kernel.promote) if ok else None
+        return reference(*args) if kernel_args is None else kernel.impl(*kernel_args)
     return run
 
 
@@ -272,6 +278,5 @@ def cuda_impl(*ops) -> None:
     except ImportError:
         return
     for op in ops:
-        impl, like_first, promote, *takes = _KERNELS[op._name.split("::")[-1]]
         # op._init_fn: the function the op was defined with, its exact torch implementation
-        op.register_kernel("cuda")(_with_fallback(impl, like_first, promote, *(takes or [None]), op._init_fn))
+        op.register_kernel("cuda")(_with_fallback(_KERNELS[op._name.split("::")[-1]], op._init_fn))
