@@ -25,18 +25,17 @@ __global__ void bias_dropout_add_fwd(const T* __restrict__ x, const T* __restric
   const float s = p < 1.f ? 1.f / (1.f - p) : 0.f;
   if (vec) {
     for (i64 i = thread_index() * N; i < n; i += thread_count() * N) {
-      float xv[N], rv[N], bv[N];
-      load_pack(x + i, xv);
+      float xv[N], rv[N];
+      load_biased(x + i, b, i % cols, xv);
       load_pack(residual + i, rv);
-      if (b) load_pack(b + i % cols, bv);
 #pragma unroll
-      for (int j = 0; j < N; ++j) rv[j] += keep(seed, i + j, p) ? (xv[j] + (b ? bv[j] : 0.f)) * s : 0.f;
+      for (int j = 0; j < N; ++j) rv[j] += keep(seed, i + j, p) ? xv[j] * s : 0.f;
       store_pack(y + i, rv);
     }
     return;
   }
   for (i64 i = thread_index(); i < n; i += thread_count()) {
-    const float v = to_float(x[i]) + (b ? to_float(b[i % cols]) : 0.f);
+    const float v = biased(x + i, b, i % cols);
     y[i] = from_float<T>(to_float(residual[i]) + (keep(seed, i, p) ? v * s : 0.f));
   }
 }

@@ -25,19 +25,16 @@ __global__ void bias_gelu_fwd(const T* __restrict__ x, const T* __restrict__ b, 
   const int N = Pack<T>::N;
   if (vec) {
     for (i64 i = thread_index() * N; i < n; i += thread_count() * N) {
-      float u[N], c[N];
-      load_pack(x + i, u);
-      if (b) load_pack(b + i % cols, c);
+      float u[N];
+      load_biased(x + i, b, i % cols, u);
 #pragma unroll
-      for (int j = 0; j < N; ++j) u[j] = gelu_value(u[j] + (b ? c[j] : 0.f), tanh_form);
+      for (int j = 0; j < N; ++j) u[j] = gelu_value(u[j], tanh_form);
       store_pack(y + i, u);
     }
     return;
   }
-  for (i64 i = thread_index(); i < n; i += thread_count()) {
-    const float u = to_float(x[i]) + (b ? to_float(b[i % cols]) : 0.f);
-    y[i] = from_float<T>(gelu_value(u, tanh_form));
-  }
+  for (i64 i = thread_index(); i < n; i += thread_count())
+    y[i] = from_float<T>(gelu_value(biased(x + i, b, i % cols), tanh_form));
 }
 
 template <typename T>
@@ -46,18 +43,15 @@ __global__ void bias_gelu_bwd(const T* __restrict__ g, const T* __restrict__ x, 
   const int N = Pack<T>::N;
   if (vec) {
     for (i64 i = thread_index() * N; i < n; i += thread_count() * N) {
-      float gv[N], u[N], c[N];
+      float gv[N], u[N];
       load_pack(g + i, gv);
-      load_pack(x + i, u);
-      if (b) load_pack(b + i % cols, c);
+      load_biased(x + i, b, i % cols, u);
 #pragma unroll
-      for (int j = 0; j < N; ++j) gv[j] *= gelu_slope(u[j] + (b ? c[j] : 0.f), tanh_form);
+      for (int j = 0; j < N; ++j) gv[j] *= gelu_slope(u[j], tanh_form);
       store_pack(dx + i, gv);
     }
     return;
   }
-  for (i64 i = thread_index(); i < n; i += thread_count()) {
-    const float u = to_float(x[i]) + (b ? to_float(b[i % cols]) : 0.f);
-    dx[i] = from_float<T>(to_float(g[i]) * gelu_slope(u, tanh_form));
-  }
+  for (i64 i = thread_index(); i < n; i += thread_count())
+    dx[i] = from_float<T>(to_float(g[i]) * gelu_slope(biased(x + i, b, i % cols), tanh_form));
 }

@@ -47,6 +47,20 @@ template <typename T> __device__ __forceinline__ void store_pack(T* p, const flo
   *reinterpret_cast<uint4*>(p) = k.raw;
 }
 
+// x plus a bias read at `bi` (the column; none when b is null), as the torch reference adds it:
+// a pack of N values, and one value for the scalar paths.
+template <typename T> __device__ __forceinline__ void load_biased(const T* x, const T* b, i64 bi, float* out) {
+  float bv[Pack<T>::N];
+  load_pack(x, out);
+  if (b) load_pack(b + bi, bv);
+#pragma unroll
+  for (int j = 0; j < Pack<T>::N; ++j) out[j] += b ? bv[j] : 0.f;
+}
+
+template <typename T> __device__ __forceinline__ float biased(const T* x, const T* b, i64 bi) {
+  return to_float(*x) + (b ? to_float(b[bi]) : 0.f);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -13,24 +13,18 @@ __global__ void swiglu_fwd(const T* __restrict__ a, const T* __restrict__ u, con
   if (vec) {
     for (i64 i = thread_index() * N; i < n; i += thread_count() * N) {
       const i64 r = i / cols, c = i % cols;
-      float av[N], uv[N], bav[N], buv[N];
-      load_pack(a + r * sa + c, av);
-      load_pack(u + r * su + c, uv);
-      if (ba) load_pack(ba + c, bav);
-      if (bu) load_pack(bu + c, buv);
+      float av[N], uv[N];
+      load_biased(a + r * sa + c, ba, c, av);
+      load_biased(u + r * su + c, bu, c, uv);
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float z = av[j] + (ba ? bav[j] : 0.f);
-        av[j] = z * sigmoid(z) * (uv[j] + (bu ? buv[j] : 0.f));
-      }
+      for (int j = 0; j < N; ++j) av[j] = av[j] * sigmoid(av[j]) * uv[j];
       store_pack(y + i, av);
     }
     return;
   }
   for (i64 i = thread_index(); i < n; i += thread_count()) {
     const i64 r = i / cols, c = i % cols;
-    const float z = to_float(a[r * sa + c]) + (ba ? to_float(ba[c]) : 0.f);
-    const float v = to_float(u[r * su + c]) + (bu ? to_float(bu[c]) : 0.f);
+    const float z = biased(a + r * sa + c, ba, c), v = biased(u + r * su + c, bu, c);
     y[i] = from_float<T>(z * sigmoid(z) * v);
   }
 }
@@ -44,15 +38,13 @@ __global__ void swiglu_bwd(const T* __restrict__ g, const T* __restrict__ a, con
   if (vec) {
     for (i64 i = thread_index() * N; i < n; i += thread_count() * N) {
       const i64 r = i / cols, c = i % cols;
-      float gv[N], av[N], uv[N], bav[N], buv[N];
+      float gv[N], av[N], uv[N];
       load_pack(g + i, gv);
-      load_pack(a + r * sa + c, av);
-      load_pack(u + r * su + c, uv);
-      if (ba) load_pack(ba + c, bav);
-      if (bu) load_pack(bu + c, buv);
+      load_biased(a + r * sa + c, ba, c, av);
+      load_biased(u + r * su + c, bu, c, uv);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        const float z = av[j] + (ba ? bav[j] : 0.f), v = uv[j] + (bu ? buv[j] : 0.f), s = sigmoid(z);
+        const float z = av[j], v = uv[j], s = sigmoid(z);
         av[j] = gv[j] * v * s * (1.f + z * (1.f - s));
         uv[j] = gv[j] * z * s;
       }
@@ -63,8 +55,7 @@ __global__ void swiglu_bwd(const T* __restrict__ g, const T* __restrict__ a, con
   }
   for (i64 i = thread_index(); i < n; i += thread_count()) {
     const i64 r = i / cols, c = i % cols;
-    const float z = to_float(a[r * sa + c]) + (ba ? to_float(ba[c]) : 0.f);
-    const float v = to_float(u[r * su + c]) + (bu ? to_float(bu[c]) : 0.f);
+    const float z = biased(a + r * sa + c, ba, c), v = biased(u + r * su + c, bu, c);
     const float s = sigmoid(z), gi = to_float(g[i]);
     da[i] = from_float<T>(gi * v * s * (1.f + z * (1.f - s)));
     du[i] = from_float<T>(gi * z * s);
