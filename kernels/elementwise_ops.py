@@ -104,25 +104,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None 
 @torch.library.custom_op(f"{_LIB}::bias_dropout_add", mutates_args=())
 def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
                       seed: int) -> torch.Tensor:
-    out = ref.result_dtype(x, bias, residual)
-    acc = ref._acc(out)
-    v = x.to(acc) + ref._up(bias, acc)
-    if p > 0 and v.shape != residual.shape:
-        raise ValueError(f"bias_dropout_add with p > 0 needs x + bias {tuple(v.shape)} shaped like the "
-                         f"residual {tuple(residual.shape)}")
-    if p > 0:
-        v = torch.where(ref.keep_mask(x.shape, p, seed, x.device), v / (1 - p), 0.0) if p < 1 else v * 0
-    return (residual.to(acc) + v).to(out)
+    return ref.bias_dropout_add_fwd(x, bias, residual, p, seed)
 
 
 @torch.library.custom_op(f"{_LIB}::bias_dropout_add_backward", mutates_args=())
 def _bias_dropout_add_backward(grad: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    if p == 0:
-        return grad.clone()
-    if p >= 1:
-        return torch.zeros_like(grad)
-    acc = ref._acc(grad)
-    return torch.where(ref.keep_mask(grad.shape, p, seed, grad.device), grad.to(acc) / (1 - p), 0.0).to(grad.dtype)
+    return ref.bias_dropout_add_bwd(grad, p, seed)
 
 
 @_bias_dropout_add.register_fake

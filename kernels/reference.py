@@ -14,7 +14,8 @@ import math
 import torch
 
 __all__ = ["result_dtype", "gelu", "gelu_slope", "bias_gelu_fwd", "bias_gelu_bwd", "swiglu_fwd", "swiglu_bwd",
-           "softmax_fwd", "softmax_bwd", "keep_mask", "norm_fwd", "norm_bwd", "rope_apply"]
+           "softmax_fwd", "softmax_bwd", "keep_mask", "bias_dropout_add_fwd", "bias_dropout_add_bwd", "norm_fwd",
+           "norm_bwd", "rope_apply"]
 
 _M32 = 0xFFFFFFFF
 
@@ -118,6 +119,26 @@ def keep_mask(shape: torch.Size, p: float, seed: int, device) -> torch.Tensor:
     h = _mix32((seed & _M32) ^ _mix32(((i & _M32) + _mix32((i >> 32) & _M32)) & _M32))
     u = (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
     return (u >= torch.tensor(p, dtype=torch.float32)).view(shape)
+
+
+def bias_dropout_add_fwd(x, b, residual, p: float, seed: int) -> torch.Tensor:
+    out = result_dtype(x, b, residual)
+    acc = _acc(out)
+    v = x.to(acc) + _up(b, acc)
+    if p > 0 and v.shape != residual.shape:
+        raise ValueError(f"bias_dropout_add with p > 0 needs x + bias {tuple(v.shape)} shaped like the "
+                         f"residual {tuple(residual.shape)}")
+    if p > 0:
+        v = torch.where(keep_mask(x.shape, p, seed, x.device), v / (1 - p), 0.0) if p < 1 else v * 0
+    return (residual.to(acc) + v).to(out)
+
+
+def bias_dropout_add_bwd(g, p: float, seed: int) -> torch.Tensor:
+    if p == 0:
+        return g.clone()
+    if p >= 1:
+        return torch.zeros_like(g)
+    return torch.where(keep_mask(g.shape, p, seed, g.device), g.to(_acc(g)) / (1 - p), 0.0).to(g.dtype)
 
 
 def norm_fwd(x, w, b, eps: float, rms: bool):
