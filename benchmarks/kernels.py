@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results import report  # noqa: E402
 from tabulate import tabulate  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from autoshard.testing.kernel_cases import CASES, KernelCase, make_inputs  # noqa: E402
 
@@ -47,12 +47,7 @@ def _shapes(case: KernelCase, quick: bool) -> tuple[tuple[int, ...], ...]:
 def _host_time(fn: Callable[[], object], reps: int, warmup: int) -> tuple[float, str]:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), "host clock"
+    return median_seconds(fn, torch.device("cpu"), reps), "host clock"
 
 
 def _capture(fn: Callable[[], object]) -> Callable[[], None] | None:

@@ -17,31 +17,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 
 import torch
 from results import report
 from tabulate import tabulate
+from timing import median_seconds
 
 from autoshard import autoshard
 from autoshard.cost_formulas import evaluate
 from autoshard.models import GPT, GPTConfig
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn, device: torch.device, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, reps: int = 20) -> float:
@@ -52,7 +36,7 @@ def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, reps: int = 
     for a, b in sets:                                     # warm-up: handles, kernel selection
         torch.matmul(a, b, out=out)
     turn = itertools.cycle(sets)
-    t = _median_seconds(lambda: torch.matmul(*next(turn), out=out), device, reps)
+    t = median_seconds(lambda: torch.matmul(*next(turn), out=out), device, reps)
     return 2 * n**3 / t / 1e12
 
 
@@ -93,7 +77,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in programs}
     for i in range(args.warmup + args.steps):
         for name in (("autoshard", "plain") if i % 2 == 0 else ("plain", "autoshard")):
-            t = _median_seconds(lambda name=name: step(name, i), device, 1)
+            t = median_seconds(lambda name=name: step(name, i), device, 1)
             if i >= args.warmup:
                 times[name].append(t)
     flops = evaluate("flops_no_recompute", B=batch, s=cfg.block_size, l=cfg.n_layer, h=cfg.n_embd,
