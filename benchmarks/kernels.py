@@ -94,11 +94,9 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer) -> float:
 
 
 # ---- one case -----------------------------------------------------------------------------------
-def _passes(case: KernelCase, fn: Callable, inputs: dict) -> dict[str, Callable[[], object]]:
+def _passes(case: KernelCase, fn: Callable, inputs: dict, grad_out: torch.Tensor) -> dict[str, Callable[[], object]]:
     """Forward alone (no grad) and forward + backward of `fn` on `inputs`."""
     leaves = [inputs[k] for k in case.grads]
-    with torch.no_grad():
-        grad_out = torch.randn_like(case.fused(**inputs))
 
     def fwd():
         with torch.no_grad():
@@ -121,15 +119,18 @@ def _agree(case: KernelCase, inputs: dict, dtype: torch.dtype) -> str:
 def bench_case(case: KernelCase, shape, dtype, device, timer, compile_: bool, reps: int) -> list[list]:
     inputs = make_inputs(case, shape, dtype, device, seed=0)
     agree = _agree(case, inputs, dtype)
+    with torch.no_grad():
+        grad_out = torch.randn_like(case.fused(**inputs))
     variants = {"fused": case.fused, "eager": case.eager}
     if compile_:
         variants["compiled"] = torch.compile(case.eager, dynamic=False)
+    passes = {name: _passes(case, fn, inputs, grad_out) for name, fn in variants.items()}
     rows = []
     for pass_name, nbytes in (("fwd", case.fwd_bytes(inputs)),
                               ("fwd+bwd", case.fwd_bytes(inputs) + case.bwd_bytes(inputs))):
         secs, how = {}, set()
-        for name, fn in variants.items():
-            secs[name], mode = timer(_passes(case, fn, inputs)[pass_name], reps, 3)
+        for name in variants:
+            secs[name], mode = timer(passes[name][pass_name], reps, 3)
             how.add(mode)
         fused = secs["fused"]
         compiled = secs.get("compiled")
