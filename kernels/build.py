@@ -78,18 +78,30 @@ def _resources(log: str, lowered: dict[str, str]) -> dict[str, Resources]:
     return {name: by_symbol[sym] for name, sym in lowered.items() if sym in by_symbol}
 
 
+def _nvrtc_candidates() -> list[str]:
+    """Where NVRTC may be: the nvidia-cuda-nvrtc-cu12 wheel (nvidia/cuda_nvrtc/lib), the CUDA 13
+    wheels' layout (nvidia/cu13/lib, as CUDA 13 builds of torch and CuPy install it), then the
+    loader's search path."""
+    found = []
+    try:
+        import nvidia
+        for root in map(Path, nvidia.__path__):
+            found += [str(root / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"), str(root / "cu13" / "lib" / "libnvrtc.so.13")]
+    except ImportError:
+        pass
+    return [f for f in found if Path(f).is_file()] + ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+
+
 @functools.cache
 def _nvrtc() -> ctypes.CDLL:
-    try:
-        import nvidia.cuda_nvrtc as pkg
-        lib = Path(next(iter(pkg.__path__))) / "lib" / "libnvrtc.so.12"
-        return ctypes.CDLL(str(lib))
-    except (ImportError, OSError, StopIteration):
-        pass
-    try:
-        return ctypes.CDLL("libnvrtc.so")
-    except OSError as e:
-        raise KernelBuildError("NVRTC not found: pip install nvidia-cuda-nvrtc-cu12 (a test dependency)") from e
+    tried = []
+    for name in _nvrtc_candidates():
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            tried.append(f"{name}: {e}")
+    raise KernelBuildError("NVRTC not found (pip install nvidia-cuda-nvrtc-cu12, a test dependency); tried "
+                           + "; ".join(tried))
 
 
 def _check(lib: ctypes.CDLL, status: int, what: str) -> None:
