@@ -3,27 +3,32 @@
 The rewrites are data: `RULES` is a table of (name, pattern, build). A pattern is a tree of `P`
 (a call_function node with one of some targets, its arguments matched in turn), `V` (any value,
 bound to a name, optionally tested) and lists of those (a list argument, item by item); a name
-bound twice must bind the same node or an equal constant. A match's inner
-nodes must have no other users (export's dtype assertions aside; they go with them); `build`
-inserts the replacement before the matched root and returns it. Rows are tried in order at every
-node.
+bound twice must bind the same node or an equal constant; a node with arguments its pattern does
+not name does not match. A match's inner nodes must have no other users (export's dtype assertions
+aside; they go with them); `build` inserts the replacement before the matched root and returns it.
+Rows are tried in order at every node.
 
-    fused = fuse(graph, lookup)      # -> [(rule name, root node name)], graph rewritten in place
+    fused = fuse(graph, lookup, captured=captured_graph)   # -> [(rule name, root node name)], in place
 
 On CUDA the ops run the CuPy kernels, elsewhere their exact torch implementations, so a fused graph
 computes what the unfused one does, in the same dtypes under autocast: the element-wise ops and
 rotary promote like the adds and products they replace, and a bias taken out of a linear is cast
-to the linear's output dtype. Two exceptions, both under CUDA autocast only, where some ops run in
+to the linear's output dtype. Three exceptions, all under CUDA autocast only, where some ops run in
 fp32: the written-out tanh GeLU's `pow`, so the unfused activation comes out fp32 where the fused
 one has the input's dtype (the same fp32 arithmetic, rounded once; the GEMM that reads it casts to
-the low precision either way); and `layer_norm`, so a LayerNorm of bf16 activations returns fp32
-unfused and bf16 fused (autocast's usual fp32 residual stream is not affected). The fused norm has
-no autocast rule: registering one crashed torch (kernels/row_ops.py says how).
+the low precision either way); `layer_norm`, so a LayerNorm of bf16 activations returns fp32
+unfused and bf16 fused (autocast's usual fp32 residual stream is not affected); and `softmax`, so
+bf16 attention scores give fp32 probabilities unfused and bf16 fused (fp32 math inside either
+way; the probabilities' matmul with v casts to bf16). The fused norm has no autocast rule:
+registering one crashed torch (kernels/row_ops.py says how).
 
-The ops broadcast like the torch code they replace (rank graphs carry no shapes to check), and
-their CUDA kernels fall back to the torch implementation outside the plain case, so no pattern
-needs shapes to be correct. Dropout with p > 0 is left alone: the fused kernel draws its mask from
-its own counter-based hash, not from torch's generator, so it would change the masks.
+The ops broadcast like the torch code they replace, and their CUDA kernels fall back to the torch
+implementation outside the plain case, so most patterns need no shapes. One does: the causal
+softmax replaces `masked_fill(buf[:, :, :T, :T] == 0, -inf)` by the op's built-in causal mask only
+where `buf` is causal (read at fuse time) and T is the scores' query and key length in the captured
+program's shapes (passes/rewrite.py names each rank node's captured node in meta["captured"]).
+Dropout with p > 0 is left alone: the fused kernel draws its mask from its own counter-based hash,
+not from torch's generator, so it would change the masks.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from .fuse_rules import RULES
-from .pattern import ASSERTS, P, V, match
+from .pattern import ASSERTS, Facts, P, V, match
 
 __all__ = ["P", "V", "RULES", "fuse"]
 
@@ -42,18 +47,20 @@ aten = torch.ops.aten
 _PURE = (aten.to.dtype, aten.unsqueeze.default)
 
 
-def fuse(graph: fx.Graph, lookup: Callable[[str], object],
-         rules: list[tuple[str, P, Callable]] | None = None) -> list[tuple[str, str]]:
+def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str, P, Callable]] | None = None,
+         captured: fx.Graph | None = None) -> list[tuple[str, str]]:
     """Apply `rules` (default RULES) to `graph` in place; `lookup(target)` gives a get_attr node's
-    tensor. Returns (rule, root node) for each fusion made."""
+    tensor. `captured`, the graph `graph` was rewritten from, gives rules the single-device shapes
+    (a rule that needs them does not match without). Returns (rule, root node) for each fusion made."""
     import autoshard.kernels  # noqa: F401  (registers torch.ops.autoshard.*; only when fusing)
+    facts = Facts(lookup, _captured_values(captured)) if captured is not None else Facts(lookup)
     done = []
     for root in list(graph.nodes):
         if getattr(root, "_erased", False) or root.op != "call_function":
             continue                                  # erased by an earlier fusion, or not an op
         for name, pat, build in rules if rules is not None else RULES:
             env, inner = {}, []
-            if not match(pat, root, env, inner, lookup):
+            if not match(pat, root, env, inner, facts):
                 continue
             def call(target, args, like=root):
                 n = graph.call_function(target, args)
@@ -69,10 +76,21 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object],
                     graph.erase_node(u)
                 if not n.users:
                     graph.erase_node(n)
-            for v in env.values():                     # a cast the match read, now read by nothing
-                if isinstance(v, fx.Node) and v.op == "call_function" and v.target in _PURE and not v.users:
+            for v in env.values():                     # a cast or buffer the match read, now read by nothing
+                if isinstance(v, fx.Node) and not v.users and (v.op == "get_attr" or v.target in _PURE):
                     graph.erase_node(v)
             done.append((name, root.name))
             break
     graph.lint()
     return done
+
+
+def _captured_values(captured: fx.Graph) -> Callable[[fx.Node], object]:
+    """node -> export's recorded value of the captured node it was rewritten from (passes/rewrite.py
+    names it in meta["captured"]), or None."""
+    by_name = {n.name: n for n in captured.nodes}
+
+    def value(node: fx.Node) -> object:
+        src = by_name.get(node.meta.get("captured"))
+        return None if src is None else src.meta.get("val")
+    return value

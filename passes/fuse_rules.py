@@ -98,6 +98,51 @@ def _weight_dtype(v, lookup, env) -> bool:
     return isinstance(v, torch.dtype) and lookup(env["w"].target).dtype == v
 
 
+def _slice_start(v, lookup, env) -> bool:
+    return v is None or v == 0
+
+
+def _dim(d: int) -> Test:
+    return lambda v, lookup, env: v == d
+
+
+def _none(v, lookup, env) -> bool:
+    return v is None
+
+
+def _neg_inf(v, lookup, env) -> bool:
+    return v == -math.inf
+
+
+def _causal_buffer(v, lookup, env) -> bool:
+    """A [1, 1, n, n] buffer, nonzero exactly on and below the diagonal (nanoGPT's `bias`), so
+    `buf[:, :, :T, :T] == 0` is the causal mask of T queries and T keys."""
+    if not (isinstance(v, fx.Node) and v.op == "get_attr"):
+        return False
+    t = lookup(v.target)
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.dim() != 4 or t.shape[:2] != (1, 1) or t.shape[2] != t.shape[3]:
+        return False
+    return torch.equal(t[0, 0] != 0, torch.ones(t.shape[2:], dtype=torch.bool, device=t.device).tril())
+
+
+def _same_size(a: object, b: object) -> bool:
+    """Two sizes known equal: equal ints, or symbolic sizes with the same expression."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return type(a) is int and type(b) is int and a == b
+
+
+def _is_scores_length(v, lookup, env) -> bool:
+    """The slice end T of the causal mask is both the query and the key length of the scores `s`
+    (bound before it), by the captured program's shapes: then the sliced mask is exactly causal. A
+    slice to any other length (a 1 x 1 mask would broadcast) or unknown shapes do not match."""
+    captured = getattr(lookup, "captured", lambda node: None)
+    scores = captured(env["s"]) if isinstance(env["s"], fx.Node) else None
+    t = captured(v) if isinstance(v, fx.Node) else v
+    return (isinstance(scores, torch.Tensor) and scores.dim() == 4
+            and _same_size(scores.shape[-2], t) and _same_size(scores.shape[-1], t))
+
+
 # ---- builders -----------------------------------------------------------------------------------------
 # A builder gets `call(target, args, like=root)`, which inserts a node carrying `like`'s meta (its
 # module path places it in the right pipeline stage), the bound values and the matched root.
@@ -149,6 +194,13 @@ def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
     return call(fused.bias_dropout_add.default, (y, b, env["res"], 0.0, 0))
 
 
+def _causal_softmax(call: Call, env: dict, root: fx.Node) -> fx.Node:
+    scale = env.get("scale", 1.0)
+    if "divisor" in env:
+        scale = 1.0 / env["divisor"]
+    return call(fused.scaled_masked_softmax.default, (env["s"], None, float(scale), True))
+
+
 def _gelu_ok(kw: dict) -> bool:
     return set(kw) <= {"approximate"}
 
@@ -190,13 +242,27 @@ def _rotary_written_out() -> P:
                                   P((aten.mul.Tensor,), (rotated, V("sin", _heads_unsqueezed_table)))))
 
 
+def _causal_softmax_patterns() -> list[P]:
+    """softmax(scores [* scale | / d].masked_fill(buf[:, :, :T, :T] == 0, -inf), -1), as nanoGPT
+    writes attention without SDPA: `buf` a causal [1, 1, n, n] buffer, T the scores' length."""
+    s = V("s")
+    scaled = [P((aten.mul.Tensor,), (s, V("scale", _number))), P((aten.div.Tensor,), (s, V("divisor", _number))), s]
+    rows = P((aten.slice.Tensor,), (V("buf", _causal_buffer), V("d2", _dim(2)), V("start2", _slice_start),
+                                    V("T", _is_scores_length)))
+    mask = P((aten.eq.Scalar,), (P((aten.slice.Tensor,), (rows, V("d3", _dim(3)), V("start3", _slice_start), V("T"))),
+                                 V("zero", _zero)))
+    return [P((aten.softmax.int,), (P((aten.masked_fill.Scalar,), (x, mask, V("ninf", _neg_inf))),
+                                    V("dim", _dim_3), V("dtype", _none, default=None)))
+            for x in scaled]
+
+
 def _residual_patterns() -> list[P]:
     """res + [dropout(p=0)]([view](y + b)), both operand orders, and res + linear(x, w, b). The
     view is the one a 2-D GEMM's output takes back to [b, s, h] (GPT-2's Conv1D); it must keep the
     last dim, the bias's."""
     biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
     biased += [P((aten.view.default,), (b, V("shape", _keeps_bias_dim))) for b in biased]
-    no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero))) for b in biased]
+    no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero), V("train", default=True))) for b in biased]
     inner = no_drop + [_LINEAR_BIAS]
     return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
             for i, first in itertools.product(inner, (True, False))]
@@ -205,7 +271,7 @@ def _residual_patterns() -> list[P]:
 RULES: list[tuple[str, P, Callable]] = [
     ("layer_norm", P((aten.layer_norm.default,),
                      (V("x"), V("shape", _last_dim_only), V("w", default=None), V("b", default=None),
-                      V("eps", default=1e-5))), _layer_norm),
+                      V("eps", default=1e-5), V("cudnn_enable", default=True))), _layer_norm),
     ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
     ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
      _bias_gelu),
@@ -215,4 +281,5 @@ RULES: list[tuple[str, P, Callable]] = [
     ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),
     ("swiglu", P((aten.mul.Tensor,), (V("u"), P((aten.silu.default,), (V("a"),)))), _swiglu),
     *(("bias_residual", p, _bias_residual) for p in _residual_patterns()),
+    *(("causal_softmax", p, _causal_softmax) for p in _causal_softmax_patterns()),
 ]

@@ -1,6 +1,7 @@
 """Op-tree patterns over FX graphs: `P` matches a call_function node and its arguments, `V` binds
 any value to a name (optionally tested), a list matches a list argument item by item. A name bound
-twice must bind the same node or an equal constant. Used by the fusion pass (passes/fuse.py).
+twice must bind the same node or an equal constant. A node with more arguments than its pattern
+names does not match (x[::2] is not x[:]). Used by the fusion pass (passes/fuse.py).
 
     env, inner = {}, []
     if match(P((aten.relu.default,), (V("x"),)), node, env, inner, lookup):
@@ -14,11 +15,25 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["P", "V", "Test", "match", "ASSERTS", "users"]
+__all__ = ["P", "V", "Test", "Facts", "match", "ASSERTS", "users"]
 
 aten = torch.ops.aten
 
-# a test on a bound value: (value, lookup of a get_attr target, the bindings made so far) -> ok
+
+@dataclass(frozen=True)
+class Facts:
+    """What a test may know beyond the graph: `facts(target)`, a get_attr target's tensor; and
+    `facts.captured(node)`, the node's value in the captured single-device program as export
+    recorded it (a fake tensor with int / SymInt sizes, or a SymInt), or None where unknown. Its
+    sizes are the single-device ones: a dim tensor parallelism splits has its full size there."""
+    attr: Callable[[str], object]
+    captured: Callable[[fx.Node], object] = lambda node: None
+
+    def __call__(self, target: str) -> object:
+        return self.attr(target)
+
+
+# a test on a bound value: (value, Facts (or a plain get_attr lookup), the bindings made so far) -> ok
 Test = Callable[[object, Callable[[str], object], dict], bool]
 
 
@@ -65,8 +80,8 @@ def match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, r
         return True
     n = value
     if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in pat.targets
-            and pat.kwargs_ok(dict(n.kwargs))):
-        return False
+            and pat.kwargs_ok(dict(n.kwargs)) and len(n.args) <= len(pat.args)):
+        return False                                 # an argument the pattern does not name (a slice's step)
     if not root:
         if len(users(n)) != 1:
             return False

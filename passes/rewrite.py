@@ -285,6 +285,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         else:
             new = g.create_node(node.op, target, tuple(args), kwargs, name=node.name)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        new.meta["captured"] = node.name          # the captured node it comes from (its shapes are there)
         if lookup_outside is not None:
             mask = g.call_function(aten.unsqueeze.default, (lookup_outside, -1))
             new = g.call_function(aten.masked_fill.Scalar, (new, mask, 0.0))

@@ -7,14 +7,14 @@ from autoshard import autoshard
 from autoshard.testing import build_model, grad_errors, max_rel
 from autoshard.testing.models import VOCAB, input_name, logits_of
 
-HEADS = {"nanogpt": 8, "gpt2": 8, "llama": 8, "bert": 8}
+HEADS = {"nanogpt": 8, "nanogpt-manual": 8, "gpt2": 8, "llama": 8, "bert": 8}
 
 
 def _loss(out, labels):
     return F.cross_entropy(logits_of(out).reshape(-1, VOCAB), labels.reshape(-1))
 
 
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["nanogpt", "nanogpt-manual", "gpt2", "llama", "bert"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_outputs_and_gradients_match(name, tp):
     model = build_model(name, heads=HEADS[name], kv_heads=2)

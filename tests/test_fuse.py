@@ -12,8 +12,9 @@ from autoshard.testing import build_model, grad_errors, max_rel
 from autoshard.testing.models import VOCAB, input_name, logits_of
 
 # what each model's rank graph should get: LayerNorms, the MLP's bias+GeLU (GPT-2: its written-out tanh
-# GeLU), SiLU*up, bias+residual
+# GeLU), SiLU*up, bias+residual, and nanoGPT's written-out attention its causal softmax
 EXPECTED = {"nanogpt": {"layer_norm", "bias_gelu", "bias_residual"},
+            "nanogpt-manual": {"layer_norm", "bias_gelu", "bias_residual", "causal_softmax"},
             "gpt2": {"layer_norm", "gelu_tanh", "bias_residual"}, "llama": {"rms_norm", "rotary", "swiglu"}}
 
 
@@ -96,6 +97,55 @@ def test_a_broadcasting_match_stays_exact():
     assert max_rel(g1, g2) <= 1e-6
 
 
+class _MaskedAttention(nn.Module):
+    """softmax((x @ x^T) * 0.5, masked where mask[:, :, :n, :n] == 0) @ x over [b, h, t, d]; n is
+    the scores' length t unless `length` fixes it."""
+    def __init__(self, mask: torch.Tensor, length: int | None = None):
+        super().__init__()
+        self.register_buffer("mask", mask)
+        self.length = length
+
+    def forward(self, x):
+        n = x.size(2) if self.length is None else self.length
+        att = (x @ x.transpose(-2, -1)) * 0.5                                   # (b, h, t, t)
+        att = att.masked_fill(self.mask[:, :, :n, :n] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ x
+
+
+_CAUSAL = torch.ones(12, 12).tril().view(1, 1, 12, 12)
+
+
+@pytest.mark.parametrize("mask,length,fused", [
+    (_CAUSAL, None, {"causal_softmax"}),
+    (_CAUSAL - torch.ones(12, 12).tril(-3).view(1, 1, 12, 12), None, set()),   # a band (sliding window): not causal
+    (_CAUSAL.transpose(-2, -1).contiguous(), None, set()),                    # upper triangle: anti-causal
+    (_CAUSAL, 1, set()),             # buf[:, :, :1, :1] broadcasts: no mask at all, not the causal one
+])
+def test_the_causal_softmax_fuses_only_a_provably_causal_mask(mask, length, fused):
+    model = _MaskedAttention(mask, length)
+    x = torch.randn(2, 3, 8, 4, requires_grad=True)
+    prog = autoshard(model, tp=1, example_inputs=(x,), fuse=True)
+    assert _fused(prog) == fused
+    got, want = prog.simulate(x), model(x)
+    assert max_rel(got, want) <= 1e-6
+    (g1,) = torch.autograd.grad(got.square().sum(), x)
+    (g2,) = torch.autograd.grad(want.square().sum(), x)
+    assert max_rel(g1, g2) <= 1e-6
+
+
+def test_a_pattern_does_not_match_a_node_with_arguments_it_does_not_name():
+    """x[0:4:2] has a step the slice pattern does not name: it is not x[0:4]."""
+    from autoshard.passes.pattern import P, V, match
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    plain = g.call_function(aten.slice.Tensor, (x, 0, 0, 4))
+    strided = g.call_function(aten.slice.Tensor, (x, 0, 0, 4, 2))
+    pat = P((aten.slice.Tensor,), (V("x"), V("dim"), V("start"), V("end")))
+    assert match(pat, plain, {}, [], lambda t: None)
+    assert not match(pat, strided, {}, [], lambda t: None)
+
+
 def test_rules_are_a_table_a_new_row_is_a_new_fusion():
     aten = torch.ops.aten
     g = fx.Graph()
@@ -128,12 +178,14 @@ def _dtypes_under_autocast(gm: fx.GraphModule, *inputs) -> dict[str, torch.dtype
     return seen
 
 
-def test_fused_ops_return_the_dtypes_of_the_nodes_they_replace_under_autocast():
+@pytest.mark.parametrize("name", ["nanogpt", "nanogpt-manual"])
+def test_fused_ops_return_the_dtypes_of_the_nodes_they_replace_under_autocast(name):
     """bf16 autocast (CPU here; the same dispatch on CUDA): a bias taken out of a linear follows
     the linear's dtype, residual adds promote, so every fused node returns the dtype the unfused
-    node returned (bf16 GeLU activations, fp32 residual stream) and the logits agree."""
+    node returned (bf16 GeLU activations and attention probabilities, fp32 residual stream) and
+    the logits agree."""
     torch.manual_seed(0)
-    model = build_model("nanogpt")
+    model = build_model(name)
     ids = torch.randint(0, VOCAB, (2, 16))
     gms = [autoshard(model, tp=1, example_inputs=(ids,), fuse=f).rank(0).graph_module for f in (False, True)]
     plain, fused = (_dtypes_under_autocast(gm, ids) for gm in gms)

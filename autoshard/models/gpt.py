@@ -1,6 +1,7 @@
 """A nanoGPT-style GPT written as a user would: plain nn.Modules, no parallelism anywhere."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True          # False: attention written out (scores, causal mask, softmax), as nanoGPT without SDPA
 
 
 class CausalSelfAttention(nn.Module):
@@ -28,6 +30,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)   # fused q, k, v
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.flash = cfg.flash
+        if not cfg.flash:
+            causal = torch.tril(torch.ones(cfg.block_size, cfg.block_size))
+            self.register_buffer("bias", causal.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+            self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -35,8 +42,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)   # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)   # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)   # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))        # (B, nh, T, T)
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v                       # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                    # (B, T, C)
         return self.c_proj(y)
 

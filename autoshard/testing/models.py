@@ -20,8 +20,9 @@ def build_model(name: str, *, seed: int = 0, layers: int = 2, heads: int = 8, kv
                 hidden: int = 64) -> nn.Module:
     """A seeded small model; `kv_heads` < `heads` gives Llama grouped-query attention."""
     torch.manual_seed(seed)
-    if name == "nanogpt":
-        return GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=VOCAB, block_size=64))
+    if name in ("nanogpt", "nanogpt-manual"):      # -manual: attention written out, not SDPA
+        return GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=VOCAB, block_size=64,
+                             flash=name == "nanogpt"))
     import transformers as hf
     if name == "gpt2":
         cfg = hf.GPT2Config(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=VOCAB, n_positions=64,
@@ -37,15 +38,15 @@ def build_model(name: str, *, seed: int = 0, layers: int = 2, heads: int = 8, kv
                             intermediate_size=2 * hidden, vocab_size=VOCAB, max_position_embeddings=64,
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return hf.BertForMaskedLM(cfg)
-    raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
+    raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES} or 'nanogpt-manual'")
 
 
 def input_name(name: str) -> str:
-    return "idx" if name == "nanogpt" else "input_ids"
+    return "idx" if name.startswith("nanogpt") else "input_ids"
 
 
 def label_name(name: str) -> str:
-    return "targets" if name == "nanogpt" else "labels"
+    return "targets" if name.startswith("nanogpt") else "labels"
 
 
 def logits_of(out) -> torch.Tensor:
