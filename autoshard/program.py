@@ -143,7 +143,7 @@ class ShardedProgram:
         k = self._compiled.index(entry)
         rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, rank.rank, f"_s{k}" if k else "")   # rewrite
         if self.options.fuse:        # after the rewrite: fused ops see the shards and the collectives
-            fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph)
+            fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:

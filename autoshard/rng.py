@@ -54,11 +54,16 @@ class RNGTracker:
 
 
 _DROPOUT_ARG = {"dropout": (2, "train"), "native_dropout": (2, "train"),
-                "scaled_dot_product_attention": (4, "dropout_p")}
+                "scaled_dot_product_attention": (4, "dropout_p"), "bias_dropout_add": (3, "p")}
+# ops that take their randomness as a seed argument (at this position), drawn here from the region's
+# CPU generator state: no device sync, and the region's rule holds (one seed on every rank of a
+# replicated region, a rank's own inside a tensor-parallel one)
+_SEED_ARG = {"bias_dropout_add": 4}
 
 
 class RegionRandomOp(nn.Module):
-    """Runs a random op (dropout, attention with dropout) with its region's generator state.
+    """Runs a random op (dropout, attention with dropout, the fused bias + dropout + residual) with
+    its region's generator state.
 
     The op only drops when this module is in training mode: `rank.eval()` turns dropout off as it
     does for the original model."""
@@ -75,6 +80,12 @@ class RegionRandomOp(nn.Module):
                 args = (*args[:pos], False if key == "train" else 0.0, *args[pos + 1:])
             elif key in kwargs:
                 kwargs = {**kwargs, key: False if key == "train" else 0.0}
+        if name in _SEED_ARG:                         # eval mode: p is 0 and no seed is drawn
+            seat, seed = _SEED_ARG[name], 0
+            if self.training:
+                with self.tracker.fork(self.region, "cpu"):
+                    seed = int(torch.randint(0, 2**31 - 1, ()))
+            return self.op(*args[:seat], seed, *args[seat + 1:], **kwargs)
         device = args[0].device if isinstance(args[0], torch.Tensor) else torch.device("cpu")
         with self.tracker.fork(self.region, device):
             return self.op(*args, **kwargs)

@@ -25,7 +25,7 @@ $py -c "import torch, cupy; print('torch', torch.__version__, '| cupy', cupy.__v
 
 run_stage() {
   case $1 in
-    check)   $py -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_fuse.py 2>&1 | tee "$out/check.log" ;;
+    check)   $py -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_fuse.py tests/test_dropout_rng.py 2>&1 | tee "$out/check.log" ;;
     kernels) $py benchmarks/kernels.py --append 2>&1 | tee "$out/kernels.log" ;;
     mfu)     $py benchmarks/mfu.py --append 2>&1 | tee "$out/mfu.log" ;;
     suite)   $py -m pytest -q -x -m "not slow" -p no:cacheprovider -n 8 2>&1 | tee "$out/suite.log" ;;

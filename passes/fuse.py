@@ -27,8 +27,14 @@ implementation outside the plain case, so most patterns need no shapes. One does
 softmax replaces `masked_fill(buf[:, :, :T, :T] == 0, -inf)` by the op's built-in causal mask only
 where `buf` is causal (read at fuse time) and T is the scores' query and key length in the captured
 program's shapes (passes/rewrite.py names each rank node's captured node in meta["captured"]).
-Dropout with p > 0 is left alone: the fused kernel draws its mask from its own counter-based hash,
-not from torch's generator, so it would change the masks.
+A training dropout (p > 0) before a bias + residual add is fused too: the rewrite made it a module
+that runs it under its RNG region's generator (rng.RegionRandomOp), a pattern matches that module as
+the dropout it runs, and the fused op becomes such a module in the same region. It draws a seed
+from the region's generator and the kernel hashes (seed, element) into its mask, regenerated in
+backward: the same distribution and the same region rule (one mask on every rank of a replicated
+region, a rank's own under sequence parallelism), not torch's mask, so a fused training run with
+dropout is not the unfused run bit for bit. Biases and norm weights that sequence parallelism reads
+through f (identity forward) match as the parameters they are.
 """
 from __future__ import annotations
 
@@ -39,21 +45,49 @@ import torch.fx as fx
 
 from .fuse_rules import RULES
 from .pattern import ASSERTS, Facts, P, V, match
+from .rewrite import RandomOpSpec
 
-__all__ = ["P", "V", "RULES", "fuse"]
+__all__ = ["P", "V", "RULES", "Inserter", "fuse"]
 
 aten = torch.ops.aten
 # bound values a fusion may leave without users, removed with it (pure casts and views)
 _PURE = (aten.to.dtype, aten.unsqueeze.default)
 
 
+class Inserter:
+    """What a builder inserts with, before the matched root: `call(target, args, like=root)` adds a
+    call_function node carrying `like`'s meta (its module path places it in its pipeline stage);
+    `call.random(module_node, op, args)` adds a call of `op` run under the generator region of
+    `module_node` (a random op's module, passes/rewrite.py's RandomOpSpec) as a module of its own."""
+
+    def __init__(self, graph: fx.Graph, root: fx.Node, modules: list):
+        self.graph, self.root, self.modules = graph, root, modules
+
+    def _meta(self, n: fx.Node, like: fx.Node) -> fx.Node:
+        n.meta = {k: v for k, v in like.meta.items() if like is not self.root or k != "val"}
+        return n
+
+    def __call__(self, target, args: tuple, like: fx.Node | None = None) -> fx.Node:
+        return self._meta(self.graph.call_function(target, args), like or self.root)
+
+    def random(self, module_node: fx.Node, op, args: tuple) -> fx.Node:
+        spec = next(s for s in self.modules if isinstance(s, RandomOpSpec) and s.module == module_node.target)
+        new = RandomOpSpec(spec.module.replace("_rng_", "_rng_fused_", 1), op, spec.region)
+        self.modules.append(new)
+        return self._meta(self.graph.call_module(new.module, args), self.root)
+
+
 def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str, P, Callable]] | None = None,
-         captured: fx.Graph | None = None) -> list[tuple[str, str]]:
+         captured: fx.Graph | None = None, modules: list | None = None) -> list[tuple[str, str]]:
     """Apply `rules` (default RULES) to `graph` in place; `lookup(target)` gives a get_attr node's
     tensor. `captured`, the graph `graph` was rewritten from, gives rules the single-device shapes
-    (a rule that needs them does not match without). Returns (rule, root node) for each fusion made."""
+    (a rule that needs them does not match without). `modules`, the rank graph's module specs
+    (RankGraph.modules), lets random ops' modules match as their ops; it is edited in place: a
+    module a fusion replaces goes, the fused one is added. Returns (rule, root node) per fusion."""
     import autoshard.kernels  # noqa: F401  (registers torch.ops.autoshard.*; only when fusing)
-    facts = Facts(lookup, _captured_values(captured)) if captured is not None else Facts(lookup)
+    modules = modules if modules is not None else []
+    ops = {s.module: s.op for s in modules if isinstance(s, RandomOpSpec)}
+    facts = Facts(lookup, _captured_values(captured) if captured is not None else (lambda node: None), ops.get)
     done = []
     for root in list(graph.nodes):
         if getattr(root, "_erased", False) or root.op != "call_function":
@@ -62,12 +96,8 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str
             env, inner = {}, []
             if not match(pat, root, env, inner, facts):
                 continue
-            def call(target, args, like=root):
-                n = graph.call_function(target, args)
-                n.meta = {k: v for k, v in like.meta.items() if like is not root or k != "val"}
-                return n
             with graph.inserting_before(root):
-                new = build(call, env, root)
+                new = build(Inserter(graph, root, modules), env, root)
             new.meta = {**root.meta, "fused": name, "replaces": root.name}
             root.replace_all_uses_with(new)
             graph.erase_node(root)
@@ -76,6 +106,8 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str
                     graph.erase_node(u)
                 if not n.users:
                     graph.erase_node(n)
+                    if n.op == "call_module":          # its module goes with it
+                        modules[:] = [s for s in modules if getattr(s, "module", None) != n.target]
             for v in env.values():                     # a cast or buffer the match read, now read by nothing
                 if isinstance(v, fx.Node) and not v.users and (v.op == "get_attr" or v.target in _PURE):
                     graph.erase_node(v)

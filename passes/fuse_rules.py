@@ -19,12 +19,20 @@ aten, fused = torch.ops.aten, torch.ops.autoshard
 
 
 # ---- tests on bound values -------------------------------------------------------------------------
-def _vector_param(v, lookup, env) -> bool:
-    """A 1-D parameter or buffer (a bias)."""
+def _vector(v, lookup) -> torch.Tensor | None:
+    """The 1-D parameter or buffer (a bias) node `v` reads, directly or through f (identity
+    forward, as sequence parallelism reads a bias: its gradient is summed over the sequence
+    shards); else None."""
+    if isinstance(v, fx.Node) and v.op == "call_module" and v.target == "f" and len(v.args) == 1:
+        v = v.args[0]
     if not (isinstance(v, fx.Node) and v.op == "get_attr"):
-        return False
+        return None
     t = lookup(v.target)
-    return isinstance(t, torch.Tensor) and t.dim() == 1
+    return t if isinstance(t, torch.Tensor) and t.dim() == 1 else None
+
+
+def _vector_param(v, lookup, env) -> bool:
+    return _vector(v, lookup) is not None
 
 
 def _last_dim_only(v, lookup, env) -> bool:
@@ -54,7 +62,7 @@ def _true(v, lookup, env) -> bool:
 
 def _keeps_bias_dim(v, lookup, env) -> bool:
     """A view's shape whose last dim is the bias's length (so the bias can be added after it)."""
-    return isinstance(v, (list, tuple)) and v[-1] == lookup(env["b"].target).shape[0]
+    return isinstance(v, (list, tuple)) and v[-1] == _vector(env["b"], lookup).shape[0]
 
 
 def _no_grad_table(v: object) -> bool:
@@ -95,7 +103,7 @@ def _to_fp32(v, lookup, env) -> bool:
 def _weight_dtype(v, lookup, env) -> bool:
     """The dtype a written-out norm casts back to is its weight's, so weight * y.to(dtype) has the
     dtype the fused norm returns (the input's: export asserts it is the captured one)."""
-    return isinstance(v, torch.dtype) and lookup(env["w"].target).dtype == v
+    return isinstance(v, torch.dtype) and _vector(env["w"], lookup).dtype == v
 
 
 def _slice_start(v, lookup, env) -> bool:
@@ -144,8 +152,9 @@ def _is_scores_length(v, lookup, env) -> bool:
 
 
 # ---- builders -----------------------------------------------------------------------------------------
-# A builder gets `call(target, args, like=root)`, which inserts a node carrying `like`'s meta (its
-# module path places it in the right pipeline stage), the bound values and the matched root.
+# A builder gets `call` (passes/fuse.py's Inserter: `call(target, args, like=root)` inserts a node
+# carrying `like`'s meta, `call.random(module_node, op, args)` a random op under module_node's RNG
+# region), the bound values and the matched root.
 Call = Callable[..., fx.Node]
 
 
@@ -191,6 +200,10 @@ def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
     y, b = _take_bias_out(call, env) if "lin" in env else (env["y"], env["b"])
     if "shape" in env:                               # (y + b).view(shape) = y.view(shape) + b
         y = call(aten.view.default, (y, env["shape"]))
+    drop = env.get("drop")
+    if drop is not None and drop.op == "call_module":     # dropout under its region's generator
+        # the module draws the seed (its region's) and sets p to 0 in eval mode; 0 is a placeholder
+        return call.random(drop, fused.bias_dropout_add.default, (y, b, env["res"], float(env["p"]), 0))
     return call(fused.bias_dropout_add.default, (y, b, env["res"], 0.0, 0))
 
 
@@ -256,14 +269,23 @@ def _causal_softmax_patterns() -> list[P]:
             for x in scaled]
 
 
+def _no_draw_or_region(v, lookup, env) -> bool:
+    """A dropout's p: 0 (no mask drawn), or any p where the dropout is a region's random-op module
+    (the fused op then draws its mask from that region's generator)."""
+    return v == 0 or (isinstance(v, (int, float)) and env["drop"].op == "call_module")
+
+
 def _residual_patterns() -> list[P]:
-    """res + [dropout(p=0)]([view](y + b)), both operand orders, and res + linear(x, w, b). The
-    view is the one a 2-D GEMM's output takes back to [b, s, h] (GPT-2's Conv1D); it must keep the
-    last dim, the bias's."""
+    """res + [dropout]([view](y + b)), both operand orders, and res + linear(x, w, b). The view is
+    the one a 2-D GEMM's output takes back to [b, s, h] (GPT-2's Conv1D); it must keep the last
+    dim, the bias's. The dropout is one of p = 0, or a training dropout, which the rewrite made a
+    module running it under its RNG region's generator: the fused op's mask is then its own hash
+    of a seed drawn from that generator (the same distribution, not torch's mask)."""
     biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
     biased += [P((aten.view.default,), (b, V("shape", _keeps_bias_dim))) for b in biased]
-    no_drop = biased + [P((aten.dropout.default,), (b, V("p", _zero), V("train", default=True))) for b in biased]
-    inner = no_drop + [_LINEAR_BIAS]
+    dropped = [P((aten.dropout.default,), (b, V("p", _no_draw_or_region), V("train", default=True)), bind="drop")
+               for b in biased]
+    inner = biased + dropped + [_LINEAR_BIAS]
     return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
             for i, first in itertools.product(inner, (True, False))]
 

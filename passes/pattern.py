@@ -1,7 +1,8 @@
 """Op-tree patterns over FX graphs: `P` matches a call_function node and its arguments, `V` binds
 any value to a name (optionally tested), a list matches a list argument item by item. A name bound
 twice must bind the same node or an equal constant. A node with more arguments than its pattern
-names does not match (x[::2] is not x[:]). Used by the fusion pass (passes/fuse.py).
+names does not match (x[::2] is not x[:]). A call_module node that runs an op (Facts.module_op:
+a dropout under its region's generator) matches as that op. Used by the fusion pass (passes/fuse.py).
 
     env, inner = {}, []
     if match(P((aten.relu.default,), (V("x"),)), node, env, inner, lookup):
@@ -28,6 +29,8 @@ class Facts:
     sizes are the single-device ones: a dim tensor parallelism splits has its full size there."""
     attr: Callable[[str], object]
     captured: Callable[[fx.Node], object] = lambda node: None
+    # the op a call_module node runs for the graph (a random op under its region's generator), or None
+    module_op: Callable[[str], object] = lambda target: None
 
     def __call__(self, target: str) -> object:
         return self.attr(target)
@@ -65,6 +68,14 @@ def _same(a: object, b: object) -> bool:
     return a is b if isinstance(a, fx.Node) or isinstance(b, fx.Node) else type(a) is type(b) and a == b
 
 
+def _runs(n: fx.Node, facts) -> object:
+    """The op a node runs: a call_function's target, or the op of a call_module that runs one (a
+    dropout under its region's generator matches a dropout pattern; the builder sees `n.op`)."""
+    if n.op == "call_function":
+        return n.target
+    return getattr(facts, "module_op", lambda target: None)(n.target) if n.op == "call_module" else None
+
+
 def match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, root: bool = True) -> bool:
     """Match `pat` at `value`, binding names in `env` and listing the inner nodes (single-user,
     so they can go) in `inner`, parents before children."""
@@ -79,7 +90,7 @@ def match(pat: object, value: object, env: dict, inner: list[fx.Node], lookup, r
         env[pat.name] = value
         return True
     n = value
-    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in pat.targets
+    if not (isinstance(n, fx.Node) and _runs(n, lookup) in pat.targets
             and pat.kwargs_ok(dict(n.kwargs)) and len(n.args) <= len(pat.args)):
         return False                                 # an argument the pattern does not name (a slice's step)
     if not root:

@@ -31,11 +31,12 @@ def _dead(prog, rank=0) -> list[str]:
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device,sp", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=CUDA)])
 @pytest.mark.parametrize("name", list(EXPECTED))
-def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device):
+def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device, sp):
     """fp32, tp=2: on the CPU the fused ops' torch implementations, on CUDA their kernels (which
-    must have run) against the unfused graph's torch ops."""
+    must have run) against the unfused graph's torch ops; also under sequence parallelism, where
+    biases and norm weights are read through f."""
     from autoshard.kernels.launch import LAUNCHES
     torch.manual_seed(0)
     model = build_model(name, heads=8, kv_heads=2).to(device)
@@ -44,7 +45,7 @@ def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device):
     results = []
     launches = sum(LAUNCHES.values())
     for fuse in (False, True):
-        prog = autoshard(model, tp=2, example_kwargs=kw, fuse=fuse)
+        prog = autoshard(model, tp=2, example_kwargs=kw, fuse=fuse, sequence_parallel=sp)
         out = prog.simulate(**kw)
         F.cross_entropy(logits_of(out).reshape(-1, VOCAB), labels.reshape(-1)).backward()
         results.append((logits_of(out).detach(), prog.full_grads(), _fused(prog)))
