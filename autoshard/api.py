@@ -37,8 +37,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
     False each rank returns its own shard and no rank materializes full logits.
-    fuse: replace LayerNorm, bias+GeLU, SiLU*up (SwiGLU) and bias+residual subgraphs of every rank
-    graph by autoshard.kernels' fused ops (CuPy kernels on CUDA, exact torch code elsewhere);
+    fuse: replace LayerNorm / RMSNorm, bias+GeLU, SiLU*up (SwiGLU), rotary, written-out causal
+    softmax and bias+dropout+residual subgraphs of every rank graph by autoshard.kernels' fused ops
+    (CuPy kernels on CUDA, exact torch code elsewhere; passes/fuse_rules.py lists the patterns);
+    a fused training dropout draws its own masks (same p, same RNG regions, not torch's masks);
     default: on when the model's parameters are on a CUDA device.
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
     many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
