@@ -54,14 +54,20 @@ def dist_seq_ops(comm, rank: int, world: int) -> SeqOps:
                   split=lambda xs, d: [xs[0].chunk(world, d)[rank].contiguous()])
 
 
+def _dim_major(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t laid out as the real collectives return it: dim d outermost in memory (they run on
+    t.movedim(d, 0)), so the simulator hands later ops the same strides a real run does."""
+    return t.movedim(d, 0).contiguous().movedim(0, d)
+
+
 def sim_seq_ops() -> SeqOps:
     def rs(xs, d):
         total = sum(xs[1:], xs[0].clone())
-        return [c.clone() for c in total.chunk(len(xs), d)]
+        return [_dim_major(c, d) for c in total.chunk(len(xs), d)]
 
     def ag(xs, d):
         full = torch.cat(xs, d)
-        return [full.clone() for _ in xs]
+        return [_dim_major(full, d) for _ in xs]
     return SeqOps(reduce_scatter=rs, all_gather=ag,
                   split=lambda xs, d: [x.chunk(len(xs), d)[i].contiguous() for i, x in enumerate(xs)])
 

@@ -24,7 +24,7 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, scale: float) -> torc
 
 @_softmax.register_fake
 def _(x, mask, scale, causal):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)                      # contiguous, as the implementations return it
 
 
 @_softmax_backward.register_fake
@@ -72,13 +72,13 @@ def _norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | N
 @_norm.register_fake
 def _(x, weight, bias, eps, rms):
     stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=stat), x.new_empty(x.shape[:-1], dtype=stat)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=stat), x.new_empty(x.shape[:-1], dtype=stat)
 
 
 @_norm_backward.register_fake
 def _(grad, x, weight, mean, rstd, rms):
     acc = ref._acc(x)
-    return torch.empty_like(x), x.new_empty(x.shape[-1:], dtype=acc), x.new_empty(x.shape[-1:], dtype=acc)
+    return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=acc), x.new_empty(x.shape[-1:], dtype=acc)
 
 
 def _norm_setup(ctx, inputs, output):

@@ -35,6 +35,11 @@ backward: the same distribution and the same region rule (one mask on every rank
 region, a rank's own under sequence parallelism), not torch's mask, so a fused training run with
 dropout is not the unfused run bit for bit. Biases and norm weights that sequence parallelism reads
 through f (identity forward) match as the parameters they are.
+
+Layouts: the fused norm and softmax return contiguous tensors, as aten.layer_norm and aten.softmax
+do (GPT-2 views a LayerNorm's output as [-1, C]; under sequence parallelism its input is a
+reduce-scatter's output, whose scattered dim is outermost in memory). The element-wise ops follow
+their input's layout on the CPU, as torch's do; their CUDA kernels write contiguous outputs.
 """
 from __future__ import annotations
 

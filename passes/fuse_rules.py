@@ -198,8 +198,9 @@ def _swiglu(call: Call, env: dict, root: fx.Node) -> fx.Node:
 
 def _bias_residual(call: Call, env: dict, root: fx.Node) -> fx.Node:
     y, b = _take_bias_out(call, env) if "lin" in env else (env["y"], env["b"])
-    if "shape" in env:                               # (y + b).view(shape) = y.view(shape) + b
-        y = call(aten.view.default, (y, env["shape"]))
+    if "shape" in env:          # (y + b).view(shape) = y.reshape(shape) + b: the add's output was
+        # contiguous, y need not be (a real reduce-scatter's output under sequence parallelism is not)
+        y = call(aten.reshape.default, (y, env["shape"]))
     drop = env.get("drop")
     if drop is not None and drop.op == "call_module":     # dropout under its region's generator
         # the module draws the seed (its region's) and sets p to 0 in eval mode; 0 is a placeholder

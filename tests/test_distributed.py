@@ -27,6 +27,22 @@ def test_gloo_training_matches_single_device(world, mode):
         assert r["sharded"] > 0, r
 
 
+@pytest.mark.slow
+def test_gloo_training_with_dropout_keeps_replicas_equal_fused_or_not():
+    """GPT-2 with dropout 0.3 at tp=2, plain and fused, with and without sequence parallelism: every
+    rank computes the same losses and the replicated parameters stay bitwise equal (a fused dropout
+    draws its mask in its region, as the plain one does)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "autoshard.testing.dropout_check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {(r["fuse"], r["sequence_parallel"]) for r in lines} == {(f, sp) for f in (0, 1) for sp in (0, 1)}
+    for r in lines:
+        assert r["all_ranks_ok"] and r["same_loss"] and r["differ"] == [], r
+        assert (r["fused_dropouts"] == 4) == r["fuse"], r
+
+
 PIPELINES = ["tp1-pp2-dp1-v1", "tp1-pp4-dp1-v2", "tp2-pp2-dp1-v2", "tp2-pp2-dp2-v1"]   # (tp, pp, dp, v)
 
 

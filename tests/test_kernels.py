@@ -172,6 +172,26 @@ def test_custom_op_registration_passes_opcheck(name):
     torch.library.opcheck(getattr(torch.ops.autoshard, name).default, args)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("name", ["scaled_masked_softmax", "norm"])
+def test_row_ops_return_contiguous_outputs_of_permuted_inputs(name, device):
+    """aten.layer_norm and aten.softmax return contiguous outputs whatever their input's strides, and
+    graphs rely on it (GPT-2 views a LayerNorm's output as [-1, C]); so do the fused ops, on every
+    device, and their fake implementations say so (opcheck compares them)."""
+    x = torch.randn(4, 2, 3, 8, device=device).transpose(0, 1).requires_grad_()   # (2, 4, 3, 8), permuted
+    args = {"scaled_masked_softmax": (x.transpose(2, 3), None, 0.5, False),
+            "norm": (x, torch.randn(8, device=device), torch.randn(8, device=device), 1e-5, False)}[name]
+    op = getattr(torch.ops.autoshard, name).default
+    out = op(*args)
+    y = out[0] if isinstance(out, tuple) else out
+    assert y.is_contiguous()
+    y.view(-1, y.shape[-1])
+    torch.library.opcheck(op, args)
+    (dx,) = torch.autograd.grad(y.square().sum(), x)
+    assert dx.shape == x.shape
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # norm-relative error against float64 that a correct fp32-math kernel stays under, per storage
