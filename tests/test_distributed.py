@@ -7,7 +7,9 @@ import sys
 import pytest
 
 MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
-         "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"]}
+         "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"],
+         # fused ops (their torch implementations here): the fused graphs' layouts on real collectives
+         "fused-sequence-parallel": ["--in-graph-loss", "--sequence-parallel", "--fuse"]}
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def _optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str, shape: dict,
-                in_graph: bool, sequence_parallel: bool = False) -> dict:
+                in_graph: bool, sequence_parallel: bool = False, fuse: bool = False) -> dict:
     ref = build_model(name, **shape)
     model = build_model(name, **shape)
     gen = torch.Generator().manual_seed(1)
@@ -59,7 +59,7 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
     example = {input_name(name): batches[0][0]}
     if in_graph:
         example[label_name(name)] = batches[0][1]
-    prog = autoshard(model, tp=world, example_kwargs=example, sequence_parallel=sequence_parallel)
+    prog = autoshard(model, tp=world, example_kwargs=example, sequence_parallel=sequence_parallel, fuse=fuse)
     rt = prog.distributed()
     opt = _optimizer(optim, rt.parameters(), lr)
     ref_opt = _optimizer(optim, ref.parameters(), lr)
@@ -81,7 +81,7 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
     where = max(errs, key=errs.get)
     worst_param = errs[where]
     return {"model": name, "rank": rank, "world": world, "optim": optim, "in_graph_loss": in_graph,
-            "sequence_parallel": sequence_parallel, "steps": len(batches), "loss_rel": worst_loss,
+            "sequence_parallel": sequence_parallel, "fuse": fuse, "steps": len(batches), "loss_rel": worst_loss,
             "param_rel": worst_param, "worst_param": where, "sharded": len(prog.plan.params)}
 
 
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--in-graph-loss", action="store_true",
                     help="pass labels to the model, so the compiled graph holds the loss")
     ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--fuse", action="store_true", help="fused ops (their torch implementations on the CPU)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
@@ -106,7 +107,7 @@ def main() -> None:
         for name in args.models:
             shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
             res = check_model(name, args.steps, rank, world, args.lr, args.optim, shape, args.in_graph_loss,
-                              args.sequence_parallel)
+                              args.sequence_parallel, args.fuse)
             ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.param_tol)
         return ok
     run_checker(checks)
