@@ -1,6 +1,8 @@
 """Element-wise fused ops as custom ops: bias + GeLU, SwiGLU, bias + dropout + residual. Each
 returns the dtype torch's type promotion gives the expression it replaces (`x + bias` with a bf16
-x and an fp32 bias is fp32), so a fused graph keeps the unfused one's dtypes."""
+x and an fp32 bias is fp32), so a fused graph keeps the unfused one's dtypes. Outputs (backward's
+too) are contiguous whatever the inputs' strides, as the CUDA kernels write them and the fake
+implementations declare them: torch.compile plans with the fakes' strides, so they must be true."""
 from __future__ import annotations
 
 import torch
@@ -17,13 +19,13 @@ __all__ = ["bias_gelu", "swiglu", "bias_dropout_add", "draw_seed"]
 # ---- bias + GeLU ---------------------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::bias_gelu", mutates_args=())
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
-    return ref.bias_gelu_fwd(x, bias, approximate == "tanh")
+    return ref.bias_gelu_fwd(x, bias, approximate == "tanh").contiguous()
 
 
 @torch.library.custom_op(f"{_LIB}::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                         approximate: str) -> torch.Tensor:
-    return ref.bias_gelu_bwd(grad, x, bias, approximate == "tanh")
+    return ref.bias_gelu_bwd(grad, x, bias, approximate == "tanh").contiguous()
 
 
 @_bias_gelu.register_fake
@@ -61,13 +63,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
 @torch.library.custom_op(f"{_LIB}::swiglu", mutates_args=())
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
             up_bias: torch.Tensor | None) -> torch.Tensor:
-    return ref.swiglu_fwd(gate, up, gate_bias, up_bias)
+    return ref.swiglu_fwd(gate, up, gate_bias, up_bias).contiguous()
 
 
 @torch.library.custom_op(f"{_LIB}::swiglu_backward", mutates_args=())
 def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
                      up_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return ref.swiglu_bwd(grad, gate, up, gate_bias, up_bias)
+    da, du = ref.swiglu_bwd(grad, gate, up, gate_bias, up_bias)
+    return da.contiguous(), du.contiguous()
 
 
 @_swiglu.register_fake
@@ -104,12 +107,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None 
 @torch.library.custom_op(f"{_LIB}::bias_dropout_add", mutates_args=())
 def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
                       seed: int) -> torch.Tensor:
-    return ref.bias_dropout_add_fwd(x, bias, residual, p, seed)
+    return ref.bias_dropout_add_fwd(x, bias, residual, p, seed).contiguous()
 
 
 @torch.library.custom_op(f"{_LIB}::bias_dropout_add_backward", mutates_args=())
 def _bias_dropout_add_backward(grad: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    return ref.bias_dropout_add_bwd(grad, p, seed)
+    return ref.bias_dropout_add_bwd(grad, p, seed).contiguous()
 
 
 @_bias_dropout_add.register_fake
@@ -119,7 +122,7 @@ def _(x, bias, residual, p, seed):
 
 @_bias_dropout_add_backward.register_fake
 def _(grad, p, seed):
-    return torch.empty_like(grad)
+    return grad.new_empty(grad.shape)
 
 
 def _bda_setup(ctx, inputs, output):

@@ -1,5 +1,7 @@
 """Row-wise fused ops as custom ops: scaled masked softmax, LayerNorm / RMSNorm, rotary embedding.
-The norm returns its input's dtype, softmax too; rotary promotes like the `x * cos` it replaces."""
+The norm returns its input's dtype, softmax too; rotary promotes like the `x * cos` it replaces.
+Like the element-wise ops, every output (backward's too) is contiguous whatever the inputs'
+strides, on every device and in the fake implementations alike."""
 from __future__ import annotations
 
 import torch
@@ -14,12 +16,12 @@ __all__ = ["scaled_masked_softmax", "layer_norm", "rms_norm", "rotary"]
 # ---- scaled masked softmax -----------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::scaled_masked_softmax", mutates_args=())
 def _softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
-    return ref.softmax_fwd(x, mask, scale, causal)
+    return ref.softmax_fwd(x, mask, scale, causal).contiguous()
 
 
 @torch.library.custom_op(f"{_LIB}::scaled_masked_softmax_backward", mutates_args=())
 def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-    return ref.softmax_bwd(grad, y, scale)
+    return ref.softmax_bwd(grad, y, scale).contiguous()
 
 
 @_softmax.register_fake
@@ -29,7 +31,7 @@ def _(x, mask, scale, causal):
 
 @_softmax_backward.register_fake
 def _(grad, y, scale):
-    return torch.empty_like(y)
+    return y.new_empty(y.shape)
 
 
 def _softmax_setup(ctx, inputs, output):
@@ -60,13 +62,13 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None = None, sca
 @torch.library.custom_op(f"{_LIB}::norm", mutates_args=())
 def _norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
           rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ref.norm_fwd(x, weight, bias, eps, rms)
+    return tuple(t.contiguous() for t in ref.norm_fwd(x, weight, bias, eps, rms))
 
 
 @torch.library.custom_op(f"{_LIB}::norm_backward", mutates_args=())
 def _norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
                    rstd: torch.Tensor, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ref.norm_bwd(grad, x, weight, mean, rstd, rms)
+    return tuple(t.contiguous() for t in ref.norm_bwd(grad, x, weight, mean, rstd, rms))
 
 
 @_norm.register_fake
@@ -116,7 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 # ---- rotary position embedding -------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::rotary", mutates_args=())
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, half: int) -> torch.Tensor:
-    return ref.rope_apply(x, cos, sin, inverse, half)
+    return ref.rope_apply(x, cos, sin, inverse, half).contiguous()
 
 
 @_rotary.register_fake

@@ -36,10 +36,13 @@ region, a rank's own under sequence parallelism), not torch's mask, so a fused t
 dropout is not the unfused run bit for bit. Biases and norm weights that sequence parallelism reads
 through f (identity forward) match as the parameters they are.
 
-Layouts: the fused norm and softmax return contiguous tensors, as aten.layer_norm and aten.softmax
-do (GPT-2 views a LayerNorm's output as [-1, C]; under sequence parallelism its input is a
-reduce-scatter's output, whose scattered dim is outermost in memory). The element-wise ops follow
-their input's layout on the CPU, as torch's do; their CUDA kernels write contiguous outputs.
+Layouts: every fused op returns contiguous tensors whatever its inputs' strides, on every device,
+as its fake implementation says (torch.compile plans with the fakes' strides). The norm and softmax
+thereby match aten.layer_norm and aten.softmax, which graphs rely on (GPT-2 views a LayerNorm's
+output as [-1, C]; under sequence parallelism its input is a reduce-scatter's output, whose
+scattered dim is outermost in memory). An element-wise op of a permuted input is where a fused
+graph's layout differs from the unfused one's (torch's element-wise ops keep the input's layout):
+equal values; a later view that needed the permuted layout would fail loudly, none of ours does.
 """
 from __future__ import annotations
 

@@ -172,24 +172,50 @@ def test_custom_op_registration_passes_opcheck(name):
     torch.library.opcheck(getattr(torch.ops.autoshard, name).default, args)
 
 
+def _permuted(*shape, device="cpu", grad=True) -> torch.Tensor:
+    """A dense tensor of `shape` whose first two dims are swapped in memory."""
+    t = torch.randn(shape[1], shape[0], *shape[2:], device=device).transpose(0, 1)
+    return t.requires_grad_() if grad else t
+
+
+def _permuted_args(name: str, device: str) -> tuple:
+    p = lambda *s: _permuted(*s, device=device)                  # noqa: E731
+    v = lambda n: torch.randn(n, device=device)                  # noqa: E731
+    return {"bias_gelu": (p(2, 4, 3, 8), v(8), "tanh"), "swiglu": (p(2, 4, 3, 8), p(2, 4, 3, 8), None, None),
+            "scaled_masked_softmax": (p(2, 4, 3, 3), None, 0.5, True),
+            "bias_dropout_add": (p(2, 4, 3, 8), v(8), p(2, 4, 3, 8), 0.25, 11),
+            "norm": (p(2, 4, 3, 8), v(8), v(8), 1e-5, False),
+            "rotary": (p(2, 4, 3, 8), torch.randn(1, 3, 8, device=device), torch.randn(1, 3, 8, device=device),
+                       False, 4)}[name]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("name", ["scaled_masked_softmax", "norm"])
-def test_row_ops_return_contiguous_outputs_of_permuted_inputs(name, device):
-    """aten.layer_norm and aten.softmax return contiguous outputs whatever their input's strides, and
-    graphs rely on it (GPT-2 views a LayerNorm's output as [-1, C]); so do the fused ops, on every
-    device, and their fake implementations say so (opcheck compares them)."""
-    x = torch.randn(4, 2, 3, 8, device=device).transpose(0, 1).requires_grad_()   # (2, 4, 3, 8), permuted
-    args = {"scaled_masked_softmax": (x.transpose(2, 3), None, 0.5, False),
-            "norm": (x, torch.randn(8, device=device), torch.randn(8, device=device), 1e-5, False)}[name]
+@pytest.mark.parametrize("name", ["bias_gelu", "swiglu", "scaled_masked_softmax", "bias_dropout_add", "norm",
+                                  "rotary"])
+def test_fused_ops_return_contiguous_outputs_as_their_fakes_say(name, device):
+    """Permuted (dense, non-contiguous) inputs, as a real reduce-scatter returns them: every output,
+    forward and backward, is contiguous, on every device, with the strides the fake implementation
+    gives (torch.compile plans with those), and equal to the op on contiguous copies. Graphs rely on
+    it too: GPT-2 views a LayerNorm's output as [-1, C]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     op = getattr(torch.ops.autoshard, name).default
+    args = _permuted_args(name, device)
     out = op(*args)
-    y = out[0] if isinstance(out, tuple) else out
-    assert y.is_contiguous()
-    y.view(-1, y.shape[-1])
+    outs = out if isinstance(out, tuple) else (out,)
+    assert all(o.is_contiguous() for o in outs)
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert [f.stride() for f in (fake if isinstance(fake, tuple) else (fake,))] == [o.stride() for o in outs]
+    plain = op(*(a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+    for o, q in zip(outs, plain if isinstance(plain, tuple) else (plain,)):
+        assert torch.equal(o, q)
+    grad = _permuted(*outs[0].shape, device=device, grad=False)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(outs[0], leaves, grad)
+    assert all(g.shape == a.shape for g, a in zip(grads, leaves))
+    assert grads[0].is_contiguous()              # the first input's gradient: the backward op's output
     torch.library.opcheck(op, args)
-    (dx,) = torch.autograd.grad(y.square().sum(), x)
-    assert dx.shape == x.shape
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
