@@ -85,8 +85,6 @@ def _masked(x: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.T
 
 
 def softmax_fwd(x, mask, scale: float, causal: bool) -> torch.Tensor:
-    """Contiguous whatever x's strides, as aten.softmax returns it (and the kernel does)."""
-    x = x.contiguous()
     acc = _acc(x)
     off = _masked(x, mask, causal)
     z = (x.to(acc) * scale).masked_fill(off, -math.inf)
@@ -144,10 +142,8 @@ def bias_dropout_add_bwd(g, p: float, seed: int) -> torch.Tensor:
 
 
 def norm_fwd(x, w, b, eps: float, rms: bool):
-    """(y, mean, rstd); y contiguous whatever x's strides, as aten.layer_norm returns it (and the
-    kernel does), so a view of it that worked unfused works fused."""
     acc = _acc(x)
-    xf = x.contiguous().to(acc)
+    xf = x.to(acc)
     mean = torch.zeros(x.shape[:-1], dtype=acc, device=x.device) if rms else xf.mean(-1)
     var = ((xf - mean.unsqueeze(-1)) ** 2).mean(-1)
     rstd = torch.rsqrt(var + eps)
@@ -161,9 +157,8 @@ def norm_fwd(x, w, b, eps: float, rms: bool):
 
 
 def norm_bwd(g, x, w, mean, rstd, rms: bool):
-    """(dx, dw, db): dw and db summed over every leading dim, in the accumulation dtype; dx
-    contiguous."""
-    acc, x = _acc(x), x.contiguous()
+    """(dx, dw, db): dw and db summed over every leading dim, in the accumulation dtype."""
+    acc = _acc(x)
     gf, xh = g.to(acc), (x.to(acc) - mean.unsqueeze(-1).to(acc)) * rstd.unsqueeze(-1).to(acc)
     gw = gf * (w.to(acc) if w is not None else 1.0)
     m1 = 0.0 if rms else gw.mean(-1, keepdim=True)
