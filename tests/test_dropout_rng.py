@@ -4,15 +4,13 @@ import pytest
 import torch
 
 from autoshard import autoshard
+from autoshard.testing import build_model
 
-hf = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 def _gpt2(p=0.3):
-    torch.manual_seed(0)
-    cfg = hf.GPT2Config(n_layer=2, n_head=8, n_embd=64, vocab_size=128, n_positions=64,
-                        resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
-    return hf.GPT2LMHeadModel(cfg).train()
+    return build_model("gpt2", dropout=p).train()
 
 
 @pytest.fixture(scope="module")

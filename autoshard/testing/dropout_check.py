@@ -19,17 +19,9 @@ import torch.nn.functional as F
 
 from autoshard import autoshard
 from autoshard.testing.launch import agree, run_checker
-from autoshard.testing.models import VOCAB
+from autoshard.testing.models import VOCAB, build_model
 
 P_DROP = 0.3
-
-
-def _gpt2() -> torch.nn.Module:
-    import transformers as hf
-    torch.manual_seed(0)
-    cfg = hf.GPT2Config(n_layer=2, n_head=8, n_embd=64, vocab_size=VOCAB, n_positions=64,
-                        resid_pdrop=P_DROP, embd_pdrop=P_DROP, attn_pdrop=P_DROP)
-    return hf.GPT2LMHeadModel(cfg).train()
 
 
 def _same_on_every_rank(t: torch.Tensor) -> bool:
@@ -43,7 +35,7 @@ def check(fuse: bool, sequence_parallel: bool, steps: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen))
                for _ in range(steps)]
-    prog = autoshard(_gpt2(), tp=world, example_kwargs={"input_ids": batches[0][0]}, fuse=fuse,
+    prog = autoshard(build_model("gpt2", dropout=P_DROP).train(), tp=world, example_kwargs={"input_ids": batches[0][0]}, fuse=fuse,
                      sequence_parallel=sequence_parallel)
     rt = prog.distributed()
     fused = [n for n, _ in rt.named_children() if "_rng_fused_" in n]
