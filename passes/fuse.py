@@ -116,8 +116,9 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str
                     graph.erase_node(n)
                     if n.op == "call_module":          # its module goes with it
                         modules[:] = [s for s in modules if getattr(s, "module", None) != n.target]
-            for v in env.values():                     # a cast or buffer the match read, now read by nothing
-                if isinstance(v, fx.Node) and not v.users and (v.op == "get_attr" or v.target in _PURE):
+            read = {id(v): v for v in env.values() if isinstance(v, fx.Node)}     # a node bound twice, once
+            for v in read.values():                    # a cast or buffer the match read, now read by nothing
+                if not v.users and (v.op == "get_attr" or v.target in _PURE):
                     graph.erase_node(v)
             done.append((name, root.name))
             break

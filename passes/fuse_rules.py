@@ -106,6 +106,24 @@ def _weight_dtype(v, lookup, env) -> bool:
     return isinstance(v, torch.dtype) and _vector(env["w"], lookup).dtype == v
 
 
+def _one_plus_weight(v, lookup, env) -> bool:
+    """1 + w[.float()], w a 1-D parameter (Gemma's RMSNorm scales by one plus its weight): a node the
+    fusion keeps as the fused norm's weight, so the weight's gradient still flows through it."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target == aten.add.Tensor and not v.kwargs
+            and len(v.args) == 2 and _const(1.0)(v.args[1], lookup, env)):
+        return False
+    w = v.args[0].args[0] if _to_fp32(v.args[0], lookup, env) else v.args[0]
+    return _vector(w, lookup) is not None
+
+
+def _input_dtype(v, lookup, env) -> bool:
+    """`y.type_as(v)` returns the norm input's dtype (what the fused norm returns), by the captured
+    program's dtypes: v is the input, or its fp32 copy where the input is fp32. Unknown: no match."""
+    captured = getattr(lookup, "captured", lambda node: None)
+    like, x = captured(v) if isinstance(v, fx.Node) else None, captured(env["h"].args[0])
+    return isinstance(like, torch.Tensor) and isinstance(x, torch.Tensor) and like.dtype == x.dtype
+
+
 def _slice_start(v, lookup, env) -> bool:
     return v is None or v == 0
 
@@ -233,15 +251,19 @@ def _gelu_tanh_written_out() -> P:
     return P(mul, (P(mul, (x, V("half", _const(0.5)))), P(add, (inner, V("one", _const(1.0))))))
 
 
-def _rms_norm_written_out() -> P:
-    """weight * (h * rsqrt(mean(h ** 2, -1, keepdim) + eps)).to(dtype), h = x.to(float32), as
-    Hugging Face's LlamaRMSNorm traces (dtype: the input's at capture, which must be the weight's)."""
+def _rms_norm_patterns() -> list[P]:
+    """h * rsqrt(mean(h ** 2, -1, keepdim) + eps), h = x.to(float32), then scaled as Hugging Face's
+    norms trace: LlamaRMSNorm's weight * normed.to(dtype) (dtype: the input's at capture, which must
+    be the weight's), and GemmaRMSNorm's (normed * (1 + weight.float())).type_as(x)."""
     h = V("h", _to_fp32)
     mean_sq = P((aten.mean.dim,), (P((aten.pow.Tensor_Scalar,), (h, V("two", _const(2.0)))), V("dims", _last_dim),
                                    V("keep", _true)))
     rstd = P((aten.rsqrt.default,), (P((aten.add.Tensor,), (mean_sq, V("eps", _number))),))
     normed = P((aten.mul.Tensor,), (h, rstd))
-    return P((aten.mul.Tensor,), (V("w", _vector_param), P((aten.to.dtype,), (normed, V("dtype", _weight_dtype)))))
+    llama = P((aten.mul.Tensor,), (V("w", _vector_param), P((aten.to.dtype,), (normed, V("dtype", _weight_dtype)))))
+    gemma = P((aten.type_as.default,), (P((aten.mul.Tensor,), (normed, V("w", _one_plus_weight))),
+                                        V("like", _input_dtype)))
+    return [llama, gemma]
 
 
 def _rotary_written_out() -> P:
@@ -298,7 +320,7 @@ RULES: list[tuple[str, P, Callable]] = [
     ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
     ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
      _bias_gelu),
-    ("rms_norm", _rms_norm_written_out(), _rms_norm),
+    *(("rms_norm", p, _rms_norm) for p in _rms_norm_patterns()),
     ("gelu_tanh", _gelu_tanh_written_out(), _gelu_tanh),
     ("rotary", _rotary_written_out(), _rotary),
     ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),

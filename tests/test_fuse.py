@@ -134,6 +134,35 @@ def test_the_causal_softmax_fuses_only_a_provably_causal_mask(mask, length, fuse
     assert max_rel(g1, g2) <= 1e-6
 
 
+class _OnePlusRMSNorm(nn.Module):
+    """Gemma's RMSNorm, (normed(x.float()) * (1 + w.float())).type_as(like): `like` is x as Gemma
+    writes it, or the fp32 copy, which returns fp32 for a bf16 x (not what the fused norm returns)."""
+    def __init__(self, like_input: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8) * 0.1)
+        self.like_input = like_input
+
+    def forward(self, x):
+        h = x.float()
+        out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (out * (1.0 + self.weight.float())).type_as(x if self.like_input else h)
+
+
+@pytest.mark.parametrize("dtype,like_input,fused", [(torch.float32, True, True), (torch.float32, False, True),
+                                                    (torch.bfloat16, True, True), (torch.bfloat16, False, False)])
+def test_the_one_plus_weight_rms_norm_fuses_where_it_returns_its_inputs_dtype(dtype, like_input, fused):
+    torch.manual_seed(0)
+    model = _OnePlusRMSNorm(like_input).to(dtype)
+    x = torch.randn(3, 5, 8, dtype=dtype, requires_grad=True)
+    prog = autoshard(model, tp=1, example_inputs=(x,), fuse=True)
+    assert _fused(prog) == ({"rms_norm"} if fused else set())
+    got, want = prog.simulate(x), model(x)
+    assert got.dtype == want.dtype and max_rel(got.float(), want.float()) <= 1e-6
+    grads = [torch.autograd.grad(y.float().square().sum(), (x, w)) for y, w in
+             ((got, prog.rank(0).get_parameter("weight")), (want, model.weight))]
+    assert all(max_rel(a.float(), b.float()) <= (1e-5 if dtype == torch.float32 else 1e-2) for a, b in zip(*grads))
+
+
 def test_a_pattern_does_not_match_a_node_with_arguments_it_does_not_name():
     """x[0:4:2] has a step the slice pattern does not name: it is not x[0:4]."""
     from autoshard.passes.pattern import P, V, match
@@ -196,3 +225,34 @@ def test_fused_ops_return_the_dtypes_of_the_nodes_they_replace_under_autocast(na
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = [logits_of(gm(ids)) for gm in gms]
     assert outs[0].dtype == outs[1].dtype and max_rel(outs[1].float(), outs[0].float()) <= 2e-2
+
+
+@pytest.mark.parametrize("name,backend", [("gpt2", "aot_eager"), ("llama", "aot_eager"), ("nanogpt-manual", "inductor")])
+def test_torch_compile_traces_fused_rank_programs_whole(name, backend):
+    """torch.compile sees the fused ops as ordinary ops: a fused rank program compiles as one graph
+    (fullgraph: no break at a custom op) that keeps every fused op, and the compiled program's
+    outputs and gradients equal the eager program's. aot_eager traces autograd through the ops'
+    fake implementations; inductor also generates code around them."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(name, heads=8, kv_heads=2)
+    kw = {input_name(name): torch.randint(0, VOCAB, (2, 16))}
+    rank = autoshard(model, tp=1, example_kwargs=kw, fuse=True).rank(0)
+    seen = []
+
+    def recording(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+    compiled = torch.compile(rank, backend=recording, fullgraph=True)
+    results = []
+    for run in (rank, compiled):
+        rank.zero_grad(set_to_none=True)
+        out = logits_of(run(**kw))
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in rank.named_parameters()}))
+    fused_ops = [n for n in rank.graph_module.graph.nodes if "fused" in n.meta]
+    assert len(fused_ops) > 0 and sum(t.startswith("autoshard.") for t in seen) == len(fused_ops)
+    (eager, eager_grads), (comp, comp_grads) = results
+    assert max_rel(comp, eager) <= 1e-5
+    errs = grad_errors(comp_grads, eager_grads)
+    assert max(errs.values()) <= 1e-5, max(errs, key=errs.get)
