@@ -46,6 +46,7 @@ def test_gloo_training_with_dropout_keeps_replicas_equal_fused_or_not():
 
 
 PIPELINES = ["tp1-pp2-dp1-v1", "tp1-pp4-dp1-v2", "tp2-pp2-dp1-v2", "tp2-pp2-dp2-v1"]   # (tp, pp, dp, v)
+FUSED_TOO = "tp2-pp2-dp1-v2"             # trains fused as well (interleaved stages holding fused ops)
 
 
 @pytest.mark.slow
@@ -58,11 +59,14 @@ def test_gloo_pipeline_training_matches_single_device(config, tmp_path):
            "--chunks", str(v), "--microbatches", str(2 * pp), "--steps", "10", "--trace", str(tmp_path)]
     if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
         cmd += ["--optim", "adamw", "sgd"]
+    if config == FUSED_TOO:
+        cmd += ["--fuse", "both"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {(r["model"], r["optim"]) for r in lines} >= {("gpt2", "adamw"), ("llama", "adamw")}
+    assert {(r["model"], r["optim"], r["fuse"]) for r in lines} >= {
+        (m, "adamw", f) for m in ("gpt2", "llama") for f in ((False, True) if config == FUSED_TOO else (False,))}
     for r in lines:
         assert r["all_ranks_ok"] and (r["tp"], r["pp"], r["dp"], r["virtual"]) == (tp, pp, dp, v), r
         assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5 and r["param_norm_rel"] <= 1e-5, r

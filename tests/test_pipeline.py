@@ -28,11 +28,14 @@ def _loss(out):
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama"])
-@pytest.mark.parametrize("tp,pp,v", [(1, 2, 1), (1, 4, 2), (2, 2, 2), (2, 4, 1)])
-def test_stages_in_one_process_match_the_model(name, tp, pp, v):
+@pytest.mark.parametrize("tp,pp,v,fuse", [(1, 2, 1, False), (1, 4, 2, False), (2, 2, 2, False), (2, 4, 1, False),
+                                          (2, 2, 2, True)])
+def test_stages_in_one_process_match_the_model(name, tp, pp, v, fuse):
+    """fuse: the fused ops (their torch implementations here) inside interleaved stages."""
     model = build_model(name, layers=8)
     kw = _kwargs(name, torch.randint(0, 128, (2, 16)))
-    prog = autoshard(model, tp=tp, pp=pp, virtual=v, microbatches=pp, example_kwargs=kw)
+    prog = autoshard(model, tp=tp, pp=pp, virtual=v, microbatches=pp, example_kwargs=kw, fuse=fuse)
+    assert any("fused" in n.meta for n in prog.rank(0).graph_module.graph.nodes) == fuse
     out, ref = prog.simulate(**kw), model(**kw)
     assert max_rel(_loss(out), _loss(ref)) < 1e-5
     _loss(out).backward()

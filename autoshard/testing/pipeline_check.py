@@ -6,7 +6,8 @@ Every rank builds the same seeded model twice: one copy is compiled with autosha
 through `PipelineRuntime.train_step` on its own rank; the other trains single-device on the same
 global batches with the same optimizer (AdamW) and gradient clipping. Per-step losses and, at the
 end, this rank's parameter shards are compared with the single-device ones. Exit status 1 on any
-mismatch; rank 0 prints one JSON line per model. `--trace DIR` writes the last step's Chrome
+mismatch; rank 0 prints one JSON line per model (and per optimizer, and fused or not with
+`--fuse both`: the fused ops' torch implementations on the CPU). `--trace DIR` writes the last step's Chrome
 trace and PNG timeline.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 from autoshard.trace import export_trace
 
 
-def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
+def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace) -> dict:
     rank = dist.get_rank()
     shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
     ref, model = build_model(name, **shape), build_model(name, **shape)
@@ -36,7 +37,7 @@ def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
     kw = lambda ids, labels: {input_name(name): ids, label_name(name): labels}   # noqa: E731
     example = kw(steps[0][0][: args.micro_size], steps[0][1][: args.micro_size])
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual,
-                     microbatches=args.microbatches, schedule=args.schedule, example_kwargs=example)
+                     microbatches=args.microbatches, schedule=args.schedule, example_kwargs=example, fuse=fuse)
     rt = prog.distributed()
     make = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
     opt, ref_opt = make(rt.parameters(), lr=args.lr), make(ref.parameters(), lr=args.lr)
@@ -54,6 +55,8 @@ def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
         ref_opt.zero_grad()
         loss_errs.append(max_rel(loss, ref_loss))
         norms.append(ref_norm.item())
+    fused = sum(n.op == "call_function" and str(n.target).startswith("autoshard.")       # in this rank's chunks
+                for chunks in rt._chunks.values() for _, chunk in chunks for n in chunk.graph.nodes)
     if args.trace:
         export_trace(rt.records, os.path.join(args.trace, f"{name}_tp{args.tp}_pp{args.pp}_dp{args.dp}_v{args.virtual}"))
     local = {n: p.detach() for n, p in rt.named_parameters()}
@@ -65,7 +68,7 @@ def check_model(name: str, optim: str, args: argparse.Namespace) -> dict:
     errs = scaled_errors(local, want)
     where = max(errs, key=errs.get)
     return {"model": name, "rank": rank, "tp": args.tp, "pp": args.pp, "dp": args.dp, "virtual": args.virtual,
-            "schedule": prog.schedule_name, "optim": optim, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
+            "schedule": prog.schedule_name, "optim": optim, "fuse": fuse, "fused_ops": fused, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
             "clipped_steps": sum(1 for n in norms if n > args.max_norm),
             "param_norm_rel": norm_rel(local, want), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
             "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent,
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--optim", nargs="+", choices=("adamw", "sgd"), default=["adamw"],
                     help="SGD is linear in the gradients: a scaling error cannot hide behind Adam's normalisation, "
                          "and parameters must match element by element (--param-tol)")
+    ap.add_argument("--fuse", choices=("off", "on", "both"), default="off", help="fused ops (see autoshard(fuse=))")
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--tol", type=float, default=1e-5, help="relative error allowed on losses")
     ap.add_argument("--param-tol", type=float, default=1e-5, help="norm-wise relative error allowed on parameters")
@@ -100,11 +104,13 @@ def main() -> None:
     args = ap.parse_args()
     def checks() -> bool:
         ok = True
-        for name, optim in [(m, o) for o in args.optim for m in args.models]:
-            res = check_model(name, optim, args)
+        fuses = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
+        for name, optim, fuse in [(m, o, f) for f in fuses for o in args.optim for m in args.models]:
+            res = check_model(name, optim, fuse, args)
             element_tol = args.element_tol if optim == "adamw" else args.param_tol
             ok &= agree(res, res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol
-                        and res["param_norm_rel"] <= args.param_tol and res["param_rel"] <= element_tol)
+                        and res["param_norm_rel"] <= args.param_tol and res["param_rel"] <= element_tol
+                        and (res["fused_ops"] > 0) == fuse)
         return ok
     run_checker(checks)
 
