@@ -23,7 +23,7 @@ from .placement import (
     Shard,
 )
 from .rule_context import RuleContext
-from .rules_shape import norm_dim, sharded_inputs
+from .rules_shape import moved, norm_dim, sharded_inputs
 
 __all__ = ["COMPUTE_RULES", "row_parallel_error"]
 
@@ -69,6 +69,19 @@ def cat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
     if isinstance(res.placement, Shard) and res.placement.dim == dim:
         raise Abandon(res.placement.roots, f"{ctx.where(node)} concatenates along a sharded dim")
+    return res
+
+
+def stack(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """stack(tensors, dim): the items (all one shape) aligned as cat aligns them; the output has a
+    new dim at `dim`, so an item's sharded dim d is the output's d, or d + 1 from `dim` on."""
+    res = _align(ctx, node, [(0, i, a) for i, a in enumerate(node.args[0])])
+    p = res.placement
+    if not isinstance(p, Shard):
+        return res
+    new = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    item_dim = p.dim - 1                  # _align placed it as if broadcast from the right
+    res.placement = moved(p, item_dim + (1 if item_dim >= new else 0))
     return res
 
 
@@ -285,7 +298,7 @@ _ELEMENTWISE = (
 
 COMPUTE_RULES = {
     **{name: elementwise for name in _ELEMENTWISE},
-    "cat": cat, "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
+    "cat": cat, "stack": stack, "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
     "var": reduction, "std": reduction, "prod": reduction, "_softmax": softmax, "softmax": softmax,
     "log_softmax": softmax, "_log_softmax": softmax, "layer_norm": layer_norm,
     "native_layer_norm": layer_norm, "rms_norm": layer_norm, "linear": linear, "addmm": addmm,

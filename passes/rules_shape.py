@@ -9,7 +9,7 @@ from .placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from .rule_context import RuleContext
 from .shape_algebra import map_reshape_dim
 
-__all__ = ["SHAPE_RULES", "sharded_inputs", "norm_dim"]
+__all__ = ["SHAPE_RULES", "sharded_inputs", "norm_dim", "moved"]
 
 
 def norm_dim(d: int, ndim: int) -> int:
@@ -25,7 +25,8 @@ def sharded_inputs(ctx: RuleContext, node: fx.Node) -> list[Shard]:
     return out
 
 
-def _moved(p: Shard, dim: int, **kw) -> Shard:
+def moved(p: Shard, dim: int, **kw) -> Shard:
+    """`p` at another dim (or with other fields): the same shard of a dim that moved."""
     fields = dict(dim=dim, size=p.size, layout=p.layout, roots=p.roots, origin=p.origin)
     fields.update(kw)
     return Shard(**fields)
@@ -103,7 +104,7 @@ def expand_rule(ctx: RuleContext, node: fx.Node) -> NodeSharding:
         raise Abandon(p.roots, f"{ctx.where(node)}: expand size of sharded dim is symbolic")
     if lit != -1:
         edits.append(ArgEdit(1, (local_size(p.layout),) * ctx.tp, item=od))
-    return NodeSharding(_moved(p, od), edits=edits)
+    return NodeSharding(moved(p, od), edits=edits)
 
 
 def transpose(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -116,7 +117,7 @@ def transpose(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     else:
         a, b = norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)
     d = b if p.dim == a else a if p.dim == b else p.dim
-    return NodeSharding(_moved(p, d))
+    return NodeSharding(moved(p, d))
 
 
 def permute(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -124,7 +125,21 @@ def permute(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if not isinstance(p, Shard):
         return NodeSharding(REPLICATE)
     dims = [norm_dim(d, len(node.args[1])) for d in node.args[1]]
-    return NodeSharding(_moved(p, dims.index(p.dim)))
+    return NodeSharding(moved(p, dims.index(p.dim)))
+
+
+def flatten(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """flatten(x, start, end) merges dims start..end: a sharded dim outside them moves; one inside is
+    refused (the shard would be regrouped; a view with literal sizes goes through `reshape`)."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(node.args[0]))
+    start = norm_dim(node.args[1] if len(node.args) > 1 else 0, max(nd, 1))
+    end = norm_dim(node.args[2] if len(node.args) > 2 else -1, max(nd, 1))
+    if start <= p.dim <= end and start != end:
+        raise Abandon(p.roots, f"{ctx.where(node)} flattens sharded dim {p.dim} with dims {start}..{end}")
+    return NodeSharding(moved(p, p.dim - (end - start) if p.dim > end else p.dim))
 
 
 def unsqueeze(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -132,7 +147,7 @@ def unsqueeze(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if not isinstance(p, Shard):
         return NodeSharding(REPLICATE)
     k = norm_dim(node.args[1], len(ctx.shape(node)))
-    return NodeSharding(_moved(p, p.dim + (1 if k <= p.dim else 0)))
+    return NodeSharding(moved(p, p.dim + (1 if k <= p.dim else 0)))
 
 
 def squeeze(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -143,7 +158,7 @@ def squeeze(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     dims = node.args[1] if len(node.args) > 1 else list(range(len(src)))
     dims = [dims] if isinstance(dims, int) else dims
     gone = {norm_dim(d, len(src)) for d in dims if src[norm_dim(d, len(src))] == 1}
-    return NodeSharding(_moved(p, p.dim - sum(1 for g in gone if g < p.dim)))
+    return NodeSharding(moved(p, p.dim - sum(1 for g in gone if g < p.dim)))
 
 
 def select(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -153,7 +168,7 @@ def select(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     d = norm_dim(node.args[1], len(ctx.shape(node.args[0])))
     if d == p.dim:
         raise Abandon(p.roots, f"{ctx.where(node)} selects one index of a sharded dim")
-    return NodeSharding(_moved(p, p.dim - (1 if d < p.dim else 0)))
+    return NodeSharding(moved(p, p.dim - (1 if d < p.dim else 0)))
 
 
 def _pieces(ctx: RuleContext, node: fx.Node, p: Shard, bounds: list[tuple[int, int]]) -> list[Shard]:
@@ -235,7 +250,7 @@ def getitem(ctx: RuleContext, node: fx.Node) -> NodeSharding:
 SHAPE_RULES = {
     "view": reshape, "reshape": reshape, "_unsafe_view": reshape,
     "expand": expand_rule, "transpose": transpose, "t": transpose, "permute": permute,
-    "unsqueeze": unsqueeze, "squeeze": squeeze, "select": select, "slice": slice_rule,
+    "unsqueeze": unsqueeze, "flatten": flatten, "squeeze": squeeze, "select": select, "slice": slice_rule,
     "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
     **{name: passthrough for name in (
         "contiguous", "clone", "alias", "detach", "to", "_to_copy", "type_as", "dropout",

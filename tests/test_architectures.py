@@ -22,8 +22,9 @@ CASES = {
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "Falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
 }
-# The ones that must shard their attention and MLP weights (others may fall back, correctly).
-MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma"}
+# The ones that must shard their attention and MLP weights with no fallback (others may fall back,
+# correctly: Falcon's fused multi-query QKV).
+MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma", "GPTJ"}
 # What the fusion pass finds in each at tp=2 (a row-parallel linear's bias is added after its
 # all-reduce, so bias + residual appears in the models whose output projections have biases).
 # Not fused: GPT-J's interleaved rotary, OPT's ReLU, Gemma's gated GeLU (no kernel
@@ -60,3 +61,4 @@ def test_shards_correctly_or_refuses(arch, tp, fuse):
     assert max(grad_errors(prog.full_grads(), ref_grads).values()) <= 1e-4
     if arch in MUST_SHARD:
         assert any("mlp" in n or ".fc" in n for n in prog.plan.params) and any("attn" in n or "attention" in n for n in prog.plan.params)
+        assert prog.plan.fallbacks == [], prog.plan.fallbacks

@@ -1,9 +1,10 @@
 """Tier (a): what each rank's graph and parameters look like, checked in one process."""
 import pytest
 import torch
+from torch import nn
 
 from autoshard import autoshard
-from autoshard.testing import build_model
+from autoshard.testing import build_model, grad_errors, max_rel
 
 ATTN_MLP = ("attn", "mlp", "attention", "intermediate", "output.dense", "self_attn")
 
@@ -76,3 +77,43 @@ def test_printed_table_names_parameters_and_collectives():
     assert "collectives per rank" in text
     assert "transformer.wte.weight" in text and "split dim 0" in text   # vocabulary-parallel, tied head
     assert "lm_head" not in text.split("collectives")[0]     # tied: one parameter, sharded once
+
+
+class _StackFlatten(nn.Module):
+    """Heads [b, s, heads, d] from a column-parallel linear, two halves of d stacked on a new dim,
+    `join` back to [b', s', heads', d'], a row-parallel linear over the features."""
+    def __init__(self, join):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)
+        self.join = join
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        h = self.up(x).view(b, s, 4, 8)                                        # [b, s, heads, d]
+        return self.down(self.join(-h[..., 1::2], h[..., ::2]).reshape(b, s, 32))
+
+
+_JOINS = {   # name -> (join, heads stay sharded)
+    # GPT-J's rotate_every_two: [b, s, heads, d/2, 2] -> [b, s, heads, d]
+    "gptj": (lambda a, b: torch.stack((a, b), dim=-1).flatten(-2), True),
+    # the new dim before the heads, [b, s, 2, heads, d/2]; b and s flattened in front of them
+    "new-dim-first": (lambda a, b: torch.stack((a, b), dim=2).flatten(0, 1).transpose(1, 2), True),
+    # flattening the new dim with the heads regroups the shard: refused, replicated
+    "heads-flattened": (lambda a, b: torch.stack((a, b), dim=2).flatten(2, 3), False),
+}
+
+
+@pytest.mark.parametrize("join", sorted(_JOINS))
+def test_stack_and_flatten_keep_heads_sharded_or_fall_back(join):
+    fn, sharded = _JOINS[join]
+    torch.manual_seed(0)
+    model = _StackFlatten(fn)
+    x = torch.randn(2, 5, 16)
+    prog = autoshard(model, tp=2, example_inputs=(x,))
+    assert ("up.weight" in prog.plan.params) == sharded
+    assert [("flattens sharded dim" in f.reason) for f in prog.plan.fallbacks] == ([] if sharded else [True])
+    out, ref = prog.simulate(x), model(x)
+    assert max_rel(out, ref) <= 1e-5
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert max(grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()}).values()) <= 1e-5
