@@ -116,12 +116,22 @@ def _one_plus_weight(v, lookup, env) -> bool:
     return _vector(w, lookup) is not None
 
 
-def _input_dtype(v, lookup, env) -> bool:
+def _norm_input_dtype(lookup, env) -> torch.dtype | None:
+    """The dtype of the norm's input (before its cast to fp32) in the captured program, or None."""
+    x = getattr(lookup, "captured", lambda node: None)(env["h"].args[0])
+    return x.dtype if isinstance(x, torch.Tensor) else None
+
+
+def _like_input(v, lookup, env) -> bool:
     """`y.type_as(v)` returns the norm input's dtype (what the fused norm returns), by the captured
     program's dtypes: v is the input, or its fp32 copy where the input is fp32. Unknown: no match."""
-    captured = getattr(lookup, "captured", lambda node: None)
-    like, x = captured(v) if isinstance(v, fx.Node) else None, captured(env["h"].args[0])
-    return isinstance(like, torch.Tensor) and isinstance(x, torch.Tensor) and like.dtype == x.dtype
+    like = getattr(lookup, "captured", lambda node: None)(v) if isinstance(v, fx.Node) else None
+    return isinstance(like, torch.Tensor) and like.dtype == _norm_input_dtype(lookup, env)
+
+
+def _input_dtype(v, lookup, env) -> bool:
+    """`y.to(v)` casts back to the norm input's dtype (the captured one), which the fused norm returns."""
+    return isinstance(v, torch.dtype) and v == _norm_input_dtype(lookup, env)
 
 
 def _slice_start(v, lookup, env) -> bool:
@@ -254,7 +264,8 @@ def _gelu_tanh_written_out() -> P:
 def _rms_norm_patterns() -> list[P]:
     """h * rsqrt(mean(h ** 2, -1, keepdim) + eps), h = x.to(float32), then scaled as Hugging Face's
     norms trace: LlamaRMSNorm's weight * normed.to(dtype) (dtype: the input's at capture, which must
-    be the weight's), and GemmaRMSNorm's (normed * (1 + weight.float())).type_as(x)."""
+    be the weight's), GemmaRMSNorm's (normed * (1 + weight.float())).type_as(x), and Olmo2's (and
+    T5's) (weight * normed).to(x's dtype)."""
     h = V("h", _to_fp32)
     mean_sq = P((aten.mean.dim,), (P((aten.pow.Tensor_Scalar,), (h, V("two", _const(2.0)))), V("dims", _last_dim),
                                    V("keep", _true)))
@@ -262,8 +273,9 @@ def _rms_norm_patterns() -> list[P]:
     normed = P((aten.mul.Tensor,), (h, rstd))
     llama = P((aten.mul.Tensor,), (V("w", _vector_param), P((aten.to.dtype,), (normed, V("dtype", _weight_dtype)))))
     gemma = P((aten.type_as.default,), (P((aten.mul.Tensor,), (normed, V("w", _one_plus_weight))),
-                                        V("like", _input_dtype)))
-    return [llama, gemma]
+                                        V("like", _like_input)))
+    olmo2 = P((aten.to.dtype,), (P((aten.mul.Tensor,), (V("w", _vector_param), normed)), V("dtype", _input_dtype)))
+    return [llama, gemma, olmo2]
 
 
 def _rotary_written_out() -> P:

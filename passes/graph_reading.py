@@ -9,9 +9,12 @@ __all__ = ["param_read", "module_path", "op_name"]
 
 
 def op_name(target: object) -> str:
-    """An op's short name: "view" for aten.view.default, "getitem" for operator.getitem."""
+    """An op's short name: "view" for aten.view.default, "getitem" for operator.getitem; other Python
+    operators keep their module ("operator.mul": size arithmetic on SymInts, not aten's mul)."""
     if target is operator.getitem:
         return "getitem"
+    if getattr(target, "__module__", None) in ("operator", "_operator"):
+        return f"operator.{target.__name__}"
     schema = getattr(target, "_schema", None)
     if schema is not None:
         return schema.name.split("::")[-1]

@@ -21,10 +21,26 @@ CASES = {
     "GPTJ": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=8, rotary_dim=4,
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "Falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    # alibi (size arithmetic on SymInts in the graph); Bloom's fused qkv is viewed per head
+    "Bloom": ("BloomConfig", "BloomForCausalLM", dict(n_layer=2, n_head=8, hidden_dropout=0.0, attention_dropout=0.0)),
+    "MPT": ("MptConfig", "MptForCausalLM", dict(d_model=64, n_heads=8, n_layers=2, expansion_ratio=2)),
+    # partial rotary, attention and MLP in parallel, biases
+    "Phi": ("PhiConfig", "PhiForCausalLM", dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                                                 partial_rotary_factor=0.5)),
+    # multi-query fused c_attn
+    "GPTBigCode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=64, n_layer=2, n_head=8, n_inner=128,
+                                                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    # RMSNorm over all heads' q and k features (needs every feature: replicated)
+    "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=8)),
+    # Mixture of Experts: top-k routing
+    "Qwen2Moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_key_value_heads=2, moe_intermediate_size=32,
+                                                               shared_expert_intermediate_size=64, num_experts=4,
+                                                               num_experts_per_tok=2)),
 }
 # The ones that must shard their attention and MLP weights with no fallback (others may fall back,
-# correctly: Falcon's fused multi-query QKV).
-MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma", "GPTJ"}
+# correctly: Falcon's and GPT-BigCode's fused multi-query QKV, Bloom's per-head fused QKV, Olmo2's
+# full-width q/k norms, Qwen2-MoE's router).
+MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma", "GPTJ", "MPT", "Phi"}
 # What the fusion pass finds in each at tp=2 (a row-parallel linear's bias is added after its
 # all-reduce, so bias + residual appears in the models whose output projections have biases).
 # Not fused: GPT-J's interleaved rotary, OPT's ReLU, Gemma's gated GeLU (no kernel
@@ -33,7 +49,10 @@ _LLAMA_LIKE = {"rms_norm", "rotary", "swiglu"}
 FUSED = {"Mistral": _LLAMA_LIKE, "Qwen2": _LLAMA_LIKE, "Qwen3": _LLAMA_LIKE, "Phi3": _LLAMA_LIKE,
          "Gemma": {"rms_norm", "rotary"}, "Falcon": {"layer_norm", "rotary"},
          "GPTNeoX": {"layer_norm", "rotary", "bias_gelu", "bias_residual"},
-         "GPTJ": {"layer_norm", "gelu_tanh", "bias_residual"}, "OPT": {"layer_norm", "bias_residual"}}
+         "GPTJ": {"layer_norm", "gelu_tanh", "bias_residual"}, "OPT": {"layer_norm", "bias_residual"},
+         "Bloom": {"layer_norm", "bias_residual"}, "MPT": {"layer_norm"},
+         "Phi": {"layer_norm", "gelu_tanh", "rotary", "bias_residual"},
+         "GPTBigCode": {"layer_norm", "bias_gelu", "bias_residual"}, "Olmo2": _LLAMA_LIKE, "Qwen2Moe": _LLAMA_LIKE}
 
 
 @pytest.mark.parametrize("tp,fuse", [(2, False), (4, False), (2, True)])
@@ -60,5 +79,6 @@ def test_shards_correctly_or_refuses(arch, tp, fuse):
     F.cross_entropy(out.reshape(-1, 128), labels.reshape(-1)).backward()
     assert max(grad_errors(prog.full_grads(), ref_grads).values()) <= 1e-4
     if arch in MUST_SHARD:
-        assert any("mlp" in n or ".fc" in n for n in prog.plan.params) and any("attn" in n or "attention" in n for n in prog.plan.params)
+        assert any(k in n for k in ("mlp", ".fc", "ffn") for n in prog.plan.params)
+        assert any("attn" in n or "attention" in n for n in prog.plan.params)
         assert prog.plan.fallbacks == [], prog.plan.fallbacks

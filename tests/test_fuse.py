@@ -134,25 +134,29 @@ def test_the_causal_softmax_fuses_only_a_provably_causal_mask(mask, length, fuse
     assert max_rel(g1, g2) <= 1e-6
 
 
-class _OnePlusRMSNorm(nn.Module):
-    """Gemma's RMSNorm, (normed(x.float()) * (1 + w.float())).type_as(like): `like` is x as Gemma
-    writes it, or the fp32 copy, which returns fp32 for a bf16 x (not what the fused norm returns)."""
-    def __init__(self, like_input: bool):
+class _WrittenRMSNorm(nn.Module):
+    """RMSNorm of x.float() written out as Hugging Face writes it, cast back to x's dtype (`back`)
+    or left fp32 (not what the fused norm returns for a bf16 x): Gemma's
+    (normed * (1 + w.float())).type_as(x), Olmo2's (w * normed).to(x.dtype)."""
+    def __init__(self, form: str, back: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8) * 0.1)
-        self.like_input = like_input
+        self.form, self.back = form, back
 
     def forward(self, x):
         h = x.float()
-        out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return (out * (1.0 + self.weight.float())).type_as(x if self.like_input else h)
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.form == "gemma":
+            return (normed * (1.0 + self.weight.float())).type_as(x if self.back else h)
+        return (self.weight * normed).to(x.dtype if self.back else torch.float32)
 
 
-@pytest.mark.parametrize("dtype,like_input,fused", [(torch.float32, True, True), (torch.float32, False, True),
-                                                    (torch.bfloat16, True, True), (torch.bfloat16, False, False)])
-def test_the_one_plus_weight_rms_norm_fuses_where_it_returns_its_inputs_dtype(dtype, like_input, fused):
+@pytest.mark.parametrize("form", ["gemma", "olmo2"])
+@pytest.mark.parametrize("dtype,back,fused", [(torch.float32, True, True), (torch.float32, False, True),
+                                              (torch.bfloat16, True, True), (torch.bfloat16, False, False)])
+def test_written_out_rms_norms_fuse_where_they_return_their_inputs_dtype(form, dtype, back, fused):
     torch.manual_seed(0)
-    model = _OnePlusRMSNorm(like_input).to(dtype)
+    model = _WrittenRMSNorm(form, back).to(dtype)
     x = torch.randn(3, 5, 8, dtype=dtype, requires_grad=True)
     prog = autoshard(model, tp=1, example_inputs=(x,), fuse=True)
     assert _fused(prog) == ({"rms_norm"} if fused else set())

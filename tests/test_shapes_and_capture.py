@@ -1,8 +1,10 @@
 """Dynamic batch/sequence sizes, re-specialization, meta-device compile, inferred inputs."""
+import operator
 import time
 
 import pytest
 import torch
+from torch import nn
 
 from autoshard import autoshard
 from autoshard.testing import build_model, max_rel
@@ -66,3 +68,30 @@ def test_inputs_inferred_when_not_given(name):
     model = build_model(name)
     prog = autoshard(model, tp=2)
     assert prog.plan.params
+
+
+class _SizeArithmetic(nn.Module):
+    """b * s computed from the input's symbolic sizes (an operator.mul node on SymInts in the graph,
+    as Bloom's and MPT's alibi and Mixture-of-Experts routing write it), around an MLP."""
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        flat = torch.relu(self.up(x)).reshape(b * s, 16)          # [b * s, 16]
+        return self.down(flat).view(b, s, 8)
+
+
+def test_size_arithmetic_is_not_taken_for_a_tensor_op():
+    """operator.mul on sizes is not aten's mul: it was given the element-wise rule and crashed."""
+    from autoshard.passes.graph_reading import op_name
+    assert op_name(operator.mul) == "operator.mul" and op_name(operator.getitem) == "getitem"
+    model = _SizeArithmetic()
+    x = torch.randn(2, 5, 8)
+    prog = autoshard(model, tp=2, example_inputs=(x,))
+    gm = prog.rank(0).graph_module
+    assert any(n.target is operator.mul for n in gm.graph.nodes)
+    assert set(prog.plan.params) == {"up.weight", "up.bias", "down.weight"}
+    x2 = torch.randn(3, 7, 8)                     # other sizes: the arithmetic runs on them
+    assert max_rel(prog.simulate(x2), model(x2)) <= 1e-5
