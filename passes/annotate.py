@@ -104,7 +104,8 @@ class _Analysis:
     def param(self, arg: object) -> tuple[str, bool] | None:
         return param_read(arg, self.param_names)
 
-    def where(self, node: fx.Node) -> str:
+    def where(self, node: fx.Node | str) -> str:
+        node = self.by_name[node] if isinstance(node, str) else node
         return f"node {node.name} (module {module_path(node)})"
 
     def prefers_unit_outer(self, node: fx.Node) -> bool:

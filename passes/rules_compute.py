@@ -118,7 +118,9 @@ def row_parallel_error(ctx: RuleContext, node: fx.Node, p: Shard) -> Exception:
     return ShardingError(
         f"tp={ctx.tp} cannot split the input of {ctx.where(node)}: its {p.size} features would be "
         f"shared between ranks (blocks fewer than ranks), so the row-parallel sum would count them "
-        f"twice. The attention heads (or blocks) feeding it must be divisible by tp={ctx.tp}.")
+        f"twice. The attention heads (or blocks) feeding it must be divisible by tp={ctx.tp}; they come from "
+        f"{', '.join(ctx.where(r) for r in sorted(p.roots))}. Key/value heads fewer than tp are shared only "
+        f"where attention reads them whole (scaled_dot_product_attention), not repeated in written-out code.")
 
 
 def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out_dim: int,
