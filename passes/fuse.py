@@ -2,11 +2,11 @@
 
 The rewrites are data: `RULES` is a table of (name, pattern, build). A pattern is a tree of `P`
 (a call_function node with one of some targets, its arguments matched in turn), `V` (any value,
-bound to a name, optionally tested) and lists of those (a list argument, item by item); a name
-bound twice must bind the same node or an equal constant; a node with arguments its pattern does
-not name does not match. A match's inner nodes must have no other users (export's dtype assertions
-aside; they go with them); `build` inserts the replacement before the matched root and returns it.
-Rows are tried in order at every node.
+bound to a name, optionally tested by a check of passes/fuse_checks.py) and lists of those (a list
+argument, item by item); a name bound twice must bind the same node or an equal constant; a node
+with arguments its pattern does not name does not match. A match's inner nodes must have no other
+users (export's dtype assertions aside; they go with them); `build` inserts the replacement before
+the matched root and returns it. Rows are tried in order at every node.
 
     fused = fuse(graph, lookup, captured=captured_graph)   # -> [(rule name, root node name)], in place
 
