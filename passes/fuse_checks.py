@@ -13,14 +13,20 @@ import torch.fx as fx
 from .pattern import Test
 
 __all__ = [
-    "equals", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table", "is_input_dtype",
-    "is_int", "is_last_dim", "is_last_dim_only", "is_like_input", "is_neg_inf", "is_no_draw_or_region",
-    "is_no_grad_table", "is_none", "is_number", "is_one_plus_weight", "is_scores_length", "is_slice_start",
-    "is_to_end", "is_to_fp32", "is_true", "is_vector_param", "is_weight_dtype", "is_zero", "keeps_bias_dim",
-    "norm_input_dtype", "same_size", "vector_of",
+    "captured_value", "equals", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
+    "is_input_dtype", "is_int", "is_last_dim", "is_last_dim_only", "is_like_input", "is_neg_inf",
+    "is_no_draw_or_region", "is_no_grad_table", "is_none", "is_number", "is_one_plus_weight",
+    "is_scores_length", "is_slice_start", "is_to_end", "is_to_fp32", "is_true", "is_vector_param",
+    "is_weight_dtype", "is_zero", "keeps_bias_dim", "norm_input_dtype", "same_size", "vector_of",
 ]
 
 aten = torch.ops.aten
+
+
+def captured_value(v, lookup) -> object:
+    """Node `v`'s value in the captured single-device program (Facts.captured), or None: not a node,
+    or a plain lookup without captured values."""
+    return getattr(lookup, "captured", lambda node: None)(v) if isinstance(v, fx.Node) else None
 
 
 def vector_of(v, lookup) -> torch.Tensor | None:
@@ -122,14 +128,14 @@ def is_one_plus_weight(v, lookup, env) -> bool:
 
 def norm_input_dtype(lookup, env) -> torch.dtype | None:
     """The dtype of the norm's input (before its cast to fp32) in the captured program, or None."""
-    x = getattr(lookup, "captured", lambda node: None)(env["h"].args[0])
+    x = captured_value(env["h"].args[0], lookup)
     return x.dtype if isinstance(x, torch.Tensor) else None
 
 
 def is_like_input(v, lookup, env) -> bool:
     """`y.type_as(v)` returns the norm input's dtype (what the fused norm returns), by the captured
     program's dtypes: v is the input, or its fp32 copy where the input is fp32. Unknown: no match."""
-    like = getattr(lookup, "captured", lambda node: None)(v) if isinstance(v, fx.Node) else None
+    like = captured_value(v, lookup)
     return isinstance(like, torch.Tensor) and like.dtype == norm_input_dtype(lookup, env)
 
 
@@ -176,9 +182,8 @@ def is_scores_length(v, lookup, env) -> bool:
     """The slice end T of the causal mask is both the query and the key length of the scores `s`
     (bound before it), by the captured program's shapes: then the sliced mask is exactly causal. A
     slice to any other length (a 1 x 1 mask would broadcast) or unknown shapes do not match."""
-    captured = getattr(lookup, "captured", lambda node: None)
-    scores = captured(env["s"]) if isinstance(env["s"], fx.Node) else None
-    t = captured(v) if isinstance(v, fx.Node) else v
+    scores = captured_value(env["s"], lookup)
+    t = captured_value(v, lookup) if isinstance(v, fx.Node) else v
     return (isinstance(scores, torch.Tensor) and scores.dim() == 4
             and same_size(scores.shape[-2], t) and same_size(scores.shape[-1], t))
 

@@ -135,8 +135,8 @@ def flatten(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if not isinstance(p, Shard):
         return NodeSharding(REPLICATE)
     nd = len(ctx.shape(node.args[0]))
-    start = norm_dim(node.args[1] if len(node.args) > 1 else 0, max(nd, 1))
-    end = norm_dim(node.args[2] if len(node.args) > 2 else -1, max(nd, 1))
+    start = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    end = norm_dim(node.args[2] if len(node.args) > 2 else -1, nd)
     if start <= p.dim <= end and start != end:
         raise Abandon(p.roots, f"{ctx.where(node)} flattens sharded dim {p.dim} with dims {start}..{end}")
     return NodeSharding(moved(p, p.dim - (end - start) if p.dim > end else p.dim))

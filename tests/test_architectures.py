@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard import ShardingError, autoshard
-from autoshard.testing import grad_errors, max_rel
+from autoshard.testing import fused_ops, grad_errors, max_rel
 
 hf = pytest.importorskip("transformers")
 
@@ -72,8 +72,7 @@ def test_shards_correctly_or_refuses(arch, tp, fuse):
     ref = model(input_ids=ids).logits
     F.cross_entropy(ref.reshape(-1, 128), labels.reshape(-1)).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    fused = {n.meta["fused"] for n in prog.rank(0).graph_module.graph.nodes if "fused" in n.meta}
-    assert fused == (FUSED[arch] if fuse else set())
+    assert set(fused_ops(prog.rank(0).graph_module)) == (FUSED[arch] if fuse else set())
     out = prog.simulate(input_ids=ids).logits
     assert max_rel(out, ref) <= 1e-5
     F.cross_entropy(out.reshape(-1, 128), labels.reshape(-1)).backward()

@@ -8,7 +8,7 @@ from autoshard.passes import fuse as fuse_pass
 from torch import nn
 
 from autoshard import autoshard
-from autoshard.testing import build_model, grad_errors, max_rel
+from autoshard.testing import build_model, fused_ops, grad_errors, max_rel
 from autoshard.testing.models import VOCAB, input_name, logits_of
 
 # what each model's rank graph should get: LayerNorms, the MLP's bias+GeLU (GPT-2: its written-out tanh
@@ -19,7 +19,7 @@ EXPECTED = {"nanogpt": {"layer_norm", "bias_gelu", "bias_residual"},
 
 
 def _fused(prog, rank=0) -> set[str]:
-    return {n.meta["fused"] for n in prog.rank(rank).graph_module.graph.nodes if "fused" in n.meta}
+    return set(fused_ops(prog.rank(rank).graph_module))
 
 
 def _dead(prog, rank=0) -> list[str]:
@@ -64,10 +64,8 @@ def test_fused_ops_land_in_their_layers_pipeline_stage():
     ids = torch.randint(0, VOCAB, (2, 16))
     prog = autoshard(model, tp=2, pp=2, microbatches=2, example_inputs=(ids,), fuse=True)
     stages = prog.stage_modules(0)
-    per_stage = [sum(n.op == "call_function" and "autoshard" in str(n.target) for n in s.graph.nodes)
-                 for s in stages]
-    total = sum(n.op == "call_function" and "autoshard" in str(n.target)
-                for n in prog.rank(0).graph_module.graph.nodes)
+    per_stage = [len(fused_ops(s)) for s in stages]
+    total = len(fused_ops(prog.rank(0).graph_module))
     assert sum(per_stage) == total and all(per_stage)      # none lost, none duplicated, both stages fused
 
 
@@ -254,8 +252,8 @@ def test_torch_compile_traces_fused_rank_programs_whole(name, backend):
         out = logits_of(run(**kw))
         out.square().mean().backward()
         results.append((out.detach(), {n: p.grad.clone() for n, p in rank.named_parameters()}))
-    fused_ops = [n for n in rank.graph_module.graph.nodes if "fused" in n.meta]
-    assert len(fused_ops) > 0 and sum(t.startswith("autoshard.") for t in seen) == len(fused_ops)
+    fused = fused_ops(rank.graph_module)
+    assert len(fused) > 0 and sum(t.startswith("autoshard.") for t in seen) == len(fused)
     (eager, eager_grads), (comp, comp_grads) = results
     assert max_rel(comp, eager) <= 1e-5
     errs = grad_errors(comp_grads, eager_grads)
