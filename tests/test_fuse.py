@@ -28,6 +28,15 @@ def _dead(prog, rank=0) -> list[str]:
             if n.op == "call_function" and not n.users and n.target != torch.ops.aten._assert_tensor_metadata.default]
 
 
+def _assert_matches_model(prog, model: nn.Module, x: torch.Tensor) -> None:
+    """The one-rank program's output and its gradient wrt x equal the model's (<= 1e-6)."""
+    got, want = prog.simulate(x), model(x)
+    assert max_rel(got, want) <= 1e-6
+    (g1,) = torch.autograd.grad(got.square().sum(), x)
+    (g2,) = torch.autograd.grad(want.square().sum(), x)
+    assert max_rel(g1, g2) <= 1e-6
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -89,11 +98,7 @@ def test_a_broadcasting_match_stays_exact():
     x = torch.randn(3, 8, requires_grad=True)
     prog = autoshard(model, tp=1, example_inputs=(x,), fuse=True)
     assert _fused(prog) == {"swiglu"}
-    got, want = prog.simulate(x), model(x)
-    assert max_rel(got, want) <= 1e-6
-    (g1,) = torch.autograd.grad(got.square().sum(), x)
-    (g2,) = torch.autograd.grad(want.square().sum(), x)
-    assert max_rel(g1, g2) <= 1e-6
+    _assert_matches_model(prog, model, x)
 
 
 class _MaskedAttention(nn.Module):
@@ -125,11 +130,7 @@ def test_the_causal_softmax_fuses_only_a_provably_causal_mask(mask, length, fuse
     x = torch.randn(2, 3, 8, 4, requires_grad=True)
     prog = autoshard(model, tp=1, example_inputs=(x,), fuse=True)
     assert _fused(prog) == fused
-    got, want = prog.simulate(x), model(x)
-    assert max_rel(got, want) <= 1e-6
-    (g1,) = torch.autograd.grad(got.square().sum(), x)
-    (g2,) = torch.autograd.grad(want.square().sum(), x)
-    assert max_rel(g1, g2) <= 1e-6
+    _assert_matches_model(prog, model, x)
 
 
 class _WrittenRMSNorm(nn.Module):
