@@ -16,6 +16,7 @@ from .errors import ShardingError
 from .mesh import MeshGroups, ParallelDims
 from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.fuse import fuse
+from .passes.index_sets import is_partition
 from .passes.partition import StageGraph, split_stages
 from .passes.rewrite import rewrite_rank
 from .pipeline import PipelineRuntime
@@ -268,8 +269,7 @@ class ShardedProgram:
                 continue
             local = list(p.shape)
             local[use.dim] = sum(b - a for a, b in use.layout[0])
-            kind = "shared rows" if len({r for rs in use.layout for r in rs}) < sum(len(rs) for rs in use.layout) \
-                else "split"
+            kind = "split" if is_partition(use.layout, use.padded or p.shape[use.dim]) else "shared rows"
             rows.append([name, tuple(p.shape), f"{kind} dim {use.dim}", tuple(local), *where])
         head = (f"autoshard program: tp={self.tp} x pp={self.pp} x dp={self.dp}, world size {self.world_size}")
         headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if self.pp > 1 else [])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 __all__ = [
     "Ranges", "Layout", "Segment", "even_layout", "padded_even_layout", "layout_from_segments", "expand", "compress", "tile",
     "token_tiles", "untile",
-    "window", "positions_within", "is_partition", "is_even_chunks", "local_size", "LayoutError",
+    "window", "positions_within", "is_partition", "is_even_chunks", "is_whole_everywhere", "local_size", "LayoutError",
 ]
 
 Ranges = tuple[tuple[int, int], ...]   # sorted, disjoint, merged [start, stop) ranges
@@ -161,3 +161,8 @@ def is_partition(layout: Layout, size: int) -> bool:
 def is_even_chunks(layout: Layout, size: int) -> bool:
     """Rank r holds exactly the r-th of len(layout) equal contiguous chunks (what all_gather makes)."""
     return size % len(layout) == 0 and layout == even_layout(size, len(layout))
+
+
+def is_whole_everywhere(layout: Layout, size: int) -> bool:
+    """Every rank holds all of [0, size): one block shared by all ranks (a single kv head)."""
+    return all(rs == ((0, size),) for rs in layout)

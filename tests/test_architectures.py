@@ -18,6 +18,8 @@ CASES = {
     "OPT": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, dropout=0.0, attention_dropout=0.0,
                                                  word_embed_proj_dim=64, max_position_embeddings=64)),
     "Gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=8)),
+    # soft-capped attention scores, so eager attention: 2 kv heads repeated in code for 8 query heads
+    "Gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=2, head_dim=8)),
     "GPTJ": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=8, rotary_dim=4,
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "Falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
@@ -38,16 +40,18 @@ CASES = {
                                                                num_experts_per_tok=2)),
 }
 # The ones that must shard their attention and MLP weights with no fallback (others may fall back,
-# correctly: Falcon's and GPT-BigCode's fused multi-query QKV, Bloom's per-head fused QKV, Olmo2's
-# full-width q/k norms, Qwen2-MoE's router).
-MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma", "GPTJ", "MPT", "Phi"}
+# correctly: Falcon's fused multi-query QKV indexed with lists, Bloom's per-head fused QKV, Olmo2's
+# full-width q/k norms, Qwen2-MoE's router). GPT-BigCode's multi-query attention and Gemma2's eager
+# attention with 2 kv heads at tp=4 share kv heads between ranks.
+MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma", "Gemma2", "GPTJ", "MPT", "Phi",
+              "GPTBigCode"}
 # What the fusion pass finds in each at tp=2 (a row-parallel linear's bias is added after its
 # all-reduce, so bias + residual appears in the models whose output projections have biases).
 # Not fused: GPT-J's interleaved rotary, OPT's ReLU, Gemma's gated GeLU (no kernel
 # or no pattern); what is left unfused still runs as the model wrote it.
 _LLAMA_LIKE = {"rms_norm", "rotary", "swiglu"}
 FUSED = {"Mistral": _LLAMA_LIKE, "Qwen2": _LLAMA_LIKE, "Qwen3": _LLAMA_LIKE, "Phi3": _LLAMA_LIKE,
-         "Gemma": {"rms_norm", "rotary"}, "Falcon": {"layer_norm", "rotary"},
+         "Gemma": {"rms_norm", "rotary"}, "Gemma2": {"rms_norm", "rotary"}, "Falcon": {"layer_norm", "rotary"},
          "GPTNeoX": {"layer_norm", "rotary", "bias_gelu", "bias_residual"},
          "GPTJ": {"layer_norm", "gelu_tanh", "bias_residual"}, "OPT": {"layer_norm", "bias_residual"},
          "Bloom": {"layer_norm", "bias_residual"}, "MPT": {"layer_norm"},

@@ -27,16 +27,16 @@ def test_fewer_query_heads_than_ranks_is_refused(name):
         autoshard(build_model(name, heads=4, kv_heads=4), tp=8)
 
 
-def test_kv_heads_repeated_in_written_out_attention_name_their_projection():
-    """Eager attention repeats 2 kv heads for 8 query heads in code (repeat_kv): at tp=4 each kv head
-    would be shared by two ranks inside that code, so the output projection's input cannot be split.
-    The refusal names where the shared heads come from (SDPA reads them whole: that model shards)."""
-    model = build_model("llama", heads=8, kv_heads=2)
-    model.config._attn_implementation = "eager"
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_fewer_query_heads_than_ranks_are_refused_naming_their_projections(attention):
+    """2 query heads at tp=4: each head would be shared by two ranks, so the output projection's
+    row-parallel sum would count it twice. The refusal names where the heads come from."""
+    model = build_model("llama", heads=2, kv_heads=2)
+    model.config._attn_implementation = attention
     with pytest.raises(ShardingError) as e:
         autoshard(model, tp=4)
     msg = str(e.value)
-    assert "tp=4" in msg and "o_proj" in msg and "v_proj" in msg and "scaled_dot_product_attention" in msg
+    assert "tp=4" in msg and "64 features" in msg and "o_proj" in msg and "q_proj" in msg
 
 
 class _Branchy(nn.Module):
