@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import lcm
+from typing import NoReturn
 
 import sympy
 import torch.fx as fx
@@ -160,7 +161,7 @@ class _Analysis:
         if new != segs:
             raise Demand(origin.root, reason, cuts=tuple(root_cuts))
 
-    def require_granularity(self, origin, size, granularity, roots, reason) -> None:
+    def require_granularity(self, origin, size, granularity, roots, reason) -> NoReturn:
         if origin is None:
             raise Abandon(roots, reason + " (layout not traceable to its root)")
         lo, hi = origin.offset, origin.offset + size * origin.scale

@@ -6,13 +6,14 @@ from typing import Callable
 import torch.fx as fx
 
 from .graph_reading import op_name
+from .rules_attention import ATTENTION_RULES
 from .rules_compute import COMPUTE_RULES, default
 from .rules_shape import SHAPE_RULES
 from .rules_vocab import VOCAB_RULES, output
 
 __all__ = ["RULES", "PADDING_SAFE", "rule_for"]
 
-RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **VOCAB_RULES}
+RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **ATTENTION_RULES, **VOCAB_RULES}
 
 # Ops that leave the padded columns of a padded shard (a vocabulary tp does not divide) harmless:
 # they map them to padded columns (unary, same-layout elementwise, 1:1 views), or zero their

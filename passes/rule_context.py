@@ -1,7 +1,7 @@
 """The view of the graph that op rules get: placements of arguments, shapes, parameters, roots."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import sympy
 import torch.fx as fx
@@ -37,8 +37,9 @@ class RuleContext(Protocol):
                      reason: str) -> None:
         """Ask that the root's layout be cut at these positions of the value's sharded dim."""
     def require_granularity(self, origin: Origin | None, size: int, granularity: int,
-                            roots: frozenset[str], reason: str) -> None:
-        """Ask that the root's layout be made of whole blocks of `granularity` of this value's dim."""
+                            roots: frozenset[str], reason: str) -> NoReturn:
+        """Ask that the root's layout be made of whole blocks of `granularity` of this value's dim
+        (raises Demand; Abandon where the layout is not traceable to its root)."""
     def prefers_unit_outer(self, node: fx.Node) -> bool:
         """Whether this reshape should put the shard on a leading size-1 dim (one kv head)."""
     def note_alternative(self, node: fx.Node, roots: frozenset[str]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..errors import ShardingError
-from .index_sets import Ranges, is_partition, is_whole_everywhere, positions_within, token_tiles
+from .index_sets import is_partition, token_tiles
 from .placement import (
     REPLICATE,
     Abandon,
@@ -23,6 +23,7 @@ from .placement import (
     Shard,
 )
 from .rule_context import RuleContext
+from .rules_attention import activation_matmul
 from .rules_shape import moved, norm_dim, sharded_inputs
 
 __all__ = ["COMPUTE_RULES", "row_parallel_error"]
@@ -175,7 +176,7 @@ def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out
 
 def linear(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if ctx.param(node.args[1]) is None:
-        return _generic_matmul(ctx, node, transposed_b=True)
+        return _activation_matmul(ctx, node, transposed_b=True)
     return _param_matmul(ctx, node, 0, 1, 0, 2)
 
 
@@ -189,137 +190,13 @@ def mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     b = node.args[1]
     if ctx.param(b) is not None and len(ctx.shape(b)) == 2:
         return _param_matmul(ctx, node, 0, 1, 1, None)
-    return _generic_matmul(ctx, node, transposed_b=False)
+    return _activation_matmul(ctx, node, transposed_b=False)
 
 
-def _holds_whole(ctx: RuleContext, p: Shard, roots: frozenset[str], node: fx.Node) -> bool:
-    """Multi-query attention: a kv head's features, split by its fused projection's layout, meet
-    queries sharded on heads. Every rank must hold the whole head: True once it does, else a Demand
-    for that layout (Abandon where the layout is not traceable to its root). The value stays sharded,
-    not replicated, so it gets no f: the shared rows' gradients are summed over the ranks instead."""
-    if is_whole_everywhere(p.layout, p.size):
-        return True
-    ctx.require_granularity(p.origin, p.size, p.size, roots,
-                            f"{ctx.where(node)}: each rank needs whole kv heads of {p.size} features")
-    raise AssertionError("require_granularity raises")
-
-
-def _generic_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) -> NodeSharding:
-    """Activation x activation (attention scores, attention x values): batch dims shard through;
-    a sharded contraction gives partial sums, reduced by g; a sharded row of one side shards out."""
-    a, b = node.args[0], node.args[1]
-    pa, pb = ctx.place(a), ctx.place(b)
-    na, nb, no = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
-    if na < 2 or nb < 2:
+def _activation_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) -> NodeSharding:
+    if any(len(ctx.shape(x)) < 2 for x in node.args[:2]):
         return default(ctx, node)
-    roots = frozenset().union(*(p.roots for p in (pa, pb) if isinstance(p, Shard)))
-    if not roots:
-        return NodeSharding(REPLICATE)
-    # Multi-query attention written out: scores or values sharded on heads (a batch dim) meet the one
-    # kv head's features; every rank then holds that head whole and it is cut like a replicated side.
-    if any(isinstance(p, Shard) and p.dim < nd - 2 for p, nd in ((pa, na), (pb, nb))):
-        pa, pb = (REPLICATE if isinstance(p, Shard) and p.dim >= nd - 2 and _holds_whole(ctx, p, roots, node)
-                  else p for p, nd in ((pa, na), (pb, nb)))
-    # Role of each operand dim: batch dims align right of the last two; then (row, k) and (k, col).
-    b_k = nb - 1 if transposed_b else nb - 2
-    b_col = nb - 2 if transposed_b else nb - 1
-    if isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard) and pb.dim == b_k \
-            and pa.layout == pb.layout and is_partition(pa.layout, pa.size):
-        return NodeSharding(REPLICATE, role="row", edits=[RowParallel(None)])
-    cands: list[tuple[int, Shard]] = []
-    for i, (p, nd, row_or_col, out_pos) in enumerate(((pa, na, na - 2, no - 2), (pb, nb, b_col, no - 1))):
-        if not isinstance(p, Shard):
-            continue
-        if p.dim == row_or_col:
-            cands.append((i, Shard(out_pos, p.size, p.layout, roots, p.origin)))
-        elif p.dim < nd - 2:
-            cands.append((i, Shard(p.dim + no - nd, p.size, p.layout, roots, p.origin)))
-        else:
-            raise Abandon(roots, f"{ctx.where(node)} contracts a sharded dim against a replicated one")
-    out, edits = cands[0][1], []
-    if len(cands) == 2:
-        other = cands[1][1]
-        if out.dim != other.dim or out.dim >= no - 2:
-            raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
-        if out.layout != other.layout:
-            out, cut = _batch_layouts_meet(cands, (na, nb), no)
-            if cut is None:
-                raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
-            edits.append(cut)
-    res = NodeSharding(out, edits=edits)
-    if out.dim < no - 2:  # a batch dim: the replicated operand must be cut the same way
-        for i, (p, nd) in enumerate(((pa, na), (pb, nb))):
-            d = out.dim - (no - nd)
-            if not isinstance(p, Shard) and d >= 0 and ctx.shape(node.args[i])[d] != 1:
-                res.edits.append(Restrict(i, d, out.layout))
-    return res
-
-
-def _batch_layouts_meet(cands: list[tuple[int, Shard]], ndims: tuple[int, int], no: int
-                        ) -> tuple[Shard, Restrict | None]:
-    """Both sides sharded on one batch dim (heads) with different layouts: where one side holds every
-    head the other's rank needs (kv heads shared by ranks and repeated for their query heads, as
-    eager attention's repeat_kv does), it keeps just those. The result is sharded like the other."""
-    for (_, keep_all), (j, cut) in (cands, cands[::-1]):
-        keep = [positions_within(h, n) for h, n in zip(cut.layout, keep_all.layout)]
-        if all(k is not None for k in keep):
-            return keep_all, Restrict(j, cut.dim - (no - ndims[j]), tuple(keep))
-    return cands[0][1], None
-
-
-def _groups_line_up(q_heads: Ranges, kv_heads: Ranges, group: int) -> bool:
-    """SDPA's enable_gqa on one rank: local query head j reads local kv head j // (nq / nkv); that must
-    be the kv head its global index reads (j's global head // group)."""
-    qs = [h for a, b in q_heads for h in range(a, b)]
-    ks = [h for a, b in kv_heads for h in range(a, b)]
-    if len(qs) % len(ks):
-        return False
-    per = len(qs) // len(ks)
-    return all(h // group == ks[j // per] for j, h in enumerate(qs))
-
-
-def sdpa(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    """q (.., Hq, L, E), k/v (.., Hk, S, E): heads (or batch) shard through; kv may hold more heads."""
-    q, k, v = node.args[:3]
-    pq = ctx.place(q)
-    others = [ctx.place(t) for t in (k, v)]
-    if not isinstance(pq, Shard):
-        if any(isinstance(p, Shard) for p in others):
-            raise Abandon(frozenset().union(*(p.roots for p in others if isinstance(p, Shard))),
-                          f"{ctx.where(node)}: keys/values are sharded but queries are not")
-        return NodeSharding(REPLICATE)
-    nd = len(ctx.shape(q))
-    if pq.dim >= nd - 2:
-        raise Abandon(pq.roots, f"{ctx.where(node)}: queries sharded along sequence or features")
-    roots = pq.roots.union(*(p.roots for p in others if isinstance(p, Shard)))
-    res = NodeSharding(Shard(pq.dim, pq.size, pq.layout, roots, pq.origin))
-    gqa = node.kwargs.get("enable_gqa", False)
-    for i, (t, p) in enumerate(zip((k, v), others), start=1):
-        hk = int(ctx.shape(t)[pq.dim])
-        group = pq.size // hk if gqa else 1
-        needed = tuple(tuple(sorted({(a // group, -(-b // group)) for a, b in rs})) for rs in pq.layout)
-        if gqa and group > 1 and not all(_groups_line_up(q, kv, group) for q, kv in zip(pq.layout, needed)):
-            raise Abandon(roots, f"{ctx.where(node)}: grouped heads do not line up per rank")
-        if not isinstance(p, Shard) or p.dim == nd - 1 != pq.dim and _holds_whole(ctx, p, roots, node):
-            if hk > 1:
-                res.edits.append(Restrict(i, pq.dim, needed))
-            continue
-        if p.dim != pq.dim:
-            raise Abandon(roots, f"{ctx.where(node)}: keys/values sharded on another dim than queries")
-        if p.layout != needed:
-            keep = [positions_within(h, n) for h, n in zip(p.layout, needed)]
-            if any(kp is None for kp in keep):
-                raise Abandon(roots, f"{ctx.where(node)}: a rank lacks the kv heads its queries need")
-            res.edits.append(Restrict(i, pq.dim, tuple(keep)))
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if isinstance(mask, fx.Node):
-        pm = ctx.place(mask)
-        md = pq.dim - (nd - len(ctx.shape(mask)))
-        if isinstance(pm, Shard):
-            raise Abandon(roots, f"{ctx.where(node)}: sharded attention mask")
-        if md >= 0 and ctx.shape(mask)[md] != 1:
-            res.edits.append(Restrict(3, md, pq.layout))
-    return res
+    return activation_matmul(ctx, node, transposed_b=transposed_b)
 
 
 def sym_size(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -350,5 +227,5 @@ COMPUTE_RULES = {
     "var": reduction, "std": reduction, "prod": reduction, "_softmax": softmax, "softmax": softmax,
     "log_softmax": softmax, "_log_softmax": softmax, "layer_norm": layer_norm,
     "native_layer_norm": layer_norm, "rms_norm": layer_norm, "linear": linear, "addmm": addmm,
-    "mm": mm, "matmul": mm, "bmm": mm, "scaled_dot_product_attention": sdpa, "sym_size": sym_size,
+    "mm": mm, "matmul": mm, "bmm": mm, "sym_size": sym_size,
 }
