@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .index_sets import Ranges, is_partition, is_whole_everywhere, positions_within
+from .index_sets import Layout, Ranges, is_partition, is_whole_everywhere, positions_within
 from .placement import REPLICATE, Abandon, NodeSharding, Restrict, RowParallel, Shard
 from .rule_context import RuleContext
 
@@ -81,10 +81,16 @@ def _batch_layouts_meet(cands: list[tuple[int, Shard]], ndims: tuple[int, int], 
     head the other's rank needs (kv heads shared by ranks and repeated for their query heads, as
     eager attention's repeat_kv does), it keeps just those. The result is sharded like the other."""
     for (_, keep_all), (j, cut) in (cands, cands[::-1]):
-        keep = [positions_within(h, n) for h, n in zip(cut.layout, keep_all.layout)]
-        if all(k is not None for k in keep):
-            return keep_all, Restrict(j, cut.dim - (no - ndims[j]), tuple(keep))
+        keep = _positions_kept(cut.layout, keep_all.layout)
+        if keep is not None:
+            return keep_all, Restrict(j, cut.dim - (no - ndims[j]), keep)
     return cands[0][1], None
+
+
+def _positions_kept(held: Layout, needed: Layout) -> Layout | None:
+    """Per rank, the local positions of the heads it needs among those it holds; None if one lacks any."""
+    keep = tuple(positions_within(h, n) for h, n in zip(held, needed))
+    return None if any(k is None for k in keep) else keep
 
 
 def _groups_line_up(q_heads: Ranges, kv_heads: Ranges, group: int) -> bool:
@@ -127,10 +133,10 @@ def sdpa(ctx: RuleContext, node: fx.Node) -> NodeSharding:
         if p.dim != pq.dim:
             raise Abandon(roots, f"{ctx.where(node)}: keys/values sharded on another dim than queries")
         if p.layout != needed:
-            keep = [positions_within(h, n) for h, n in zip(p.layout, needed)]
-            if any(kp is None for kp in keep):
+            keep = _positions_kept(p.layout, needed)
+            if keep is None:
                 raise Abandon(roots, f"{ctx.where(node)}: a rank lacks the kv heads its queries need")
-            res.edits.append(Restrict(i, pq.dim, tuple(keep)))
+            res.edits.append(Restrict(i, pq.dim, keep))
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         pm = ctx.place(mask)
