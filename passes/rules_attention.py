@@ -62,9 +62,10 @@ def activation_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) ->
         if out.dim != other.dim or out.dim >= no - 2:
             raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
         if out.layout != other.layout:
-            out, cut = _batch_layouts_meet(cands, (na, nb), no)
-            if cut is None:
+            met = _batch_layouts_meet(cands, (na, nb), no)
+            if met is None:
                 raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
+            out, cut = met
             edits.append(cut)
     res = NodeSharding(out, edits=edits)
     if out.dim < no - 2:  # a batch dim: the replicated operand must be cut the same way
@@ -76,7 +77,7 @@ def activation_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) ->
 
 
 def _batch_layouts_meet(cands: list[tuple[int, Shard]], ndims: tuple[int, int], no: int
-                        ) -> tuple[Shard, Restrict | None]:
+                        ) -> tuple[Shard, Restrict] | None:
     """Both sides sharded on one batch dim (heads) with different layouts: where one side holds every
     head the other's rank needs (kv heads shared by ranks and repeated for their query heads, as
     eager attention's repeat_kv does), it keeps just those. The result is sharded like the other."""
@@ -84,7 +85,7 @@ def _batch_layouts_meet(cands: list[tuple[int, Shard]], ndims: tuple[int, int], 
         keep = _positions_kept(cut.layout, keep_all.layout)
         if keep is not None:
             return keep_all, Restrict(j, cut.dim - (no - ndims[j]), keep)
-    return cands[0][1], None
+    return None
 
 
 def _positions_kept(held: Layout, needed: Layout) -> Layout | None:
