@@ -8,7 +8,8 @@ do not match is compiled again for them (the program keeps one graph per signatu
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -23,14 +24,27 @@ __all__ = ["Captured", "Signature", "capture", "normalize_inputs", "infer_exampl
 
 @dataclass(frozen=True)
 class Signature:
-    """What a call must look like to reuse a graph: the pytree spec, static dims, constant values."""
+    """What a call must look like to reuse a graph: the pytree spec, static dims, constant values,
+    and torch.export's guards (the size conditions the model's Python code took its branches,
+    loops and asserts on, and the dynamic sizes' ranges)."""
 
     spec: pytree.TreeSpec
     leaves: tuple[tuple, ...]   # per leaf: ("tensor", dtype, dims) with dims int or str symbol; ("const", v)
+    guards: Callable[..., None] | None = field(default=None, compare=False)   # raises AssertionError
 
     def matches(self, flat: list[object], spec: pytree.TreeSpec) -> bool:
         if spec != self.spec or len(flat) != len(self.leaves):
             return False
+        if not self._leaves_match(flat):
+            return False
+        if self.guards is not None:
+            try:
+                self.guards(*flat)
+            except AssertionError:     # another branch of the model's code: compile again
+                return False
+        return True
+
+    def _leaves_match(self, flat: list[object]) -> bool:
         symbols: dict[str, int] = {}
         for leaf, want in zip(flat, self.leaves):
             if want[0] == "const":
@@ -64,6 +78,9 @@ def normalize_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, o
     except TypeError as e:
         raise CaptureError(f"inputs do not match {type(model).__name__}.forward{sig}: {e}") from None
     named = dict(bound.arguments)
+    for name, param in sig.parameters.items():    # **kwargs: each extra argument under its own name
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
     if "use_cache" in sig.parameters and "use_cache" not in named and _is_hf(model):
         named["use_cache"] = False
     return named
@@ -126,6 +143,9 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True)
         raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
     gm = ep.module()
+    # The guards leave the graph (every rank's program would carry them) and are checked where a
+    # call picks its graph (Signature.matches): a call that fails one is compiled again.
+    guards = getattr(gm, "_guards_fn", None)
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
             gm.graph.erase_node(n)
@@ -154,7 +174,7 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True)
             leaves.append(("tensor", leaf.dtype, dims))
         else:
             leaves.append(("const", leaf))
-    return Captured(gm, param_names, Signature(spec, tuple(leaves)), ep.call_spec.out_spec)
+    return Captured(gm, param_names, Signature(spec, tuple(leaves), guards), ep.call_spec.out_spec)
 
 
 def _order(graph: fx.Graph):

@@ -63,8 +63,7 @@ class ShardedProgram:
         cap = capture(self.model, named, dynamic=not self.options.sequence_parallel)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
         if self._compiled and plan.params != self.plan.params:
-            raise ShardingError("inputs of a new shape shard the parameters differently from the example "
-                                "inputs; compile a separate program for them")
+            raise ShardingError(_new_plan_refusal(named, self.plan, plan))
         entry = _Compiled(cap, plan)
         self._compiled.append(entry)
         for rank in self._ranks.values():
@@ -291,3 +290,18 @@ class ShardedProgram:
         return "\n".join([head, table, *notes])
 
     __repr__ = __str__
+
+
+def _describe_use(use) -> str:
+    return "replicated" if use is None else f"split dim {use.dim} as {[list(r) for r in use.layout]}"
+
+
+def _new_plan_refusal(named: dict[str, object], old: ShardingPlan, new: ShardingPlan) -> str:
+    """Why a call's inputs cannot reuse the program: they take another path through the model
+    (an input left out, another branch on a size) that shards a parameter differently."""
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in named.items()}
+    name = next(k for k in sorted(set(old.params) | set(new.params)) if old.params.get(k) != new.params.get(k))
+    return (f"inputs {shapes} take another path through the model than the example inputs (an input given "
+            f"or left out, or a branch on a size), and it shards parameter {name} differently: "
+            f"{_describe_use(new.params.get(name))} for these inputs, {_describe_use(old.params.get(name))} "
+            f"in this program; pass inputs like the example inputs, or compile a separate program for these")

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .annotate import ShardingPlan
 from .graph_reading import op_name, param_read
@@ -126,13 +127,16 @@ def _replicated(n: fx.Node) -> bool:
 
 
 def grad_flow(gm: fx.GraphModule) -> Callable[[fx.Node], bool]:
-    """Which nodes can carry a gradient: from trainable parameters and floating-point inputs."""
+    """Which nodes can carry a gradient: from trainable parameters and floating-point inputs.
+
+    A node whose value is a list or tuple (split, chunk, unbind, a multi-output op) carries one
+    when any floating-point tensor in it does: its getitems pass that gradient on."""
     memo: dict[fx.Node, bool] = {}
 
     def needs(n: fx.Node) -> bool:
         if n not in memo:
-            val = n.meta.get("val")
-            floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+            floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
+                           for v in pytree.tree_leaves(n.meta.get("val")))
             if n.op == "get_attr":
                 obj = gm
                 for part in n.target.split("."):
