@@ -8,6 +8,7 @@ do not match is compiled again for them (the program keeps one graph per signatu
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,10 +31,11 @@ class Signature:
 
     spec: pytree.TreeSpec
     leaves: tuple[tuple, ...]   # per leaf: ("tensor", dtype, dims) with dims int or str symbol; ("const", v)
+    training: bool = True       # the mode it was captured in: dropout and batch norm differ
     guards: Callable[..., None] | None = field(default=None, compare=False)   # raises AssertionError
 
-    def matches(self, flat: list[object], spec: pytree.TreeSpec) -> bool:
-        if spec != self.spec or len(flat) != len(self.leaves):
+    def matches(self, flat: list[object], spec: pytree.TreeSpec, training: bool) -> bool:
+        if spec != self.spec or len(flat) != len(self.leaves) or training != self.training:
             return False
         if not self._leaves_match(flat):
             return False
@@ -120,8 +122,25 @@ def _dynamic(named: dict[str, object]) -> dict[str, object]:
             for k, v in named.items()}
 
 
-def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True) -> Captured:
+@contextmanager
+def _mode(model: nn.Module, training: bool | None):
+    """`model.train(training)` for the block, every submodule's own mode restored after."""
+    if training is None or all(m.training == training for m in model.modules()):
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
+
+
+def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,
+            training: bool | None = None) -> Captured:
     """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index).
+    `training`: capture in that mode (model.train(training) while tracing); None: as the model is.
     A model on the meta device is traced with its example inputs moved there too (only shapes
     matter); its graph then names the meta device, until materialization retargets it."""
     # Every example tensor its own contiguous copy (on meta for a meta model): export would read one
@@ -133,8 +152,9 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True)
     errors = []
     for dyn in ((True, False) if dynamic else (False,)):
         try:
-            ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
-                                     strict=False)
+            with _mode(model, training):
+                ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
+                                         strict=False)
             break
         except Exception as e:  # the tracer's own reason is what the user needs to see
             errors.append(e)
@@ -174,7 +194,7 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True)
             leaves.append(("tensor", leaf.dtype, dims))
         else:
             leaves.append(("const", leaf))
-    return Captured(gm, param_names, Signature(spec, tuple(leaves), guards), ep.call_spec.out_spec)
+    return Captured(gm, param_names, Signature(spec, tuple(leaves), model.training if training is None else training, guards), ep.call_spec.out_spec)
 
 
 def _order(graph: fx.Graph):

@@ -83,6 +83,7 @@ class PipelineRuntime(nn.Module):
         object.__setattr__(self, "_prog", prog)
         object.__setattr__(self, "_program", program)
         object.__setattr__(self, "_chunks", {})        # id(rank graph) -> [(StageGraph, GraphModule)]
+        self.training = program.training
         gm, _, _ = program.graph_for((), prog.example_inputs)
         for _, chunk in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
             for n in chunk.graph.nodes:
@@ -91,6 +92,12 @@ class PipelineRuntime(nn.Module):
                     assign_attr(self, n.target, value)
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
         self.transfer = Transfer(self.n_stages, self.device)
+
+    def train(self, mode: bool = True) -> "PipelineRuntime":
+        """Training or evaluation mode, for this runtime and its rank program's graphs."""
+        super().train(mode)
+        self._program.train(mode)
+        return self
 
     # ---- building ----------------------------------------------------------------------------
     def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule]]:

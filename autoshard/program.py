@@ -50,6 +50,7 @@ class ShardedProgram:
         self.estimate = None    # the planner's Estimate when autoshard chose the split (world_size=)
         self.example_inputs = named_inputs
         self._seed = 0
+        self._training = model.training     # the ranks' mode: they start in the model's
         self._ranks: dict[int, RankProgram] = {}
         self._compiled: list[_Compiled] = []
         self._stages: dict[int, tuple[fx.GraphModule, list[StageGraph]]] = {}   # id(rank graph) -> split
@@ -59,8 +60,8 @@ class ShardedProgram:
         self._find_shared_params()
 
     # ---- compile -----------------------------------------------------------------------------
-    def _compile(self, named: dict[str, object]) -> _Compiled:
-        cap = capture(self.model, named, dynamic=not self.options.sequence_parallel)
+    def _compile(self, named: dict[str, object], training: bool | None = None) -> _Compiled:
+        cap = capture(self.model, named, dynamic=not self.options.sequence_parallel, training=training)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
         if self._compiled and plan.params != self.plan.params:
             raise ShardingError(_new_plan_refusal(named, self.plan, plan))
@@ -163,6 +164,7 @@ class ShardedProgram:
                 local = slice_layout(p.detach(), use.dim, use.layout[r]) if use else p.detach()
                 params[name] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
             rank = RankProgram(r, self.tp, params, lambda a, k: normalize_inputs(self.model, a, k))
+            rank.train(self._training)
             rank.rng.manual_seed(self._seed)
             object.__setattr__(rank, "_compile_for", self._compile)
             for entry in self._compiled:
@@ -172,6 +174,18 @@ class ShardedProgram:
 
     def ranks(self) -> list[RankProgram]:
         return [self.rank(r) for r in range(self.tp)]
+
+    def train(self, mode: bool = True) -> "ShardedProgram":
+        """Put every rank (those built later too) in training (`mode=True`) or evaluation mode, as
+        `model.train(mode)` does: dropout and batch norm follow, each mode with its own graph
+        (captured in that mode the first time a call needs it)."""
+        self._training = mode
+        for rank in self._ranks.values():
+            rank.train(mode)
+        return self
+
+    def eval(self) -> "ShardedProgram":
+        return self.train(False)
 
     def manual_seed(self, seed: int) -> None:
         """Seed every rank's dropout generators: same masks outside tensor-parallel regions on every

@@ -129,14 +129,15 @@ class RankProgram(nn.Module):
         return GatherFromTensorParallelRegion(self.handle, spec.dim, spec.size, spec.valid, spec.ranges, spec.chunks)
 
     def graph_for(self, args: tuple, kwargs: dict):
+        """The graph for a call in this module's mode (`train()` / `eval()`), compiled if new."""
         named = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten(((), named))
         for sig, gm, out_spec in self._graphs:
-            if sig.matches(flat, spec):
+            if sig.matches(flat, spec, self.training):
                 return gm, flat, out_spec
         if self._compile_for is None:
             raise ValueError(f"rank {self.rank} has no graph for these inputs and cannot compile one")
-        self._compile_for(named)
+        self._compile_for(named, self.training)
         return self.graph_for(args, kwargs)
 
     @property
