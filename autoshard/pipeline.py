@@ -20,6 +20,7 @@ from torch import nn
 
 from .capture import fetch_attr
 from .errors import ShardingError
+from .loss_tokens import loss_tokens
 from .grad_sync import all_reduce_buckets, clip_grads, global_grad_norm
 from .mesh import MeshGroups, ParallelDims
 from .p2p import BACKWARD, FORWARD, Transfer
@@ -84,6 +85,7 @@ class PipelineRuntime(nn.Module):
         object.__setattr__(self, "_program", program)
         object.__setattr__(self, "_chunks", {})        # id(rank graph) -> [(StageGraph, GraphModule)]
         self.training = program.training
+        object.__setattr__(self, "_tokens", {})        # id(rank graph) -> LossTokens | None
         gm, _, _ = program.graph_for((), prog.example_inputs)
         for _, chunk in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
             for n in chunk.graph.nodes:
@@ -129,16 +131,34 @@ class PipelineRuntime(nn.Module):
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self, *args, max_norm: float | None = None,
                    loss_fn: Callable[[object, object], torch.Tensor] | None = None, targets: object = None,
-                   **kwargs) -> torch.Tensor:
+                   loss_reduction: str = "mean", ignore_index: int = -100, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (every rank passes the same batch; data-parallel
         rank d trains on its d-th slice, cut into microbatches); gradients are accumulated into
-        `.grad`, synchronised, and clipped to `max_norm` if given. Returns the batch's mean loss on
+        `.grad`, synchronised, and clipped to `max_norm` if given. Returns the batch's loss on
         every rank. Call your optimizer's `step()` after it.
 
         The loss is the model's own (`.loss`, or its one scalar output), or `loss_fn(outputs,
         targets)` on the last stage, with `targets` (tensors batched like the inputs) cut into the
-        same microbatches. Either must be a mean over the microbatch's samples."""
+        same microbatches. A model whose loss is a mean cross-entropy (Hugging Face's, F.cross_entropy)
+        is averaged per token over the whole global batch, as on one device: microbatch i's mean
+        counts n_i / N, n_i its tokens whose label is not ignored, N their sum over all microbatches
+        and data-parallel ranks. `loss_fn` declares its normalization with `loss_reduction`: "sum"
+        (it returns the sum over its tokens; the step divides by the global count of targets not
+        equal to `ignore_index`, so the result is the per-token mean) or "mean" (a mean over the
+        microbatch's samples; the step averages the microbatches' means, which equals the per-token
+        mean only when every microbatch counts the same tokens). Any other loss of the model is
+        averaged over microbatches the same way."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ShardingError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_reduction == "sum" and loss_fn is None:
+            raise ShardingError("loss_reduction='sum' describes a loss_fn; the model's own loss is counted per token "
+                                "when it is a mean cross-entropy")
+        if loss_fn is None and targets is not None:     # the model's own input (nanoGPT's `targets`)
+            kwargs["targets"] = targets
         named = self._program._normalize(args, kwargs)
+        if "num_items_in_batch" in named and named["num_items_in_batch"] is not None:
+            raise ShardingError("train_step averages the loss over the global batch's tokens itself; drop "
+                                "num_items_in_batch (it would divide each microbatch's sum by it again)")
         if loss_fn is not None:
             named = {**named, _TARGETS: targets}
         mine = split_batch(named, self.dims.dp, "dp")[self.dp_rank]
@@ -151,19 +171,48 @@ class PipelineRuntime(nn.Module):
         for mb in micro:
             gm, flat, out_spec = self._program.graph_for((), mb)
             flats.append(flat)
+        scales, per_token = self._loss_scales(gm, flats, goals, loss_fn, loss_reduction, ignore_index)
         chunks = self._chunks_for(gm)
-        losses = self._run(chunks, flats, out_spec, loss_of)
+        losses = self._run(chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
-        self._sync_grads(max_norm)
+        self._sync_grads(max_norm, 1.0 if per_token else 1.0 / self.dims.dp)
         total = torch.zeros((), device=self.device)
         if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
-            total = torch.stack(losses).mean() / self.dims.dp
-        dist.all_reduce(total)          # the last stages' mean, on every rank
+            total = torch.stack(losses).sum() / (1 if per_token else self.dims.dp)
+        dist.all_reduce(total)          # the last stages' parts, on every rank
         return total
 
+    def _loss_scales(self, gm: fx.GraphModule, flats: list[list], goals: list, loss_fn, reduction: str,
+                     ignore_index: int) -> tuple[list[torch.Tensor | float], bool]:
+        """Each microbatch's loss factor, and whether they average per token over the global batch
+        (then they already sum to one over all data-parallel ranks)."""
+        m = self.microbatches
+        if loss_fn is None:
+            if id(gm) not in self._tokens:
+                self._tokens[id(gm)] = loss_tokens(gm)
+            counter = self._tokens[id(gm)]
+            if counter is None:
+                return [1.0 / m] * m, False
+            counts = [counter.count(*flat).to(torch.float64) for flat in flats]
+        elif reduction == "sum":
+            counts = [sum(((t != ignore_index).sum() for t in pytree.tree_leaves(goal)
+                           if isinstance(t, torch.Tensor)), torch.zeros((), dtype=torch.int64)).to(torch.float64)
+                      for goal in goals]
+        else:
+            return [1.0 / m] * m, False
+        counts_t = torch.stack(counts).to(self.device)
+        total = counts_t.sum()
+        if self.dims.dp > 1:
+            dist.all_reduce(total, group=self.groups.dp)
+        if loss_fn is None:        # the model's mean over n_i tokens, weighted n_i / N
+            return [c / total for c in counts_t], True
+        return [1.0 / total] * m, True       # loss_fn's sum, over N
+
     def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec,
-             loss_of: Callable[[object, int], torch.Tensor]) -> list[torch.Tensor]:
-        last, scale = self.n_stages - 1, 1.0 / self.microbatches
+             loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
+        """Runs the schedule; returns the last stage's scaled microbatch losses. A microbatch whose
+        scale is 0 (no token counted: its mean is 0/0) adds nothing and back-propagates nothing."""
+        last = self.n_stages - 1
         saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         losses, origin = [], time.time()
         self.records = []
@@ -180,15 +229,18 @@ class PipelineRuntime(nn.Module):
                 outs = list(chunks[a.chunk][1](*flats[i], *received))
                 if stage == last:
                     loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
-                    losses.append(loss.detach())
-                    outs = [loss * scale]
+                    scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
+                    empty = isinstance(scale, torch.Tensor) and not bool(scale)
+                    outs = [torch.zeros_like(loss) if empty else loss * scale]
+                    losses.append(outs[0].detach().to(self.device, torch.float32))
                 else:
                     self.transfer.send(outs, self._rank_of_stage(stage + 1), stage, i, FORWARD)
                 saved[(stage, i)] = (outs, received)
             else:
                 outs, received = saved.pop((stage, i))
                 if stage == last:
-                    torch.autograd.backward(outs[0])
+                    if outs[0].requires_grad:
+                        torch.autograd.backward(outs[0])
                 else:
                     sent = [o for o in outs if o.is_floating_point()]
                     grads = self.transfer.recv_backward(sent, self._rank_of_stage(stage + 1), stage, i)
@@ -204,7 +256,7 @@ class PipelineRuntime(nn.Module):
         return losses
 
     # ---- gradients ---------------------------------------------------------------------------
-    def _sync_grads(self, max_norm: float | None) -> None:
+    def _sync_grads(self, max_norm: float | None, dp_scale: float) -> None:
         params = dict(self.named_parameters())
         for p in params.values():
             if p.grad is None:
@@ -214,7 +266,7 @@ class PipelineRuntime(nn.Module):
                 if name in params:
                     dist.all_reduce(params[name].grad, group=group)
         if self.dims.dp > 1:
-            all_reduce_buckets([p.grad for p in params.values()], self.groups.dp, 1.0 / self.dims.dp)
+            all_reduce_buckets([p.grad for p in params.values()], self.groups.dp, dp_scale)
         if max_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
 

@@ -125,7 +125,7 @@ class RankProgram(nn.Module):
             return RegionRandomOp(self.rng, spec.op, spec.region)
         if isinstance(spec, CrossEntropySpec):
             shard = VocabShard(spec.start, spec.count, spec.valid)
-            return VocabParallelCrossEntropy(self.handle, shard, spec.ignore_index, spec.reduction)
+            return VocabParallelCrossEntropy(self.handle, shard, spec.ignore_index, spec.reduction, spec.vocab_size)
         return GatherFromTensorParallelRegion(self.handle, spec.dim, spec.size, spec.valid, spec.ranges, spec.chunks)
 
     def graph_for(self, args: tuple, kwargs: dict):

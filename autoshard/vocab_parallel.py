@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .bounds import check_targets
 from .collectives import (
     CommHandle,
     Reducer,
@@ -126,18 +127,20 @@ def gather_shards(red: Reducer, dim: int, size: int, valid: int, ranges: list, x
 class VocabParallelCrossEntropy(nn.Module):
     """Cross-entropy over this rank's vocabulary rows; one number per token crosses the group."""
 
-    def __init__(self, handle: CommHandle, shard: VocabShard, ignore_index: int, reduction: int):
+    def __init__(self, handle: CommHandle, shard: VocabShard, ignore_index: int, reduction: int, vocab_size: int):
         super().__init__()
         self.handle, self.shard, self.ignore_index, self.reduction = handle, shard, ignore_index, reduction
+        self.vocab_size = vocab_size
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        check_targets(target, self.vocab_size, self.ignore_index)
         red = dist_reducer(self.handle.get())
         return vocab_cross_entropy(red, [self.shard], target, [logits], ignore_index=self.ignore_index,
                                    reduction=self.reduction)[0]
 
     @staticmethod
     def simulate(mods: list["VocabParallelCrossEntropy"], rank_args: list[tuple]) -> list[torch.Tensor]:
-        target = rank_args[0][1]
+        target = check_targets(rank_args[0][1], mods[0].vocab_size, mods[0].ignore_index)
         return vocab_cross_entropy(sim_reducer(), [m.shard for m in mods], target, [a[0] for a in rank_args],
                                    ignore_index=mods[0].ignore_index, reduction=mods[0].reduction)
 

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ..bounds import check_token_ids
 from .annotate import ShardingPlan
 from .graph_reading import op_name, param_read
 from .index_sets import Ranges, is_even_chunks, is_partition
@@ -54,6 +55,7 @@ class CrossEntropySpec:
     valid: int
     ignore_index: int
     reduction: int
+    vocab_size: int          # the real vocabulary (targets outside it, but ignore_index, raise)
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,8 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
     def vocab_lookup(args: list, e: VocabLookup) -> tuple[list, fx.Node]:
         """Ids this rank owns, shifted to local rows; the others point at row 0 and are zeroed after."""
         start, valid = e.starts[r], e.valid[r]
-        local = g.call_function(aten.sub.Tensor, (args[1], start))
+        checked = g.call_function(check_token_ids, (args[1], sum(e.valid)))     # as nn.Embedding raises
+        local = g.call_function(aten.sub.Tensor, (checked, start))
         outside = g.call_function(aten.__or__.Tensor, (g.call_function(aten.lt.Scalar, (local, 0)),
                                                       g.call_function(aten.ge.Scalar, (local, valid))))
         args[1] = g.call_function(aten.masked_fill.Scalar, (local, outside, 0))
@@ -267,7 +270,7 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 red = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
                 ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
                 spec = CrossEntropySpec(f"vocab_cross_entropy_{node.name}{suffix}", e.starts[r], e.counts[r], e.valid[r],
-                                        ignore, red)
+                                        ignore, red, sum(e.valid))
                 modules.append(spec)
                 env[node] = g.call_module(spec.module, (args[0], args[1]))
                 break

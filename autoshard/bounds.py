@@ -1,0 +1,30 @@
+"""Index checks that a vocabulary-parallel program needs where the single-device model gets them
+for free: each rank looks up (or scores) only its own rows, so an id outside the vocabulary would
+be zeroed on every rank instead of raising. One pass over the tokens, never over the vocabulary."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_token_ids", "check_targets"]
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`ids`, after checking that each is in [0, vocab_size) as nn.Embedding requires."""
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise IndexError(f"token id {bad} is out of range for the embedding's vocabulary of {vocab_size} rows "
+                             f"(ids must be in [0, {vocab_size}))")
+    return ids
+
+
+def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """`target`, after checking that each is in [0, vocab_size) or equal to ignore_index, as
+    cross-entropy requires."""
+    if target.numel():
+        bad = target[((target < 0) | (target >= vocab_size)) & (target != ignore_index)]
+        if bad.numel():
+            raise IndexError(f"target {int(bad[0])} is out of bounds for cross-entropy over {vocab_size} classes "
+                             f"(targets must be in [0, {vocab_size}) or ignore_index={ignore_index})")
+    return target
