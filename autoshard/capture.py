@@ -20,7 +20,7 @@ from torch.export import Dim
 
 from .errors import CaptureError
 
-__all__ = ["Captured", "Signature", "capture", "normalize_inputs", "infer_example_inputs", "fetch_attr"]
+__all__ = ["Captured", "InputBinder", "Signature", "capture", "normalize_inputs", "infer_example_inputs", "fetch_attr"]
 
 
 @dataclass(frozen=True)
@@ -72,20 +72,37 @@ class Captured:
     out_spec: pytree.TreeSpec
 
 
+@dataclass(frozen=True)
+class InputBinder:
+    """Binds a call to a model's `forward` parameter names, without holding the model."""
+
+    model_name: str
+    signature: inspect.Signature
+    hf: bool
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "InputBinder":
+        return cls(type(model).__name__, inspect.signature(model.forward), _is_hf(model))
+
+    def __call__(self, args: tuple, kwargs: dict) -> dict[str, object]:
+        """Named inputs; HF models get use_cache=False (training)."""
+        sig = self.signature
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise CaptureError(f"inputs do not match {self.model_name}.forward{sig}: {e}") from None
+        named = dict(bound.arguments)
+        for name, param in sig.parameters.items():    # **kwargs: each extra argument under its own name
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+                named.update(named.pop(name))
+        if "use_cache" in sig.parameters and "use_cache" not in named and self.hf:
+            named["use_cache"] = False
+        return named
+
+
 def normalize_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, object]:
     """Bind a call to `model.forward`'s parameter names; HF models get use_cache=False (training)."""
-    sig = inspect.signature(model.forward)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as e:
-        raise CaptureError(f"inputs do not match {type(model).__name__}.forward{sig}: {e}") from None
-    named = dict(bound.arguments)
-    for name, param in sig.parameters.items():    # **kwargs: each extra argument under its own name
-        if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
-            named.update(named.pop(name))
-    if "use_cache" in sig.parameters and "use_cache" not in named and _is_hf(model):
-        named["use_cache"] = False
-    return named
+    return InputBinder.of(model)(args, kwargs)
 
 
 def _is_hf(model: nn.Module) -> bool:

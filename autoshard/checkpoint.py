@@ -41,7 +41,7 @@ def layout_of(prog, name: str, tp_rank: int):
     use = prog.plan.params.get(name)
     if use is None:
         return None
-    return use.dim, use.layout[tp_rank], prog.model.get_parameter(name).shape[use.dim]
+    return use.dim, use.layout[tp_rank], prog.param_shapes[name][use.dim]
 
 
 def _owned_pieces(prog, name: str, pp_rank: int, dp_rank: int, tp_rank: int) -> list[tuple[int, int, int]] | None:
@@ -88,7 +88,7 @@ def _write_rank(folder: str, prog, module: nn.Module, optimizer) -> dict:
                 if t and pieces != []:
                     scalars[name] = t
                 continue
-            entries[key] = {"shape": list(prog.model.get_parameter(name).shape), "dtype": str(t.dtype).split(".")[-1],
+            entries[key] = {"shape": list(prog.param_shapes[name]), "dtype": str(t.dtype).split(".")[-1],
                             "dim": lay[0] if lay else None, "pieces": []}
             for a, b, off in ([(0, 0, 0)] if pieces is None else pieces):
                 skey = key if pieces is None else f"{key}@{a}"
@@ -116,7 +116,7 @@ def _write_index(folder: str, prog, manifests: list[dict], step: int, extra: dic
             raise CheckpointError(f"no rank wrote {key}; the checkpoint would be incomplete")
     groups = next((m["param_groups"] for m in manifests if "param_groups" in m), [])
     write_json_atomic(os.path.join(folder, INDEX), {
-        "format": FORMAT, "step": step, "model": type(prog.model).__name__,
+        "format": FORMAT, "step": step, "model": prog.model_name,
         "mesh": {"tp": prog.tp, "pp": prog.pp, "dp": prog.dp}, "tensors": tensors,
         "scalars": {k: v for m in manifests for k, v in m["scalars"].items()}, "param_groups": groups,
         "files": {k: v for m in manifests for k, v in m["files"].items()}, "extra": extra or {}})
@@ -171,15 +171,15 @@ def latest(root: str) -> str | None:
 
 
 def _check_model(prog, index: dict, names: list[str]) -> None:
-    model_names = {n for n, _ in prog.model.named_parameters()}
+    model_names = set(prog.param_shapes)
     saved = {k for k in index["tensors"] if SEP not in k}
     if saved != model_names:
         missing, unknown = sorted(model_names - saved), sorted(saved - model_names)
-        raise CheckpointError(f"checkpoint of {index.get('model')} does not fit {type(prog.model).__name__}: "
+        raise CheckpointError(f"checkpoint of {index.get('model')} does not fit {prog.model_name}: "
                               f"{len(missing)} parameters missing (e.g. {missing[:3]}), {len(unknown)} unknown "
                               f"(e.g. {unknown[:3]})")
     for name in names:
-        want, got = list(prog.model.get_parameter(name).shape), index["tensors"][name]["shape"]
+        want, got = list(prog.param_shapes[name]), index["tensors"][name]["shape"]
         if want != got:
             raise CheckpointError(f"parameter {name} has shape {tuple(got)} in the checkpoint, {tuple(want)} in the model")
 

@@ -64,10 +64,7 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
     """Load this rank's slices from a single-device safetensors checkpoint (a file, or a folder with
     model.safetensors or model.safetensors.index.json); returns the number of elements read."""
     weight_map = _weight_map(source)
-    aliases: dict[str, list[str]] = {}
-    by_id: dict[int, str] = {}
-    for n, p in prog.model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(by_id.setdefault(id(p), n), []).append(n)
+    aliases = prog.param_aliases
     index = {"tensors": {}, "files": {}}
     for name in dict(module.named_parameters()):
         stored = next((a for a in aliases.get(name, [name]) if a in weight_map), None)
@@ -76,7 +73,7 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
         with safe_open(weight_map[stored], framework="pt") as fh:
             sl = fh.get_slice(stored)
             shape, dtype = sl.get_shape(), sl.get_dtype()
-        want = list(prog.model.get_parameter(name).shape)
+        want = list(prog.param_shapes[name])
         if shape != want:
             raise CheckpointError(f"{stored} has shape {tuple(shape)} in {source}, the model's {name} is {tuple(want)}")
         dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}

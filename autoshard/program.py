@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -10,7 +11,7 @@ import torch.utils._pytree as pytree
 from tabulate import tabulate
 from torch import nn
 
-from .capture import Captured, capture, fetch_attr, normalize_inputs
+from .capture import Captured, InputBinder, capture, fetch_attr
 from .collectives import write_rows
 from .errors import ShardingError
 from .mesh import MeshGroups, ParallelDims
@@ -18,11 +19,12 @@ from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.fuse import fuse
 from .passes.index_sets import is_partition
 from .passes.partition import StageGraph, split_stages
-from .passes.rewrite import rewrite_rank
+from .passes.rewrite import RankGraph, rewrite_rank
 from .pipeline import PipelineRuntime
-from .rank import RankProgram, slice_layout
+from .rank import RankProgram, assign_attr, slice_layout
 from .schedules import bubble_fraction, check, make_schedule
 from .simulate import join_replicated, run_lockstep
+from .weights import WeightSource
 
 __all__ = ["ShardedProgram"]
 
@@ -39,7 +41,16 @@ class ShardedProgram:
     def __init__(self, model: nn.Module, tp: int, named_inputs: dict[str, object],
                  options: ShardOptions | None = None, *, pp: int = 1, dp: int = 1, virtual: int = 1,
                  microbatches: int = 1, schedule: str | None = None):
-        self.model, self.tp, self.options = model, tp, options or ShardOptions()
+        self.tp, self.options = tp, options or ShardOptions()
+        self._source = WeightSource(model)
+        self.model_name = type(model).__name__
+        self.param_shapes: dict[str, torch.Size] = {n: p.shape for n, p in model.named_parameters()}
+        self.param_aliases: dict[str, list[str]] = {}        # parameter -> every name it has (tied weights)
+        by_id: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.param_aliases.setdefault(by_id.setdefault(id(p), n), []).append(n)
+        self._names_with_ties = {n for names in self.param_aliases.values() for n in names}
+        self._bind = InputBinder.of(model)
         self.dims = ParallelDims(tp, pp, dp)
         self.virtual, self.microbatches = virtual, microbatches
         self.schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
@@ -57,7 +68,13 @@ class ShardedProgram:
         self._sim_modules: dict[int, list[fx.GraphModule]] = {}
         self._weights: dict[tuple[str, int], torch.Tensor | float] = {}
         self._compile(named_inputs)
+        self._graph0 = self._rank_graph(self._compiled[0], 0).graph    # rank 0's code, no weights cut
         self._find_shared_params()
+
+    @property
+    def model(self) -> nn.Module:
+        """The single-device model this program was compiled from (held weakly after distributed())."""
+        return self._source.model
 
     # ---- compile -----------------------------------------------------------------------------
     def _compile(self, named: dict[str, object], training: bool | None = None) -> _Compiled:
@@ -88,12 +105,11 @@ class ShardedProgram:
         return self.dims.dp
 
     # ---- pipeline stages ---------------------------------------------------------------------
-    def stage_graphs(self, gm: fx.GraphModule) -> list[StageGraph]:
+    def stage_graphs(self, gm: fx.GraphModule | fx.Graph) -> list[StageGraph]:
         """The pp * virtual stage graphs cut from one rank graph `gm` (cached)."""
         if id(gm) not in self._stages:
-            names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
             is_f = lambda n: n.op == "call_module" and n.target == "f"     # noqa: E731  (identity forward)
-            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, names, late=is_f))
+            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, self._names_with_ties, late=is_f))
         return self._stages[id(gm)][1]
 
     def stage_modules(self, tp_rank: int = 0) -> list[fx.GraphModule]:
@@ -106,7 +122,7 @@ class ShardedProgram:
     def _find_shared_params(self) -> None:
         """Parameters that stages on several pipeline ranks read (tied embeddings)."""
         holders: dict[str, set[int]] = {}
-        for sg in self.stage_graphs(self.rank(0).graph_module):
+        for sg in self.stage_graphs(self._graph0):
             for n in sg.graph.nodes:
                 if n.op == "get_attr":
                     holders.setdefault(n.target, set()).add(sg.index % self.pp)
@@ -135,16 +151,21 @@ class ShardedProgram:
             for a, b in ranges:
                 held[a:b] += 1
         weight = share / held[rows]
-        shape = [1] * len(self.model.get_parameter(name).shape)
+        shape = [1] * len(self.param_shapes[name])
         shape[use.dim] = len(rows)
         return weight.view(shape)
 
-    def _add_graph(self, rank: RankProgram, entry: _Compiled) -> None:
+    def _rank_graph(self, entry: _Compiled, r: int) -> RankGraph:
         cap = entry.captured
         k = self._compiled.index(entry)
-        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, rank.rank, f"_s{k}" if k else "")   # rewrite
+        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, f"_s{k}" if k else "")   # rewrite
         if self.options.fuse:        # after the rewrite: fused ops see the shards and the collectives
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
+        return rg
+
+    def _add_graph(self, rank: RankProgram, entry: _Compiled) -> None:
+        cap = entry.captured
+        rg = self._rank_graph(entry, rank.rank)
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
@@ -158,19 +179,60 @@ class ShardedProgram:
         if not 0 <= r < self.tp:
             raise IndexError(f"rank {r} out of range for world size {self.tp}")
         if r not in self._ranks:
+            full = self._source.tensors(cut=sorted(self._ranks))     # one state of the model for every rank
             params = {}
             for name, p in self.model.named_parameters():
                 use = self.plan.params.get(name)
-                local = slice_layout(p.detach(), use.dim, use.layout[r]) if use else p.detach()
+                value = full[name].detach()
+                local = slice_layout(value, use.dim, use.layout[r]) if use else value
                 params[name] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
-            rank = RankProgram(r, self.tp, params, lambda a, k: normalize_inputs(self.model, a, k))
+            rank = RankProgram(r, self.tp, params, self._bind)
             rank.train(self._training)
             rank.rng.manual_seed(self._seed)
             object.__setattr__(rank, "_compile_for", self._compile)
             for entry in self._compiled:
                 self._add_graph(rank, entry)
+            with torch.no_grad():        # buffers too come from the same state (a loaded one, say)
+                for name, buf in rank.named_buffers():
+                    if name in full and name not in params and buf.shape == full[name].shape:
+                        buf.copy_(full[name])
             self._ranks[r] = rank
+            if len(self._ranks) == self.tp:
+                self._source.all_cut()
         return self._ranks[r]
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full-size weights (the model's own names, as `model.state_dict()` gives them) into
+        every rank: the ranks built so far get their shards copied in, and ranks built later are
+        cut from `state_dict` (held by reference until then). strict: every parameter must be
+        given and every given name must be a parameter or buffer of the model."""
+        known = set(self.param_shapes) | self._names_with_ties | self._buffer_names()
+        missing = sorted(n for n in self.param_shapes if n not in state_dict)
+        unexpected = sorted(n for n in state_dict if n not in known)
+        if strict and (missing or unexpected):
+            raise ShardingError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        for name, shape in self.param_shapes.items():
+            if name in state_dict and tuple(state_dict[name].shape) != tuple(shape):
+                raise ShardingError(f"load_state_dict: {name} has shape {tuple(state_dict[name].shape)}, "
+                                    f"the model's is {tuple(shape)}")
+        with torch.no_grad():
+            for rank in self._ranks.values():
+                for name, p in rank.named_parameters():
+                    if name in state_dict:
+                        use = self.plan.params.get(name)
+                        value = state_dict[name].detach()
+                        p.copy_(slice_layout(value, use.dim, use.layout[rank.rank]) if use else value)
+                for name, buf in rank.named_buffers():
+                    if name in state_dict and name not in self.param_shapes and buf.shape == state_dict[name].shape:
+                        buf.copy_(state_dict[name])
+        self._source.load(state_dict, all_cut=len(self._ranks) == self.tp)
+
+    def _buffer_names(self) -> set[str]:
+        try:
+            return {n for n, _ in self.model.named_buffers()}
+        except ShardingError:
+            return set()
 
     def ranks(self) -> list[RankProgram]:
         return [self.rank(r) for r in range(self.tp)]
@@ -206,12 +268,28 @@ class ShardedProgram:
             raise ShardingError(f"the process group has {size} ranks but the program was built for "
                                 f"tp={self.tp} x pp={self.pp} x dp={self.dp} = {self.world_size}")
         if self.world_size == self.tp and self.microbatches == 1:
-            return self.rank(dist.get_rank(group)).bind(group)
+            mine = self.rank(dist.get_rank(group)).bind(group)
+            self._release()
+            return mine
         if group is not None and group is not dist.group.WORLD:
             raise ShardingError("a pipeline or data-parallel program runs on the WORLD group")
         rank = dist.get_rank()
         groups = MeshGroups(self.dims, rank, list(self.shared_params))
-        return PipelineRuntime(self, rank, groups, self.schedule)
+        runtime = PipelineRuntime(self, rank, groups, self.schedule)
+        self._release()
+        return runtime
+
+    def _release(self) -> None:
+        """This process's rank is cut: hold nothing more of the model's weights (the captured
+        graphs' copies of them become meta tensors; the model itself is held weakly)."""
+        self._source.release()
+        for entry in self._compiled:
+            gm = entry.captured.gm
+            for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+                if not t.is_meta:
+                    meta = t.detach().to("meta")
+                    assign_attr(gm, name, nn.Parameter(meta, requires_grad=t.requires_grad)
+                                if isinstance(t, nn.Parameter) else meta)
 
     # ---- simulation and reassembly -----------------------------------------------------------
     def simulate(self, *args, **kwargs):
@@ -247,7 +325,7 @@ class ShardedProgram:
 
     def _assemble(self, read) -> dict[str, torch.Tensor | None]:
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, shape in self.param_shapes.items():
             locals_ = [read(dict(rank.named_parameters())[name]) for rank in self.ranks()]
             use = self.plan.params.get(name)
             if any(t is None for t in locals_):
@@ -255,12 +333,12 @@ class ShardedProgram:
             elif use is None:
                 out[name] = locals_[0]
             else:
-                shape = list(p.shape)
-                shape[use.dim] = use.padded or p.shape[use.dim]
-                full = locals_[0].new_zeros(shape)
+                padded = list(shape)
+                padded[use.dim] = use.padded or shape[use.dim]
+                full = locals_[0].new_zeros(padded)
                 for t, ranges in zip(locals_, use.layout):     # rows held twice are equal: copy, not add
                     write_rows(full, t, use.dim, ranges)
-                out[name] = full.narrow(use.dim, 0, p.shape[use.dim])
+                out[name] = full.narrow(use.dim, 0, shape[use.dim])
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
@@ -274,7 +352,8 @@ class ShardedProgram:
     # ---- printing ----------------------------------------------------------------------------
     def __str__(self) -> str:
         rows = []
-        for name, p in self.model.named_parameters():
+        for name, shape in self.param_shapes.items():
+            p = torch.empty(shape, device="meta")
             use = self.plan.params.get(name)
             where = [",".join(map(str, sorted(self.param_holders.get(name, ()))))] if self.pp > 1 else []
             if use is None:
@@ -287,8 +366,8 @@ class ShardedProgram:
         head = (f"autoshard program: tp={self.tp} x pp={self.pp} x dp={self.dp}, world size {self.world_size}")
         headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if self.pp > 1 else [])
         table = tabulate(rows, headers=headers)
-        gm = self.rank(0).graph_module
-        counts = {k: sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(k))
+        gm = self._graph0
+        counts = {k: sum(1 for n in gm.nodes if n.op == "call_module" and n.target.startswith(k))
                   for k in ("f", "g", "sync_")}
         notes = [f"collectives per rank per step: {counts['f']} f (all-reduce in backward), {counts['g']} g "
                  f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]

@@ -135,13 +135,13 @@ def _assign_stages(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list
     return stage
 
 
-def split_stages(gm: fx.GraphModule, n_stages: int, param_names: dict[str, str] | set[str],
+def split_stages(gm: fx.GraphModule | fx.Graph, n_stages: int, param_names: dict[str, str] | set[str],
                  late: Callable[[fx.Node], bool] = lambda n: False) -> list[StageGraph]:
-    """Cut `gm` (one rank's graph) into `n_stages` stage graphs; see the module docstring. Nodes
+    """Cut `gm` (one rank's graph, or its module) into `n_stages` stage graphs; see the module docstring. Nodes
     outside the layers for which `late(node)` holds run where their users run, not where their
     inputs are made: an identity-forward collective (Megatron's f) between a norm in one stage and a
     matmul in the next would otherwise send the same values twice."""
-    graph = gm.graph
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     kinds = _kinds(graph, param_names)
     if n_stages == 1:       # one stage: the whole graph, whatever the model's structure
         counts = [0]

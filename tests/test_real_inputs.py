@@ -228,3 +228,58 @@ def test_out_of_range_ids_and_labels_raise_as_the_model_does(bad):
     labels[1, 5] = bad
     with pytest.raises(IndexError, match=f"target {bad} is out of bounds for cross-entropy over {VOCAB} classes"):
         prog.simulate(input_ids=ids, labels=labels)
+
+
+def test_every_rank_is_cut_from_one_state_of_the_model():
+    # before: rank 0 was cut inside autoshard(), rank 1 on first use: weights loaded in between
+    # reached rank 1 only (logits rel. error 0.76), and a rank cut after an update went unnoticed
+    model, other = build_model("gpt2", seed=0), build_model("gpt2", seed=1)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    prog = autoshard(model, tp=2)
+    model.load_state_dict(other.state_dict())
+    assert max_rel(prog.simulate(input_ids=ids).logits, other(input_ids=ids).logits) <= 1e-5
+
+    prog = autoshard(model, tp=2)
+    prog.rank(0)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(2)
+    with pytest.raises(ShardingError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight changed .* rank\(s\) \[0\]"):
+        prog.rank(1)
+    fresh = build_model("gpt2", seed=2)
+    prog.load_state_dict(fresh.state_dict())          # rank 0 gets its shards, rank 1 is cut from it
+    assert max_rel(prog.simulate(input_ids=ids).logits, fresh(input_ids=ids).logits) <= 1e-5
+    with pytest.raises(ShardingError, match=r"load_state_dict: lm_head.weight has shape|missing \['transformer\.wpe"):
+        prog.load_state_dict({k: v for k, v in fresh.state_dict().items() if "wpe" not in k})
+
+
+def test_a_buffer_update_between_two_cuts_is_refused():
+    model = _BatchNormMLP()
+    ids = torch.randint(0, 64, (4, 8))
+    prog = autoshard(model, tp=2, example_inputs=(ids,))
+    prog.rank(0)
+    model(ids)                                       # train mode: running statistics move
+    with pytest.raises(ShardingError, match=r"bn\.(running_mean|num_batches_tracked) changed"):
+        prog.rank(1)
+
+
+def test_the_process_rank_holds_nothing_more_of_the_model(one_process_group):
+    # before: the rank module reached the model (normalize closure, compile hook, captured graph),
+    # so `del model` freed nothing
+    import gc
+    import weakref
+    model = build_model("llama")
+    ids = torch.randint(0, VOCAB, (4, 16))
+    kw = dict(input_ids=ids, labels=(ids * 7 + 3) % VOCAB)
+    ref_loss = model(**kw).loss.item()
+    for micro in (1, 2):             # a rank module, then a pipeline runtime
+        prog = autoshard(model, microbatches=micro, example_kwargs={k: v[:2] for k, v in kw.items()})
+        runtime = prog.distributed()
+        gone = weakref.ref(model)
+        del model
+        gc.collect()
+        assert gone() is None, "the program still holds the model"
+        loss = runtime(**kw).loss if micro == 1 else runtime.train_step(**kw)
+        assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+        with pytest.raises(ShardingError, match="no longer holds the model"):
+            prog.model
+        model = build_model("llama")
