@@ -186,6 +186,11 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
             gm.graph.erase_node(n)
+        # export's record of a value's dtype before `.float()` / `.to(dtype)`: under autocast (or
+        # outside it, for a graph captured inside) the dtype differs and the check would fail a
+        # call the model runs; the cast itself stays
+        elif n.op == "call_function" and n.target == torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
     gm.graph._codegen = fx.graph.CodeGen()   # flat inputs: the program flattens calls itself
     for n in [n for n in gm.graph.nodes if n.op == "get_attr" and n.users]:
         first = min(n.users, key=_order(gm.graph))

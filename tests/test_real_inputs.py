@@ -283,3 +283,45 @@ def test_the_process_rank_holds_nothing_more_of_the_model(one_process_group):
         with pytest.raises(ShardingError, match="no longer holds the model"):
             prog.model
         model = build_model("llama")
+
+
+class _CastsToFloat(nn.Module):
+    """`.float()` on matmul outputs, as HF models do for logits: export records the input's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.a, self.b, self.head = nn.Embedding(64, 32), nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.head(x + self.b(self.a(x).float().relu())).float()
+
+
+BF16 = 2e-2      # bf16 keeps 8 bits: sharded sums round differently
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("captured_in", ["fp32", "autocast"])
+def test_autocast_either_side_of_the_compile(captured_in, fuse):
+    # before: "Tensor dtype mismatch! Expected: Float, Got: c10::BFloat16" from _assert_tensor_metadata
+    model = _CastsToFloat()
+    ids = torch.randint(0, 64, (2, 8))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    if captured_in == "autocast":
+        with autocast:
+            prog = autoshard(model, tp=2, example_inputs=(ids,), fuse=fuse)
+    else:
+        prog = autoshard(model, tp=2, example_inputs=(ids,), fuse=fuse)
+    with autocast:
+        out, ref = prog.simulate(ids), model(ids)
+    assert out.dtype == ref.dtype and max_rel(out, ref) <= BF16
+    assert max_rel(prog.simulate(ids), model(ids)) <= 1e-5
+
+
+def test_autocast_on_a_hugging_face_model_with_its_loss():
+    model = build_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 16))
+    prog = autoshard(model, tp=2, fuse=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = prog.simulate(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    assert out.logits.dtype == ref.logits.dtype and max_rel(out.loss, ref.loss) <= BF16
