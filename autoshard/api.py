@@ -7,10 +7,11 @@ built lazily (a torchrun process builds only its own).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .capture import infer_example_inputs, normalize_inputs
-from .errors import ShardingError
+from .errors import ShardingError, require_positive_int
 from .hardware import Hardware
 from .passes.annotate import ShardOptions
 from .planner import plan
@@ -74,10 +75,18 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.v
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
     tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ShardingError(f"tp must be a positive integer, got {tp!r}")
+    for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual", virtual), ("microbatches", microbatches)):
+        require_positive_int(name, x)
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):      # one input given bare: the model's first argument
+        example_inputs = (example_inputs,)
+    elif example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        raise ShardingError(f"example_inputs must be a tuple of the model's positional inputs, got "
+                            f"{type(example_inputs).__name__}; pass example_kwargs={{...}} for named ones")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ShardingError(f"example_kwargs must be a dict of the model's named inputs, got "
+                            f"{type(example_kwargs).__name__}")
     if example_inputs is None and example_kwargs is None:
         args, kwargs = infer_example_inputs(model)
     else:

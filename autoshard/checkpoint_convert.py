@@ -12,9 +12,9 @@ As a command: `python -m autoshard.checkpoint_convert CHECKPOINT OUT --factory p
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
@@ -22,6 +22,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .checkpoint import layout_of
+from .cli import one_line_errors
+from .factory import load_factory
 from .checkpoint_index import SEP, CheckpointError, PieceReader, read_index
 
 __all__ = ["load_full_state_dict", "consolidate", "load_from_file"]
@@ -70,7 +72,7 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
         stored = next((a for a in aliases.get(name, [name]) if a in weight_map), None)
         if stored is None:
             raise CheckpointError(f"{source} has no tensor for parameter {name}")
-        with safe_open(weight_map[stored], framework="pt") as fh:
+        with _open(weight_map[stored]) as fh:
             sl = fh.get_slice(stored)
             shape, dtype = sl.get_shape(), sl.get_dtype()
         want = list(prog.param_shapes[name])
@@ -101,22 +103,38 @@ def _weight_map(source: str) -> dict[str, str]:
         raise CheckpointError(f"{source} is neither a safetensors file nor a folder with model.safetensors")
     out = {}
     for f in files:
-        with safe_open(f, framework="pt") as fh:
+        with _open(f) as fh:
             out.update({k: f for k in fh.keys()})
     return out
 
 
-def main() -> None:
+@contextmanager
+def _open(path: str):
+    """safe_open, with a broken file (truncated, not safetensors) named in the error."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {e})") from None
+    with handle as fh:
+        yield fh
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Consolidate a sharded autoshard checkpoint into one "
                                              "single-device checkpoint the model's class loads.")
     ap.add_argument("checkpoint")
     ap.add_argument("out")
     ap.add_argument("--factory", required=True, help="module:callable that returns the model (meta device is fine)")
-    args = ap.parse_args()
-    module, _, fn = args.factory.partition(":")
-    with torch.device("meta"):
-        model = getattr(importlib.import_module(module), fn)()
-    consolidate(args.checkpoint, model, args.out)
+    ap.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
+    args = ap.parse_args(argv)
+    command = "autoshard.checkpoint_convert"
+    make = load_factory(args.factory, command)
+    with one_line_errors(command, args.debug):
+        with torch.device("meta"):
+            model = make()
+        if not isinstance(model, nn.Module):
+            raise CheckpointError(f"{args.factory} returned a {type(model).__name__}, not an nn.Module")
+        consolidate(args.checkpoint, model, args.out)
     print(f"wrote {args.out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
 
 

@@ -98,7 +98,10 @@ class PieceReader:
             path = os.path.join(self.folder, fname)
             if self.verify:
                 verify_file(path, self.index["files"][fname])
-            self.handles[fname] = safe_open(path, framework="pt")
+            try:
+                self.handles[fname] = safe_open(path, framework="pt")
+            except Exception as e:          # truncated or not safetensors: name the file
+                raise CheckpointError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {e})") from None
         return self.handles[fname]
 
     def rows(self, key: str, lay) -> torch.Tensor:

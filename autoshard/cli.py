@@ -16,14 +16,15 @@ explains the first three. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
 from .api import autoshard
+from .errors import CaptureError
+from .factory import load_factory
 from .hardware import PRESETS
 from .planner import ModelShape, explain, plan
 from .schedules import SCHEDULES, bubble_fraction, check, make_schedule
@@ -37,15 +38,7 @@ def _progress(msg: str) -> None:
 
 
 def _factory(spec: str):
-    module, _, name = spec.partition(":")
-    if os.getcwd() not in sys.path:         # as `python -m` would: the user's modules next to them
-        sys.path.insert(0, os.getcwd())
-    if not name:
-        raise SystemExit(f"autoshard inspect: expected module:callable, got {spec!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"autoshard inspect: cannot load {spec!r}: {e}") from None
+    return load_factory(spec, "autoshard inspect")
 
 
 def inspect(args: argparse.Namespace) -> None:
@@ -57,8 +50,14 @@ def inspect(args: argparse.Namespace) -> None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
         example = (torch.randint(0, vocab, (args.batch, args.seq)),)
     _progress(f"compiling {type(model).__name__} at tp={args.tp}, pp={args.pp}, virtual={args.virtual} ...")
-    prog = autoshard(model, tp=args.tp, pp=args.pp, virtual=args.virtual, microbatches=args.microbatches,
-                     example_inputs=example)
+    try:
+        prog = autoshard(model, tp=args.tp, pp=args.pp, virtual=args.virtual, microbatches=args.microbatches,
+                         example_inputs=example)
+    except CaptureError as e:
+        if example is not None or "cannot infer example inputs" not in str(e):
+            raise
+        raise SystemExit(f"autoshard inspect: {str(e).split(';')[0]}; give it token ids with --seq S "
+                         f"(and --batch B), or a factory for a model that takes them") from None
     print(prog)
     if args.code:
         _progress(f"rewriting rank {args.rank} ...")
@@ -109,22 +108,24 @@ def plan_verb(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="autoshard", description="Megatron-style sharding as a compiler pass.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
     verbs = ap.add_subparsers(dest="verb", required=True)
-    ins = verbs.add_parser("inspect", help="shard a model and print the per-rank table (and code)")
+    ins = verbs.add_parser("inspect", parents=[common], help="shard a model and print the per-rank table (and code)")
     ins.add_argument("factory", help="module:callable returning the model")
     for flag, default in (("--tp", 1), ("--pp", 1), ("--virtual", 1), ("--microbatches", 1), ("--rank", 0),
                           ("--batch", 2), ("--seq", 0)):
         ins.add_argument(flag, type=int, default=default)
     ins.add_argument("--code", action="store_true", help="print the rank's rewritten program")
     ins.set_defaults(run=inspect)
-    sch = verbs.add_parser("schedule", help="draw a pipeline schedule")
+    sch = verbs.add_parser("schedule", parents=[common], help="draw a pipeline schedule")
     sch.add_argument("--pp", type=int, default=4)
     sch.add_argument("--chunks", type=int, default=2, help="virtual chunks per rank")
     sch.add_argument("--microbatches", type=int, default=8)
     sch.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     sch.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png")
     sch.set_defaults(run=schedule)
-    pl = verbs.add_parser("plan", help="rank tp x pp x dp splits by the cost model's predicted speed")
+    pl = verbs.add_parser("plan", parents=[common], help="rank tp x pp x dp splits by the cost model's predicted speed")
     pl.add_argument("factory", nargs="?", default=None, help="module:callable returning the model (or give the shape)")
     for flag in ("--hidden", "--layers", "--heads", "--vocab", "--seq"):
         pl.add_argument(flag, type=int, default=None)
@@ -136,7 +137,22 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--top", type=int, default=5)
     pl.set_defaults(run=plan_verb)
     args = ap.parse_args(argv)
-    args.run(args)
+    with one_line_errors(f"autoshard {args.verb}", args.debug):
+        args.run(args)
+
+
+@contextmanager
+def one_line_errors(command: str, debug: bool):
+    """An error in the block exits with one line naming the command and the reason; `debug`
+    lets the traceback through."""
+    try:
+        yield
+    except Exception as e:
+        if debug:
+            raise
+        text = str(e).strip()
+        raise SystemExit(f"{command}: {type(e).__name__}: {text.splitlines()[0] if text else ''} "
+                         f"(--debug shows the traceback)") from None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Errors autoshard raises on bad input; each message names the node, module and numbers involved."""
 from __future__ import annotations
 
-__all__ = ["AutoshardError", "CaptureError", "ShardingError"]
+__all__ = ["AutoshardError", "CaptureError", "ShardingError", "require_positive_int"]
 
 
 class AutoshardError(Exception):
@@ -14,3 +14,10 @@ class CaptureError(AutoshardError):
 
 class ShardingError(AutoshardError, ValueError):
     """The requested parallelism cannot be applied to this model as asked."""
+
+
+def require_positive_int(name: str, value: object) -> int:
+    """`value` if it is a positive int (not a bool), else a ShardingError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ShardingError(f"{name} must be a positive integer, got {value!r}")
+    return value

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .errors import ShardingError
+from .errors import require_positive_int
 
 __all__ = ["ParallelDims", "MeshGroups"]
 
@@ -24,9 +24,7 @@ class ParallelDims:
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
-            x = getattr(self, name)
-            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                raise ShardingError(f"{name} must be a positive integer, got {x!r}")
+            require_positive_int(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:

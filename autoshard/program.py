@@ -81,7 +81,7 @@ class ShardedProgram:
         cap = capture(self.model, named, dynamic=not self.options.sequence_parallel, training=training)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
         if self._compiled and plan.params != self.plan.params:
-            raise ShardingError(_new_plan_refusal(named, self.plan, plan))
+            raise ShardingError(_new_plan_refusal(named, self.example_inputs, self.plan, plan))
         entry = _Compiled(cap, plan)
         self._compiled.append(entry)
         for rank in self._ranks.values():
@@ -389,12 +389,17 @@ def _describe_use(use) -> str:
     return "replicated" if use is None else f"split dim {use.dim} as {[list(r) for r in use.layout]}"
 
 
-def _new_plan_refusal(named: dict[str, object], old: ShardingPlan, new: ShardingPlan) -> str:
+def _new_plan_refusal(named: dict[str, object], example: dict[str, object], old: ShardingPlan,
+                      new: ShardingPlan) -> str:
     """Why a call's inputs cannot reuse the program: they take another path through the model
     (an input left out, another branch on a size) that shards a parameter differently."""
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in named.items()}
+    given = lambda d: {k for k, v in d.items() if v is not None}    # noqa: E731
+    left_out, added = sorted(given(example) - given(named)), sorted(given(named) - given(example))
+    why = "; ".join([f"{', '.join(left_out)} given at compile time, left out here"] * bool(left_out)
+                    + [f"{', '.join(added)} given here, not at compile time"] * bool(added)) or "a branch on a size"
     name = next(k for k in sorted(set(old.params) | set(new.params)) if old.params.get(k) != new.params.get(k))
-    return (f"inputs {shapes} take another path through the model than the example inputs (an input given "
-            f"or left out, or a branch on a size), and it shards parameter {name} differently: "
+    return (f"inputs {shapes} take another path through the model than the example inputs ({why}), "
+            f"and it shards parameter {name} differently: "
             f"{_describe_use(new.params.get(name))} for these inputs, {_describe_use(old.params.get(name))} "
             f"in this program; pass inputs like the example inputs, or compile a separate program for these")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ShardingError
+from .errors import ShardingError, require_positive_int
 
 __all__ = ["Action", "Timeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "make_schedule", "check",
            "bubble_fraction", "SCHEDULES"]
@@ -40,8 +40,7 @@ class Action:
 
 def _validate(pp: int, v: int, m: int) -> None:
     for name, x in (("pp", pp), ("virtual chunks", v), ("microbatches", m)):
-        if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-            raise ShardingError(f"{name} must be a positive integer, got {x!r}")
+        require_positive_int(name, x)
 
 
 def gpipe(pp: int, m: int) -> list[list[Action]]:

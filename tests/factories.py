@@ -8,3 +8,13 @@ def small_llama():
 
 def small_gpt2():
     return build_model("gpt2", layers=4)
+
+
+def plain_mlp():
+    """A model whose inputs are features, not token ids: it needs example inputs."""
+    from torch import nn
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def not_a_model():
+    return 42

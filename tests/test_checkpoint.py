@@ -135,6 +135,12 @@ def test_bad_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         load_from_file(str(tmp_path / "other.safetensors"), target, rank)
     with pytest.raises(CheckpointError, match="nowhere is not a complete checkpoint"):
         load_full_state_dict(str(tmp_path / "nowhere"))
+    whole = build_model("gpt2", layers=2)             # before: a truncated file's error named no file
+    whole.save_pretrained(str(tmp_path / "hf"))
+    path = tmp_path / "hf" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="hf/model.safetensors: cannot read it as safetensors"):
+        load_from_file(str(tmp_path / "hf"), target, rank)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "nanogpt"])

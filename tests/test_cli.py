@@ -35,7 +35,8 @@ def test_schedule_prints_timeline_and_writes_picture(capsys, tmp_path):
     assert out.splitlines()[0].startswith("rank 0 | F0 F1 F2 F3 f0 f1 f2 f3 F4")
     assert "bubble: 0.1875 of ideal time" in out
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "s.json").exists()
-    with pytest.raises(Exception, match="microbatches divisible by pp: 6 microbatches, pp=4"):
+    with pytest.raises(SystemExit, match="autoshard schedule: ShardingError: .*microbatches divisible by pp: "
+                                         "6 microbatches, pp=4"):
         main(["schedule", "--pp", "4", "--chunks", "2", "--microbatches", "6"])
 
 
@@ -68,3 +69,35 @@ def test_plan_from_a_factory_and_its_errors(capsys, monkeypatch):
     with pytest.raises(SystemExit, match="no split of 2 GPUs fits"):
         main(["plan", "--hidden", "12288", "--layers", "96", "--heads", "96", "--vocab", "51200", "--seq", "2048",
               "--gpus", "2", "--global-batch", "8"])
+
+
+def test_errors_are_one_line_unless_debug(monkeypatch):
+    # before: a 20-35 line traceback for a bad tp
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "tests.factories:small_gpt2", "--tp", "3"])
+    assert str(e.value).startswith("autoshard inspect: ShardingError: tp=3") and "\n" not in str(e.value)
+    assert "--debug shows the traceback" in str(e.value)
+    from autoshard import ShardingError
+    with pytest.raises(ShardingError, match="tp=3"):
+        main(["inspect", "tests.factories:small_gpt2", "--tp", "3", "--debug"])
+
+
+def test_inspect_asks_for_seq_where_the_model_needs_example_inputs(monkeypatch):
+    # before: "pass example_inputs=(...)", which the command line cannot
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit, match="give it token ids with --seq S") as e:
+        main(["inspect", "tests.factories:plain_mlp", "--tp", "2"])
+    assert "example_inputs=(" not in str(e.value)
+
+
+def test_checkpoint_converter_refuses_a_bad_factory_in_one_line(tmp_path, monkeypatch):
+    # before: a raw ModuleNotFoundError / AttributeError traceback
+    from autoshard.checkpoint_convert import main as convert
+    monkeypatch.chdir(ROOT)
+    for spec, match in [("nowhere.at.all:make", "cannot load 'nowhere.at.all:make'"),
+                        ("tests.factories:nothing", "cannot load 'tests.factories:nothing'"),
+                        ("tests.factories", "expected module:callable"),
+                        ("tests.factories:not_a_model", "returned a int, not an nn.Module")]:
+        with pytest.raises(SystemExit, match=match):
+            convert([str(tmp_path), str(tmp_path / "out"), "--factory", spec])

@@ -98,3 +98,30 @@ def test_running_a_rank_without_a_process_group_says_how():
     prog = autoshard(build_model("nanogpt"), tp=2)
     with pytest.raises(RuntimeError, match="no process group: run it with prog.distributed"):
         prog.rank(0)(torch.randint(0, 128, (2, 8)))
+
+
+def test_a_bare_tensor_is_the_one_example_input():
+    # before: "Boolean value of Tensor with more than one value is ambiguous"
+    model = build_model("nanogpt")
+    ids = torch.randint(0, 128, (2, 16))
+    prog = autoshard(model, tp=2, example_inputs=ids)
+    assert max_rel(prog.simulate(ids)[0], model(ids)[0]) <= 1e-5
+    with pytest.raises(ShardingError, match="example_inputs must be a tuple .* got dict"):
+        autoshard(model, tp=2, example_inputs={"idx": ids})
+
+
+@pytest.mark.parametrize("name,value", [("virtual", 0), ("pp", 0), ("dp", -1), ("microbatches", 0), ("virtual", 1.5)])
+def test_every_split_must_be_a_positive_integer(name, value):
+    # before: virtual=0 said "action F0 is out of range"
+    with pytest.raises(ShardingError, match=f"{name} must be a positive integer, got {value!r}"):
+        autoshard(build_model("nanogpt"), **{name: value})
+
+
+def test_leaving_out_an_input_given_at_compile_time_is_named():
+    # before: "inputs of a new shape shard the parameters differently" naming nothing
+    model = build_model("bert")
+    ids = torch.randint(0, 128, (2, 16))
+    prog = autoshard(model, tp=2, example_kwargs=dict(input_ids=ids, token_type_ids=torch.zeros_like(ids)))
+    with pytest.raises(ShardingError, match="token_type_ids given at compile time, left out here.*"
+                                            "token_type_embeddings.weight"):
+        prog.simulate(input_ids=ids)
