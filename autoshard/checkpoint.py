@@ -29,9 +29,11 @@ from .checkpoint_index import (
     CheckpointError,
     PieceReader,
     file_digest,
+    read_checked_json,
     read_index,
-    write_json_atomic,
+    write_index_atomic,
 )
+from .json_gather import all_gather_json
 
 __all__ = ["save", "save_ranks", "load", "latest", "layout_of"]
 
@@ -115,7 +117,7 @@ def _write_index(folder: str, prog, manifests: list[dict], step: int, extra: dic
         if not e["pieces"]:
             raise CheckpointError(f"no rank wrote {key}; the checkpoint would be incomplete")
     groups = next((m["param_groups"] for m in manifests if "param_groups" in m), [])
-    write_json_atomic(os.path.join(folder, INDEX), {
+    write_index_atomic(os.path.join(folder, INDEX), {
         "format": FORMAT, "step": step, "model": prog.model_name,
         "mesh": {"tp": prog.tp, "pp": prog.pp, "dp": prog.dp}, "tensors": tensors,
         "scalars": {k: v for m in manifests for k, v in m["scalars"].items()}, "param_groups": groups,
@@ -140,8 +142,7 @@ def save(folder: str, prog, module: nn.Module, optimizer: torch.optim.Optimizer 
         dist.barrier()          # nobody writes a file while an old index still describes the folder
     manifest = _write_rank(folder, prog, module, optimizer)
     if distributed:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, manifest)
+        everyone = all_gather_json(manifest)
         if dist.get_rank() == 0:
             _write_index(folder, prog, everyone, step, extra)
         dist.barrier()
@@ -163,8 +164,7 @@ def latest(root: str) -> str | None:
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, name, INDEX)
         if os.path.isfile(path):
-            with open(path) as fh:
-                step = json.load(fh).get("step", -1)
+            step = read_checked_json(path).get("step", -1)
             if best is None or step > best[0]:
                 best = (step, os.path.join(root, name))
     return best[1] if best else None
@@ -188,6 +188,14 @@ def load(folder: str, prog, module: nn.Module, optimizer: torch.optim.Optimizer 
     """Load this rank's parameters (and optimizer state) from a checkpoint written at any (tp, pp).
     Returns {"step": ..., "extra": ...}. Nothing is changed unless everything reads and checks out."""
     index = read_index(folder, verify=False)
+    try:
+        return _load(folder, index, prog, module, optimizer)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{os.path.join(folder, INDEX)} is malformed ({type(e).__name__}: {e}); "
+                              f"nothing was loaded") from None
+
+
+def _load(folder: str, index: dict, prog, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     params = dict(module.named_parameters())
     _check_model(prog, index, list(params))
     tp_rank = module.tp_rank
@@ -203,12 +211,19 @@ def load(folder: str, prog, module: nn.Module, optimizer: torch.optim.Optimizer 
             state[name] = {k.split(SEP, 1)[1]: reader.rows(k, lay) for k in moments}
             for k, (value, is_tensor) in index["scalars"].get(name, {}).items():
                 state[name][k] = torch.tensor(value) if is_tensor else value
-    with torch.no_grad():
+    groups = []
+    if optimizer is not None:
+        if len(index["param_groups"]) != len(optimizer.param_groups):
+            raise CheckpointError(f"the checkpoint has {len(index['param_groups'])} optimizer parameter groups, "
+                                  f"the optimizer {len(optimizer.param_groups)}")
+        groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()} for saved in index["param_groups"]]
+    result = {"step": index["step"], "extra": index["extra"], "elements_read": reader.elements}
+    with torch.no_grad():        # everything read and checked: only now is anything changed
         for name, p in params.items():
             p.copy_(new[name])
     if optimizer is not None:
         for name, p in params.items():
             optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in state[name].items()}
-        for group, saved in zip(optimizer.param_groups, index["param_groups"]):
-            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-    return {"step": index["step"], "extra": index["extra"], "elements_read": reader.elements}
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
+    return result

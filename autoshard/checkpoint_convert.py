@@ -57,9 +57,16 @@ def consolidate(folder: str, model: nn.Module, out: str) -> None:
             setattr(model.get_submodule(path), leaf, first)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(out)
-    else:
+    else:       # every name strict loading asks for: tied aliases (own copies) and persistent buffers
+        full = dict(state)
+        for names in groups.values():
+            for alias in names[1:]:
+                full[alias] = state[names[0]].clone()
+        for name, buf in model.state_dict().items():
+            if name not in full and not buf.is_meta:
+                full[name] = buf
         os.makedirs(out, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out, "model.safetensors"))
 
 
 def load_from_file(source: str, prog, module: nn.Module) -> int:

@@ -25,10 +25,11 @@ from safetensors import safe_open
 from .errors import AutoshardError
 from .rank import slice_layout
 
-__all__ = ["CheckpointError", "FORMAT", "INDEX", "SEP", "PieceReader", "write_json_atomic", "read_index",
+__all__ = ["CheckpointError", "FORMAT", "INDEX", "SEP", "PieceReader", "write_json_atomic", "write_index_atomic",
+           "read_index", "read_checked_json",
            "file_digest", "verify_file"]
 
-FORMAT = "autoshard-checkpoint/1"
+FORMAT = "autoshard-checkpoint/2"      # /2: the index carries its own sha256
 INDEX = "index.json"
 SEP = "::"       # "name::exp_avg": optimizer state of parameter `name`
 
@@ -45,6 +46,20 @@ def file_digest(path: str) -> dict[str, object]:
     return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
 
 
+CHECKSUM = "index_sha256"
+
+
+def _canonical_digest(index: dict) -> str:
+    """sha256 of the index without its checksum, as canonical JSON (key order and spacing do not count)."""
+    body = {k: v for k, v in index.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_index_atomic(path: str, index: dict) -> None:
+    """Write the index with its own checksum (an edited index is refused, not loaded)."""
+    write_json_atomic(path, {**index, CHECKSUM: _canonical_digest(index)})
+
+
 def write_json_atomic(path: str, obj: object) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as fh:
@@ -59,16 +74,30 @@ def read_index(folder: str, *, verify: bool = True) -> dict:
     path = os.path.join(folder, INDEX)
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder} is not a complete checkpoint: it has no {INDEX} (a save that did not finish?)")
-    try:
-        with open(path) as fh:
-            index = json.load(fh)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupted") from None
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {index.get('format')!r}, expected {FORMAT!r}")
+    index = read_checked_json(path)
     if verify:
         for name, want in index["files"].items():
             verify_file(os.path.join(folder, name), want)
+    return index
+
+
+def read_checked_json(path: str) -> dict:
+    """An index file's content, after checking that it parses, has this format and its checksum."""
+    try:
+        with open(path, "rb") as fh:
+            index = json.loads(fh.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupted") from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path} holds a {type(index).__name__}, not a checkpoint index")
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {index.get('format')!r}, expected {FORMAT!r}")
+    got, want = _canonical_digest(index), index.get(CHECKSUM)
+    if got != want:
+        raise CheckpointError(f"{path} was edited or corrupted: its content hashes to sha256 {got[:12]}..., "
+                              f"its checksum says {str(want)[:12]}...")
+    if not isinstance(index.get("tensors"), dict) or not isinstance(index.get("files"), dict):
+        raise CheckpointError(f"{path} is malformed: no tensors or files table")
     return index
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .json_gather import all_gather_json
 from .schedules import Action, Timeline
 
 __all__ = ["ActionRecord", "records_of", "chrome_trace", "write_png", "text_timeline", "export_trace"]
@@ -105,8 +106,10 @@ def export_trace(records: list[ActionRecord], prefix: str) -> None:
     """Gather every rank's records (inside torchrun) and write `prefix`.json and `prefix`.png on rank 0."""
     everyone = [records]
     if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, records)
+        rows = [[r.rank, r.row, r.stage, r.action.kind, r.action.chunk, r.action.microbatch, r.start, r.end]
+                for r in records]
+        everyone = [[ActionRecord(a, b, c, Action(k, ch, m), s, e) for a, b, c, k, ch, m, s, e in part]
+                    for part in all_gather_json(rows)]
         if dist.get_rank() != 0:
             return
     flat = [r for part in everyone for r in part]

@@ -207,3 +207,67 @@ def test_consolidate_command(tmp_path):
     model = type(build_model("llama", layers=1)).from_pretrained(str(tmp_path / "out"))
     full = load_full_state_dict(str(tmp_path / "ck"))
     assert all(torch.equal(full[n], p) for n, p in model.named_parameters())
+
+
+def test_every_edit_of_the_index_is_refused_or_loads_what_was_saved(tmp_path):
+    """300 random single-byte edits of index.json (seeded): each load raises CheckpointError naming
+    the index, and changes nothing, or loads exactly the clean checkpoint's weights and optimizer
+    state. Before: one edited digit loaded another Adam beta, swapped pieces the wrong rows, and 63
+    of 300 edits ended in a raw KeyError or IndexError."""
+    import random
+    folder = str(tmp_path / "ck")
+    _trained("gpt2", 2, 1, folder)
+    target = autoshard(build_model("gpt2", layers=2, seed=4), tp=2, example_kwargs=_kw(0))
+    rank = target.rank(1)
+
+    def load_into_fresh():
+        opt = torch.optim.AdamW(rank.parameters(), lr=1e-3, betas=(0.8, 0.9))
+        with torch.no_grad():
+            for p in rank.parameters():
+                p.fill_(7.0)
+        return ck.load(folder, target, rank, opt), opt
+
+    info, opt = load_into_fresh()
+    clean_params = {n: p.detach().clone() for n, p in rank.named_parameters()}
+    clean_state = {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+                   for n, p in rank.named_parameters()}
+    clean_groups = [dict(g, params=None) for g in opt.param_groups]
+    path = os.path.join(folder, "index.json")
+    data = open(path, "rb").read()
+    rng = random.Random(0)
+    outcomes = {"refused": 0, "same": 0}
+    for _ in range(300):
+        edited = bytearray(data)
+        i = rng.randrange(len(edited))
+        edited[i] = rng.choice([b for b in b'0123456789",:{}[]abcdefxyz -.' if b != edited[i]])
+        open(path, "wb").write(bytes(edited))
+        try:
+            got, opt = load_into_fresh()
+        except CheckpointError as e:
+            assert "index.json" in str(e), str(e)
+            assert all(bool((p == 7.0).all()) for p in rank.parameters())      # nothing loaded
+            outcomes["refused"] += 1
+            continue
+        assert got["step"] == info["step"]
+        assert all(torch.equal(clean_params[n], p) for n, p in rank.named_parameters())
+        for n, p in rank.named_parameters():
+            assert all(torch.equal(v, clean_state[n][k]) if torch.is_tensor(v) else v == clean_state[n][k]
+                       for k, v in opt.state[p].items())
+        assert [dict(g, params=None) for g in opt.param_groups] == clean_groups
+        outcomes["same"] += 1
+    open(path, "wb").write(data)
+    assert outcomes["refused"] > 250, outcomes
+
+
+def test_consolidated_tied_model_loads_strictly(tmp_path):
+    # before: no lm_head.weight was written, so load_state_dict(load_file(...)) failed strict loading
+    from safetensors.torch import load_file
+    model = build_model("nanogpt", layers=2)
+    prog = autoshard(model, tp=2, example_inputs=(torch.randint(0, 128, (2, 16)),))
+    ck.save_ranks(str(tmp_path / "ck"), prog, prog.ranks())
+    consolidate(str(tmp_path / "ck"), build_model("nanogpt", layers=2, seed=5), str(tmp_path / "out"))
+    fresh = build_model("nanogpt", layers=2, seed=6)
+    fresh.load_state_dict(load_file(str(tmp_path / "out" / "model.safetensors")))
+    assert fresh.lm_head.weight is fresh.wte.weight
+    ids = torch.randint(0, 128, (2, 16))
+    assert max_rel(fresh(ids)[0], model(ids)[0]) <= 1e-6
