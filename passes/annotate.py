@@ -39,6 +39,7 @@ from .placement import (
     Placement,
     Shard,
 )
+from .report import trim_fallbacks, unexplained_replicated
 from .shape_algebra import to_sympy
 
 __all__ = ["ShardingPlan", "ShardOptions", "Fallback", "annotate", "module_path", "param_read"]
@@ -301,5 +302,7 @@ def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str],
         sharded = {u for u in final if u.layout is not None}
         if sharded and len(sharded) == len(set(final)) == 1:
             params[name] = sharded.pop()
-    fallbacks = list({f.roots: f for f in a.fallbacks}.values())
-    return ShardingPlan(tp, params, fallbacks, sorted(a.skipped.values()))
+    fallbacks = trim_fallbacks(list({f.roots: f for f in a.fallbacks}.values()), a.by_name, params, param_names,
+                               Fallback)
+    return ShardingPlan(tp, params, fallbacks,
+                        sorted(a.skipped.values()) + unexplained_replicated(gm, params, fallbacks, param_names))
