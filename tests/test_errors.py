@@ -125,3 +125,9 @@ def test_leaving_out_an_input_given_at_compile_time_is_named():
     with pytest.raises(ShardingError, match="token_type_ids given at compile time, left out here.*"
                                             "token_type_embeddings.weight"):
         prog.simulate(input_ids=ids)
+
+
+def test_kv_heads_neither_dividing_nor_divided_by_tp_are_refused():
+    # the README's rule: kv heads divisible by tp, or dividing it (ranks share a kv head)
+    with pytest.raises(ShardingError, match=r"tp=2 .*k_proj.*3 blocks"):
+        autoshard(build_model("llama", heads=6, kv_heads=3, hidden=48), tp=2)
