@@ -20,7 +20,7 @@ from torch.export import Dim
 
 from .errors import CaptureError
 
-__all__ = ["Captured", "InputBinder", "Signature", "capture", "normalize_inputs", "infer_example_inputs", "fetch_attr"]
+__all__ = ["Captured", "InputBinder", "Signature", "autocast_state", "capture", "normalize_inputs", "infer_example_inputs", "fetch_attr"]
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,12 @@ class Signature:
     spec: pytree.TreeSpec
     leaves: tuple[tuple, ...]   # per leaf: ("tensor", dtype, dims) with dims int or str symbol; ("const", v)
     training: bool = True       # the mode it was captured in: dropout and batch norm differ
+    autocast: tuple = ()        # autocast_state() at capture: a cast that was a no-op is not one then
     guards: Callable[..., None] | None = field(default=None, compare=False)   # raises AssertionError
 
-    def matches(self, flat: list[object], spec: pytree.TreeSpec, training: bool) -> bool:
-        if spec != self.spec or len(flat) != len(self.leaves) or training != self.training:
+    def matches(self, flat: list[object], spec: pytree.TreeSpec, training: bool, autocast: tuple = ()) -> bool:
+        if (spec != self.spec or len(flat) != len(self.leaves) or training != self.training
+                or autocast != self.autocast):
             return False
         if not self._leaves_match(flat):
             return False
@@ -139,6 +141,14 @@ def _dynamic(named: dict[str, object]) -> dict[str, object]:
             for k, v in named.items()}
 
 
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions in force: (device type, dtype) for each enabled one.
+
+    A graph is kept per state. Traced in fp32, `logits.float()` is the same tensor as `logits`, so
+    export cannot tell which of the two the model returns; traced under autocast it can."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
 @contextmanager
 def _mode(model: nn.Module, training: bool | None):
     """`model.train(training)` for the block, every submodule's own mode restored after."""
@@ -216,7 +226,8 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,
             leaves.append(("tensor", leaf.dtype, dims))
         else:
             leaves.append(("const", leaf))
-    return Captured(gm, param_names, Signature(spec, tuple(leaves), model.training if training is None else training, guards), ep.call_spec.out_spec)
+    return Captured(gm, param_names, Signature(spec, tuple(leaves), model.training if training is None else training,
+                     autocast_state(), guards), ep.call_spec.out_spec)
 
 
 def _order(graph: fx.Graph):

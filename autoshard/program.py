@@ -80,8 +80,10 @@ class ShardedProgram:
     def _compile(self, named: dict[str, object], training: bool | None = None) -> _Compiled:
         cap = capture(self.model, named, dynamic=not self.options.sequence_parallel, training=training)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
-        if self._compiled and plan.params != self.plan.params:
-            raise ShardingError(_new_plan_refusal(named, self.example_inputs, self.plan, plan))
+        if self._compiled:
+            clash = _sharding_clash(self._compiled[0], cap, plan)
+            if clash is not None:
+                raise ShardingError(_new_plan_refusal(named, self.example_inputs, self.plan, plan, clash))
         entry = _Compiled(cap, plan)
         self._compiled.append(entry)
         for rank in self._ranks.values():
@@ -389,8 +391,19 @@ def _describe_use(use) -> str:
     return "replicated" if use is None else f"split dim {use.dim} as {[list(r) for r in use.layout]}"
 
 
+def _sharding_clash(first: _Compiled, cap: Captured, plan: ShardingPlan) -> str | None:
+    """A parameter the new graph reads cut otherwise than the ranks hold it (their shards follow
+    the first graph's plan; a parameter that graph does not read is held whole)."""
+    read_first, read_new = set(first.captured.param_names.values()), set(cap.param_names.values())
+    for name in sorted(read_new):
+        held = first.plan.params.get(name) if name in read_first else None
+        if plan.params.get(name) != held:
+            return name
+    return None
+
+
 def _new_plan_refusal(named: dict[str, object], example: dict[str, object], old: ShardingPlan,
-                      new: ShardingPlan) -> str:
+                      new: ShardingPlan, name: str) -> str:
     """Why a call's inputs cannot reuse the program: they take another path through the model
     (an input left out, another branch on a size) that shards a parameter differently."""
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in named.items()}
@@ -398,7 +411,6 @@ def _new_plan_refusal(named: dict[str, object], example: dict[str, object], old:
     left_out, added = sorted(given(example) - given(named)), sorted(given(named) - given(example))
     why = "; ".join([f"{', '.join(left_out)} given at compile time, left out here"] * bool(left_out)
                     + [f"{', '.join(added)} given here, not at compile time"] * bool(added)) or "a branch on a size"
-    name = next(k for k in sorted(set(old.params) | set(new.params)) if old.params.get(k) != new.params.get(k))
     return (f"inputs {shapes} take another path through the model than the example inputs ({why}), "
             f"and it shards parameter {name} differently: "
             f"{_describe_use(new.params.get(name))} for these inputs, {_describe_use(old.params.get(name))} "

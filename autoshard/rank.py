@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import Signature, fetch_attr
+from .capture import Signature, autocast_state, fetch_attr
 from .collectives import (
     CommHandle,
     Communicator,
@@ -129,11 +129,13 @@ class RankProgram(nn.Module):
         return GatherFromTensorParallelRegion(self.handle, spec.dim, spec.size, spec.valid, spec.ranges, spec.chunks)
 
     def graph_for(self, args: tuple, kwargs: dict):
-        """The graph for a call in this module's mode (`train()` / `eval()`), compiled if new."""
+        """The graph for a call in this module's mode (`train()` / `eval()`) and autocast state,
+        compiled (in that mode and state) if new."""
         named = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten(((), named))
+        autocast = autocast_state()
         for sig, gm, out_spec in self._graphs:
-            if sig.matches(flat, spec, self.training):
+            if sig.matches(flat, spec, self.training, autocast):
                 return gm, flat, out_spec
         if self._compile_for is None:
             raise ValueError(f"rank {self.rank} has no graph for these inputs and cannot compile one")

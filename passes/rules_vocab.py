@@ -41,10 +41,14 @@ _ID_PATH = ("view", "reshape", "_unsafe_view", "to", "_to_copy", "contiguous", "
 
 
 def _token_ids(ids: object) -> bool:
-    """Ids that come from a model input (token ids), not computed (positions, token types)."""
+    """Ids that are the model's first input (token ids: `input_ids`, nanoGPT's `idx`), not computed
+    (positions) nor another input (`position_ids`, `token_type_ids`): those tables stay whole
+    whether or not a call passes them, so every call shards the same parameters."""
     while isinstance(ids, fx.Node) and ids.op == "call_function" and op_name(ids.target) in _ID_PATH:
         ids = ids.args[0]
-    return isinstance(ids, fx.Node) and ids.op == "placeholder"
+    if not (isinstance(ids, fx.Node) and ids.op == "placeholder"):
+        return False
+    return ids is next(n for n in ids.graph.nodes if n.op == "placeholder")
 
 
 def embedding(ctx: RuleContext, node: fx.Node) -> NodeSharding:
