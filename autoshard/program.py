@@ -19,12 +19,14 @@ from .passes.annotate import ShardingPlan, ShardOptions, annotate
 from .passes.fuse import fuse
 from .passes.index_sets import is_partition
 from .passes.partition import StageGraph, split_stages
+from .passes.retarget import retarget_device
 from .passes.rewrite import RankGraph, rewrite_rank
 from .pipeline import PipelineRuntime
-from .rank import RankProgram, assign_attr, slice_layout
+from .rank import RankProgram, assign_attr
 from .schedules import bubble_fraction, check, make_schedule
+from .new_signature import new_plan_refusal, sharding_clash
 from .simulate import join_replicated, run_lockstep
-from .weights import WeightSource
+from .weights import WeightSource, check_state_dict, copy_into_rank, rank_slice
 
 __all__ = ["ShardedProgram"]
 
@@ -78,12 +80,16 @@ class ShardedProgram:
 
     # ---- compile -----------------------------------------------------------------------------
     def _compile(self, named: dict[str, object], training: bool | None = None) -> _Compiled:
-        cap = capture(self.model, named, dynamic=not self.options.sequence_parallel, training=training)
+        model, device = self._source.for_capture()
+        cap = capture(model, named, dynamic=not self.options.sequence_parallel, training=training)
+        if device is not None:       # traced from the released model's meta skeleton
+            retarget_device(cap.gm, device)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)   # analysis: writes node.meta
         if self._compiled:
-            clash = _sharding_clash(self._compiled[0], cap, plan)
+            first = self._compiled[0]
+            clash = sharding_clash(first.captured, first.plan, cap, plan)
             if clash is not None:
-                raise ShardingError(_new_plan_refusal(named, self.example_inputs, self.plan, plan, clash))
+                raise ShardingError(new_plan_refusal(named, self.example_inputs, self.plan, plan, clash))
         entry = _Compiled(cap, plan)
         self._compiled.append(entry)
         for rank in self._ranks.values():
@@ -182,22 +188,16 @@ class ShardedProgram:
             raise IndexError(f"rank {r} out of range for world size {self.tp}")
         if r not in self._ranks:
             full = self._source.tensors(cut=sorted(self._ranks))     # one state of the model for every rank
-            params = {}
-            for name, p in self.model.named_parameters():
-                use = self.plan.params.get(name)
-                value = full[name].detach()
-                local = slice_layout(value, use.dim, use.layout[r]) if use else value
-                params[name] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
+            trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
+            params = {name: nn.Parameter(rank_slice(full[name], self.plan.params.get(name), r).clone(),
+                                         requires_grad=grad) for name, grad in trainable.items()}
             rank = RankProgram(r, self.tp, params, self._bind)
             rank.train(self._training)
             rank.rng.manual_seed(self._seed)
             object.__setattr__(rank, "_compile_for", self._compile)
             for entry in self._compiled:
                 self._add_graph(rank, entry)
-            with torch.no_grad():        # buffers too come from the same state (a loaded one, say)
-                for name, buf in rank.named_buffers():
-                    if name in full and name not in params and buf.shape == full[name].shape:
-                        buf.copy_(full[name])
+            copy_into_rank(rank, self.plan.params, {n: t for n, t in full.items() if n not in params})   # buffers
             self._ranks[r] = rank
             if len(self._ranks) == self.tp:
                 self._source.all_cut()
@@ -208,33 +208,10 @@ class ShardedProgram:
         every rank: the ranks built so far get their shards copied in, and ranks built later are
         cut from `state_dict` (held by reference until then). strict: every parameter must be
         given and every given name must be a parameter or buffer of the model."""
-        known = set(self.param_shapes) | self._names_with_ties | self._buffer_names()
-        missing = sorted(n for n in self.param_shapes if n not in state_dict)
-        unexpected = sorted(n for n in state_dict if n not in known)
-        if strict and (missing or unexpected):
-            raise ShardingError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-        for name, shape in self.param_shapes.items():
-            if name in state_dict and tuple(state_dict[name].shape) != tuple(shape):
-                raise ShardingError(f"load_state_dict: {name} has shape {tuple(state_dict[name].shape)}, "
-                                    f"the model's is {tuple(shape)}")
-        with torch.no_grad():
-            for rank in self._ranks.values():
-                for name, p in rank.named_parameters():
-                    if name in state_dict:
-                        use = self.plan.params.get(name)
-                        value = state_dict[name].detach()
-                        p.copy_(slice_layout(value, use.dim, use.layout[rank.rank]) if use else value)
-                for name, buf in rank.named_buffers():
-                    if name in state_dict and name not in self.param_shapes and buf.shape == state_dict[name].shape:
-                        buf.copy_(state_dict[name])
+        check_state_dict(state_dict, self.param_shapes, self._names_with_ties | self._source.buffer_names(), strict)
+        for rank in self._ranks.values():
+            copy_into_rank(rank, self.plan.params, state_dict)
         self._source.load(state_dict, all_cut=len(self._ranks) == self.tp)
-
-    def _buffer_names(self) -> set[str]:
-        try:
-            return {n for n, _ in self.model.named_buffers()}
-        except ShardingError:
-            return set()
 
     def ranks(self) -> list[RankProgram]:
         return [self.rank(r) for r in range(self.tp)]
@@ -386,32 +363,3 @@ class ShardedProgram:
 
     __repr__ = __str__
 
-
-def _describe_use(use) -> str:
-    return "replicated" if use is None else f"split dim {use.dim} as {[list(r) for r in use.layout]}"
-
-
-def _sharding_clash(first: _Compiled, cap: Captured, plan: ShardingPlan) -> str | None:
-    """A parameter the new graph reads cut otherwise than the ranks hold it (their shards follow
-    the first graph's plan; a parameter that graph does not read is held whole)."""
-    read_first, read_new = set(first.captured.param_names.values()), set(cap.param_names.values())
-    for name in sorted(read_new):
-        held = first.plan.params.get(name) if name in read_first else None
-        if plan.params.get(name) != held:
-            return name
-    return None
-
-
-def _new_plan_refusal(named: dict[str, object], example: dict[str, object], old: ShardingPlan,
-                      new: ShardingPlan, name: str) -> str:
-    """Why a call's inputs cannot reuse the program: they take another path through the model
-    (an input left out, another branch on a size) that shards a parameter differently."""
-    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in named.items()}
-    given = lambda d: {k for k, v in d.items() if v is not None}    # noqa: E731
-    left_out, added = sorted(given(example) - given(named)), sorted(given(named) - given(example))
-    why = "; ".join([f"{', '.join(left_out)} given at compile time, left out here"] * bool(left_out)
-                    + [f"{', '.join(added)} given here, not at compile time"] * bool(added)) or "a branch on a size"
-    return (f"inputs {shapes} take another path through the model than the example inputs ({why}), "
-            f"and it shards parameter {name} differently: "
-            f"{_describe_use(new.params.get(name))} for these inputs, {_describe_use(old.params.get(name))} "
-            f"in this program; pass inputs like the example inputs, or compile a separate program for these")

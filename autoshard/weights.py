@@ -9,6 +9,7 @@ built rank and makes the given state the source of the ranks not built yet.
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Mapping
 
@@ -16,8 +17,10 @@ import torch
 from torch import nn
 
 from .errors import ShardingError
+from .passes.placement import ParamUse
+from .rank import slice_layout
 
-__all__ = ["WeightSource", "state_tokens"]
+__all__ = ["WeightSource", "meta_skeleton", "state_tokens", "rank_slice", "copy_into_rank", "check_state_dict"]
 
 
 def state_tokens(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -34,17 +37,28 @@ class WeightSource:
     def __init__(self, model: nn.Module):
         self._model: nn.Module | None = model
         self._weak = weakref.ref(model)
+        self._skeleton: nn.Module | None = None        # the model's structure, kept once it is let go
+        self._device: torch.device | None = None
         self._tokens: dict[str, tuple[int, int]] | None = None     # the model's state at the first cut
         self._loaded: Mapping[str, torch.Tensor] | None = None
         self.released = False
+
+    def for_capture(self) -> tuple[nn.Module, torch.device | None]:
+        """The model to trace for a new input signature, and the device to retarget its graph to:
+        the model while someone holds it, else its meta-device skeleton (graphs name the meta
+        device until retargeted to the device the weights were on)."""
+        model = self._model if self._model is not None else self._weak()
+        if model is not None:
+            return model, None
+        return self._skeleton, self._device
 
     @property
     def model(self) -> nn.Module:
         model = self._model if self._model is not None else self._weak()
         if model is None:
             raise ShardingError("this program no longer holds the model: distributed() let it go once this "
-                                "process's rank was cut, and nothing else kept it; keep a reference to the model "
-                                "to compile again for new input shapes")
+                                "process's rank was cut, and nothing else kept it (new input signatures are "
+                                "traced from its meta-device skeleton)")
         return model
 
     def tensors(self, cut: list[int]) -> dict[str, torch.Tensor]:
@@ -82,4 +96,56 @@ class WeightSource:
         self.released = True
         self._loaded = None
         if self._model is not None and not all(p.is_meta for p in self._model.parameters()):
+            self._skeleton = meta_skeleton(self._model)
+            self._device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
             self._model = None
+
+    def buffer_names(self) -> set[str]:
+        """The model's buffer names (empty once the model is gone)."""
+        model = self._model if self._model is not None else self._weak()
+        return {n for n, _ in model.named_buffers()} if model is not None else set()
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are on the meta device (no storage): enough
+    to trace it again. Tied parameters stay tied."""
+    memo: dict[int, object] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            meta = t.detach().to("meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def rank_slice(full: torch.Tensor, use: ParamUse | None, r: int) -> torch.Tensor:
+    """Rank r's part of a full parameter (all of it where the plan leaves it whole)."""
+    value = full.detach()
+    return slice_layout(value, use.dim, use.layout[r]) if use is not None else value
+
+
+def copy_into_rank(rank: nn.Module, uses: Mapping[str, ParamUse], state: Mapping[str, torch.Tensor]) -> None:
+    """Copy full tensors from `state` into rank module `rank`'s parameters (its slices) and buffers
+    of the same names and shapes."""
+    with torch.no_grad():
+        params = dict(rank.named_parameters())
+        for name, p in params.items():
+            if name in state:
+                p.copy_(rank_slice(state[name], uses.get(name), rank.rank))
+        for name, buf in rank.named_buffers():
+            if name in state and name not in params and buf.shape == state[name].shape:
+                buf.copy_(state[name])
+
+
+def check_state_dict(state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size], known: set[str],
+                     strict: bool) -> None:
+    """Refuse a state dict whose parameters have other shapes; with `strict`, also one that misses a
+    parameter or holds a name that is none of `shapes` and `known`."""
+    missing = sorted(n for n in shapes if n not in state)
+    unexpected = sorted(n for n in state if n not in shapes and n not in known)
+    if strict and (missing or unexpected):
+        raise ShardingError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for name, shape in shapes.items():
+        if name in state and tuple(state[name].shape) != tuple(shape):
+            raise ShardingError(f"load_state_dict: {name} has shape {tuple(state[name].shape)}, "
+                                f"the model's is {tuple(shape)}")

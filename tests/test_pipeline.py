@@ -1,10 +1,8 @@
 """Pipeline partitioning: stage graphs (tier a), all stages in one process against the model (tier b),
 the executor on a one-process gloo group, and the errors for bad input."""
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from autoshard.passes.graph_reading import module_path
 from autoshard.passes.partition import layers_per_stage
 from torch import nn
@@ -108,16 +106,6 @@ def test_bad_pipeline_configurations():
     flat = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     with pytest.raises(ShardingError, match="found no repeated layers"):
         autoshard(flat, pp=2, example_inputs=(torch.randn(4, 8),))
-
-
-@pytest.fixture
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_executor_accumulates_microbatches(one_process_group):

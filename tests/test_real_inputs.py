@@ -153,18 +153,6 @@ def test_dropout_captured_in_eval_mode_turns_on_in_training():
     assert max_rel(prog.simulate(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
 
 
-@pytest.fixture
-def one_process_group():
-    import socket
-    import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _uneven_labels(ids: torch.Tensor) -> torch.Tensor:
     labels = (ids * 7 + 3) % VOCAB
     labels[0] = -100             # a whole microbatch (of 1 sample) ignored
@@ -271,15 +259,16 @@ def test_the_process_rank_holds_nothing_more_of_the_model(one_process_group):
     ids = torch.randint(0, VOCAB, (4, 16))
     kw = dict(input_ids=ids, labels=(ids * 7 + 3) % VOCAB)
     ref_loss = model(**kw).loss.item()
-    for micro in (1, 2):             # a rank module, then a pipeline runtime
-        prog = autoshard(model, microbatches=micro, example_kwargs={k: v[:2] for k, v in kw.items()})
+    for micro in (1, 2):             # a rank module, then a pipeline runtime; compiled without labels,
+        # so the call with them is traced again, from the released model's meta-device skeleton
+        prog = autoshard(model, microbatches=micro, example_kwargs={"input_ids": ids[:2]})
         runtime = prog.distributed()
         gone = weakref.ref(model)
         del model
         gc.collect()
         assert gone() is None, "the program still holds the model"
         loss = runtime(**kw).loss if micro == 1 else runtime.train_step(**kw)
-        assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+        assert abs(float(loss.detach()) - ref_loss) <= 1e-5 * ref_loss
         with pytest.raises(ShardingError, match="no longer holds the model"):
             prog.model
         model = build_model("llama")
