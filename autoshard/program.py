@@ -208,6 +208,11 @@ class ShardedProgram:
         every rank: the ranks built so far get their shards copied in, and ranks built later are
         cut from `state_dict` (held by reference until then). strict: every parameter must be
         given and every given name must be a parameter or buffer of the model."""
+        state_dict = dict(state_dict)
+        for name, aliases in self.param_aliases.items():     # a tied weight given under another of its names
+            given = next((a for a in aliases if a in state_dict), None)
+            if name not in state_dict and given is not None:
+                state_dict[name] = state_dict[given]
         check_state_dict(state_dict, self.param_shapes, self._names_with_ties | self._source.buffer_names(), strict)
         for rank in self._ranks.values():
             copy_into_rank(rank, self.plan.params, state_dict)

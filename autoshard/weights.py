@@ -67,8 +67,11 @@ class WeightSource:
             raise ShardingError("distributed() released the model's weights from this program; cut every rank you "
                                 "need before calling it, or compile another program")
         model = self.model
-        if self._loaded is not None:
-            return dict(self._loaded)
+        if self._loaded is not None:     # a loaded state, the model's tensors where it has none
+            out = dict(model.named_parameters())
+            out.update((n, b) for n, b in model.named_buffers() if b is not None)
+            out.update(self._loaded)
+            return out
         now = state_tokens(model)
         if self._tokens is None or not cut:
             self._tokens = now

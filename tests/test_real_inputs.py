@@ -238,6 +238,13 @@ def test_every_rank_is_cut_from_one_state_of_the_model():
     assert max_rel(prog.simulate(input_ids=ids).logits, fresh(input_ids=ids).logits) <= 1e-5
     with pytest.raises(ShardingError, match=r"load_state_dict: lm_head.weight has shape|missing \['transformer\.wpe"):
         prog.load_state_dict({k: v for k, v in fresh.state_dict().items() if "wpe" not in k})
+    part = autoshard(fresh, tp=2)            # strict=False: the names given, the model's for the rest
+    part.rank(0)
+    head = {"lm_head.weight": other.lm_head.weight.detach().clone()}
+    part.load_state_dict(head, strict=False)
+    with torch.no_grad():
+        fresh.lm_head.weight.copy_(head["lm_head.weight"])      # tied: the word embedding too
+    assert max_rel(part.simulate(input_ids=ids).logits, fresh(input_ids=ids).logits) <= 1e-5
 
 
 def test_a_buffer_update_between_two_cuts_is_refused():
