@@ -11,7 +11,7 @@ __all__ = ["check_token_ids", "check_targets"]
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`ids`, after checking that each is in [0, vocab_size) as nn.Embedding requires."""
     if ids.numel():
-        low, high = int(ids.min()), int(ids.max())
+        low, high = torch.stack(torch.aminmax(ids)).tolist()       # one pass, one device sync
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
             raise IndexError(f"token id {bad} is out of range for the embedding's vocabulary of {vocab_size} rows "
@@ -22,9 +22,9 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
     """`target`, after checking that each is in [0, vocab_size) or equal to ignore_index, as
     cross-entropy requires."""
-    if target.numel():
-        bad = target[((target < 0) | (target >= vocab_size)) & (target != ignore_index)]
-        if bad.numel():
-            raise IndexError(f"target {int(bad[0])} is out of bounds for cross-entropy over {vocab_size} classes "
-                             f"(targets must be in [0, {vocab_size}) or ignore_index={ignore_index})")
+    outside = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
+    if target.numel() and bool(outside.any()):                 # one device sync when all is well
+        bad = target[outside]
+        raise IndexError(f"target {int(bad[0])} is out of bounds for cross-entropy over {vocab_size} classes "
+                         f"(targets must be in [0, {vocab_size}) or ignore_index={ignore_index})")
     return target
