@@ -302,7 +302,6 @@ def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str],
         sharded = {u for u in final if u.layout is not None}
         if sharded and len(sharded) == len(set(final)) == 1:
             params[name] = sharded.pop()
-    fallbacks = trim_fallbacks(list({f.roots: f for f in a.fallbacks}.values()), a.by_name, params, param_names,
-                               Fallback)
+    fallbacks = trim_fallbacks(list({f.roots: f for f in a.fallbacks}.values()), a.by_name, params, param_names)
     return ShardingPlan(tp, params, fallbacks,
                         sorted(a.skipped.values()) + unexplained_replicated(gm, params, fallbacks, param_names))

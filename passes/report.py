@@ -10,6 +10,7 @@ it, so `print(prog)` never leaves a large replicated weight unexplained (MoE exp
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch.fx as fx
 
@@ -29,15 +30,18 @@ def _weights_read(node: fx.Node, param_names: dict[str, str]) -> set[str]:
 
 
 def trim_fallbacks(fallbacks: list, by_name: dict[str, fx.Node], params: dict[str, ParamUse],
-                   param_names: dict[str, str], make) -> list:
+                   param_names: dict[str, str]) -> list:
     """Fallbacks whose roots' weights all ended up sharded (a later visit split them) are dropped;
-    the others keep only their roots still replicated. `make(roots, modules, reason)` builds one."""
+    the others keep only their roots still replicated."""
     out = []
     for f in fallbacks:
-        kept = [r for r in f.roots if r in by_name and not (_weights_read(by_name[r], param_names) <= set(params)
-                                                            and _weights_read(by_name[r], param_names))]
+        kept = []
+        for r in f.roots:
+            weights = _weights_read(by_name[r], param_names) if r in by_name else None
+            if weights is not None and not (weights and weights <= set(params)):
+                kept.append(r)
         if kept:
-            out.append(make(tuple(kept), tuple(module_path(by_name[r]) for r in kept), f.reason))
+            out.append(replace(f, roots=tuple(kept), modules=tuple(module_path(by_name[r]) for r in kept)))
     return out
 
 
