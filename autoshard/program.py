@@ -26,7 +26,7 @@ from .rank import RankProgram, assign_attr
 from .schedules import bubble_fraction, check, make_schedule
 from .new_signature import new_plan_refusal, sharding_clash
 from .simulate import join_replicated, run_lockstep
-from .weights import WeightSource, check_state_dict, copy_into_rank, rank_slice
+from .weights import WeightSource, check_state_dict, copy_into_rank, meta_like, rank_slice
 
 __all__ = ["ShardedProgram"]
 
@@ -70,7 +70,8 @@ class ShardedProgram:
         self._sim_modules: dict[int, list[fx.GraphModule]] = {}
         self._weights: dict[tuple[str, int], torch.Tensor | float] = {}
         self._compile(named_inputs)
-        self._graph0 = self._rank_graph(self._compiled[0], 0).graph    # rank 0's code, no weights cut
+        self._rank0: RankGraph | None = self._rank_graph(self._compiled[0], 0)   # rank 0's code, no weights cut
+        self._graph0 = self._rank0.graph
         self._find_shared_params()
 
     @property
@@ -173,7 +174,10 @@ class ShardedProgram:
 
     def _add_graph(self, rank: RankProgram, entry: _Compiled) -> None:
         cap = entry.captured
-        rg = self._rank_graph(entry, rank.rank)
+        if rank.rank == 0 and entry is self._compiled[0] and self._rank0 is not None:
+            rg, self._rank0 = self._rank0, None      # rewritten at compile time already: not twice
+        else:
+            rg = self._rank_graph(entry, rank.rank)
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
@@ -271,9 +275,7 @@ class ShardedProgram:
             gm = entry.captured.gm
             for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
                 if not t.is_meta:
-                    meta = t.detach().to("meta")
-                    assign_attr(gm, name, nn.Parameter(meta, requires_grad=t.requires_grad)
-                                if isinstance(t, nn.Parameter) else meta)
+                    assign_attr(gm, name, meta_like(t))
 
     # ---- simulation and reassembly -----------------------------------------------------------
     def simulate(self, *args, **kwargs):

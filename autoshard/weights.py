@@ -20,7 +20,7 @@ from .errors import ShardingError
 from .passes.placement import ParamUse
 from .rank import slice_layout
 
-__all__ = ["WeightSource", "meta_skeleton", "state_tokens", "rank_slice", "copy_into_rank", "check_state_dict"]
+__all__ = ["WeightSource", "meta_like", "meta_skeleton", "state_tokens", "rank_slice", "copy_into_rank", "check_state_dict"]
 
 
 def state_tokens(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -115,9 +115,14 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     memo: dict[int, object] = {}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in memo:
-            meta = t.detach().to("meta")
-            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            memo[id(t)] = meta_like(t)
     return copy.deepcopy(model, memo)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the meta device (no storage), a Parameter again if it was one."""
+    meta = t.detach().to("meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
 
 
 def rank_slice(full: torch.Tensor, use: ParamUse | None, r: int) -> torch.Tensor:
