@@ -1,21 +1,26 @@
 """`autoshard()`: the compile, as a straight line of passes.
 
-capture (torch.export) -> annotate (sharding analysis, writes node.meta) -> rewrite (one graph per
-rank) -> emit (a module per rank holding its parameter shards). Annotation comes before any rewrite
-so that every rank's program is cut from one decision; rewriting is per rank so that ranks can be
-built lazily (a torchrun process builds only its own).
+capture (torch.export) -> annotate (sharding analysis, writes node.meta) -> rewrite (rank 0's graph;
+the other ranks' when they are built) -> fuse -> split into pipeline stages -> schedule. Annotation
+comes before any rewrite so that every rank's program is cut from one decision; rewriting is per
+rank so that ranks can be built lazily (a torchrun process builds only its own).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .capture import infer_example_inputs, normalize_inputs
-from .errors import ShardingError, require_positive_int
-from .hardware import Hardware
-from .passes.annotate import ShardOptions
-from .planner import plan
-from .program import ShardedProgram
+from autoshard.compile.capture import infer_example_inputs, normalize_inputs
+from autoshard.compile.compiler import Compiler
+from autoshard.compile.program import ShardedProgram
+from autoshard.compile.stage_layout import StageLayout
+from autoshard.compile.weights import WeightSource
+from autoshard.errors import ShardingError, require_positive_int
+from autoshard.passes.sharding.options import ShardOptions
+from autoshard.planning.hardware import Hardware
+from autoshard.planning.planner import plan
+from autoshard.runtime.mesh import ParallelDims
+from autoshard.runtime.schedules import check, make_schedule
 
 __all__ = ["autoshard"]
 
@@ -40,12 +45,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     False each rank returns its own shard and no rank materializes full logits.
     fuse: replace LayerNorm / RMSNorm, bias+GeLU, SiLU*up (SwiGLU), rotary, written-out causal
     softmax and bias+dropout+residual subgraphs of every rank graph by autoshard.kernels' fused ops
-    (CuPy kernels on CUDA, exact torch code elsewhere; passes/fuse_rules.py lists the patterns);
+    (CuPy kernels on CUDA, exact torch code elsewhere; passes/fusion/rules.py lists the patterns);
     a fused training dropout draws its own masks (same p, same RNG regions, not torch's masks);
     default: on when the model's parameters are on a CUDA device.
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
     many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
-    chosen costmodel.Estimate is `prog.estimate`.
+    chosen costmodel.Estimate is `prog.planned`.
     sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
     1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
     and each new input shape is compiled once (sizes are exported static).
@@ -72,7 +77,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
             raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
                                 "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"
                                 "virtual/microbatches") from None
-        tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.v
+        tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
     tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual", virtual), ("microbatches", microbatches)):
@@ -97,8 +102,21 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     if fuse is None:                 # fused kernels pay off on GPUs; on CPU they are the torch ops
         fuse = any(p.is_cuda for p in model.parameters())
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
-                           sequence_parallel=sequence_parallel, fuse=bool(fuse))
-    prog = ShardedProgram(model, tp, normalize_inputs(model, args, kwargs), options, pp=pp, dp=dp,
-                          virtual=virtual, microbatches=microbatches, schedule=schedule)
-    prog.estimate = chosen
+                           sequence_parallel=sequence_parallel)
+    named = normalize_inputs(model, args, kwargs)
+    dims = ParallelDims(tp, pp, dp)
+    if virtual > 1 and pp == 1:
+        raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
+    schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
+    steps = make_schedule(schedule_name, pp, virtual, microbatches)
+    check(steps, virtual, microbatches)                     # complete and deadlock-free, or it raises
+
+    compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named)
+    first = compiler.compile_signature(named)               # capture -> annotate
+    rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
+    ties = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    stages = StageLayout(pp, virtual, ties, rank0.graph)    # pipeline stages; who holds each parameter
+    prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
+                          microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
+    prog.planned = chosen
     return prog

@@ -1,7 +1,7 @@
 """The `autoshard` command line.
 
     autoshard inspect pkg.module:make_model --tp 2 [--pp 2 --virtual 1 --microbatches 2] [--code] [--rank R]
-    autoshard schedule --pp 4 --chunks 2 --microbatches 8 [--schedule interleaved] [--out docs/picture]
+    autoshard schedule --pp 4 --virtual 2 --microbatches 8 [--schedule interleaved] [--out docs/picture]
     autoshard plan (pkg.module:make_model | --hidden H --layers L --heads A --vocab V --seq S)
                    --gpus N --global-batch B [--hardware a100-80gb] [--top 5]
 
@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 
-from .api import autoshard
-from .errors import CaptureError
-from .factory import load_factory
-from .hardware import PRESETS
-from .planner import ModelShape, explain, plan
-from .schedules import SCHEDULES, bubble_fraction, check, make_schedule
-from .trace import export_trace, records_of, text_timeline
+from autoshard.api import autoshard
+from autoshard.errors import CaptureError
+from autoshard.factory import load_factory, one_line_errors
+from autoshard.planning.hardware import PRESETS
+from autoshard.planning.planner import ModelShape, explain, plan
+from autoshard.runtime.schedules import SCHEDULES, bubble_fraction, check, make_schedule
+from autoshard.runtime.trace import export_trace, records_of, text_timeline
 
 __all__ = ["main"]
 
@@ -72,11 +71,11 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def schedule(args: argparse.Namespace) -> None:
-    timeline = check(make_schedule(args.schedule, args.pp, args.chunks, args.microbatches), args.chunks,
+    timeline = check(make_schedule(args.schedule, args.pp, args.virtual, args.microbatches), args.virtual,
                      args.microbatches)
     print(text_timeline(timeline))
     print(f"bubble: {bubble_fraction(timeline):.4f} of ideal time "
-          f"((p - 1) / (v m) = {(args.pp - 1) / (args.chunks * args.microbatches):.4f})")
+          f"((p - 1) / (v m) = {(args.pp - 1) / (args.virtual * args.microbatches):.4f})")
     if args.out:
         export_trace(records_of(timeline, 1e-3), args.out)
         _progress(f"wrote {args.out}.json and {args.out}.png")
@@ -99,7 +98,7 @@ def plan_verb(args: argparse.Namespace) -> None:
                      seq=args.seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel)
     except ValueError as e:
         raise SystemExit(f"autoshard plan: {e}") from None
-    rows = [(i + 1, e.tp, e.pp, e.dp, e.microbatch, e.v, f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
+    rows = [(i + 1, e.tp, e.pp, e.dp, e.microbatch, e.virtual, f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
              f"{e.seconds_per_iteration:.3g}", f"{e.memory_gib_per_gpu:.1f}") for i, e in enumerate(plans[:args.top])]
     print(tabulate(rows, headers=("#", "tp", "pp", "dp", "microbatch", "v", "TFLOP/s/GPU", "% peak", "s/iter",
                                   "GiB/GPU")))
@@ -120,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     ins.set_defaults(run=inspect)
     sch = verbs.add_parser("schedule", parents=[common], help="draw a pipeline schedule")
     sch.add_argument("--pp", type=int, default=4)
-    sch.add_argument("--chunks", type=int, default=2, help="virtual chunks per rank")
+    sch.add_argument("--virtual", type=int, default=2, help="pipeline chunks per rank (interleaving)")
+    sch.add_argument("--chunks", type=int, default=None, help=argparse.SUPPRESS)     # deprecated: --virtual
     sch.add_argument("--microbatches", type=int, default=8)
     sch.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     sch.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png")
@@ -137,22 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--top", type=int, default=5)
     pl.set_defaults(run=plan_verb)
     args = ap.parse_args(argv)
+    if getattr(args, "chunks", None) is not None:
+        print("autoshard schedule: --chunks is deprecated and will be removed in the next release; use --virtual",
+              file=sys.stderr)
+        args.virtual = args.chunks
     with one_line_errors(f"autoshard {args.verb}", args.debug):
         args.run(args)
-
-
-@contextmanager
-def one_line_errors(command: str, debug: bool):
-    """An error in the block exits with one line naming the command and the reason; `debug`
-    lets the traceback through."""
-    try:
-        yield
-    except Exception as e:
-        if debug:
-            raise
-        text = str(e).strip()
-        raise SystemExit(f"{command}: {type(e).__name__}: {text.splitlines()[0] if text else ''} "
-                         f"(--debug shows the traceback)") from None
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from autoshard import autoshard
-from autoshard.schedules import bubble_fraction, check, interleaved_1f1b
+from autoshard.runtime.schedules import bubble_fraction, check, interleaved_1f1b
+from autoshard.runtime.trace import text_timeline
 from autoshard.testing import grad_errors, max_rel
-from autoshard.trace import text_timeline
 
 
 def gpt2_shaped():
@@ -60,7 +60,7 @@ def pipeline_part() -> bool:
           f"bubble {bubble_fraction(timeline):.3f} = (p-1)/(v m)):\n")
     print(text_timeline(timeline), "\n")
     print("real run: GPT-2 (4 layers) cut into 4 stages on 2 gloo processes, 5 AdamW steps ...", flush=True)
-    ok = _torchrun(2, "autoshard.testing.pipeline_check", "--pp", "2", "--chunks", "2", "--microbatches", "4",
+    ok = _torchrun(2, "autoshard.testing.pipeline_check", "--pp", "2", "--virtual-pipeline", "2", "--microbatches", "4",
                    "--models", "gpt2", "--steps", "5", "--layers", "4", "--hidden", "256")
     print(f"pipeline run: {'MATCH' if ok else 'MISMATCH'} (per-step losses, global gradient norm, parameters)")
     return ok

@@ -1,7 +1,9 @@
 """Errors autoshard raises on bad input; each message names the node, module and numbers involved."""
 from __future__ import annotations
 
-__all__ = ["AutoshardError", "CaptureError", "ShardingError", "require_positive_int"]
+import warnings
+
+__all__ = ["AutoshardError", "CaptureError", "ShardingError", "require_positive_int", "warn_renamed"]
 
 
 class AutoshardError(Exception):
@@ -21,3 +23,9 @@ def require_positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ShardingError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """A deprecated name was used: it still works for this release, and says what to use instead."""
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
+                  stacklevel=3)

@@ -1,13 +1,14 @@
-"""`module:callable` specs of the command lines: the user's model factory, loaded with a one-line
-error naming the spec (never a traceback)."""
+"""What the command lines share: the user's model factory from a `module:callable` spec, and
+errors as one line naming the command (never a traceback unless asked)."""
 from __future__ import annotations
 
 import importlib
 import os
 import sys
+from contextlib import contextmanager
 from typing import Callable
 
-__all__ = ["load_factory"]
+__all__ = ["load_factory", "one_line_errors"]
 
 
 def load_factory(spec: str, command: str) -> Callable[[], object]:
@@ -24,3 +25,17 @@ def load_factory(spec: str, command: str) -> Callable[[], object]:
     if not callable(found):
         raise SystemExit(f"{command}: {spec!r} is a {type(found).__name__}, not a callable returning the model")
     return found
+
+
+@contextmanager
+def one_line_errors(command: str, debug: bool):
+    """An error in the block exits with one line naming the command and the reason; `debug`
+    lets the traceback through."""
+    try:
+        yield
+    except Exception as e:
+        if debug:
+            raise
+        text = str(e).strip()
+        raise SystemExit(f"{command}: {type(e).__name__}: {text.splitlines()[0] if text else ''} "
+                         f"(--debug shows the traceback)") from None

@@ -22,9 +22,9 @@ from pathlib import Path
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoshard.costmodel import Estimate, estimate  # noqa: E402
-from autoshard.hardware import get_hardware  # noqa: E402
-from autoshard.planner import ModelShape, plan  # noqa: E402
+from autoshard.planning.costmodel import Estimate, estimate  # noqa: E402
+from autoshard.planning.hardware import get_hardware  # noqa: E402
+from autoshard.planning.planner import ModelShape, plan  # noqa: E402
 
 REFERENCE = Path(__file__).with_name("reference")
 VOCAB, SEQ = 51200, 2048
@@ -74,7 +74,7 @@ def interleaving_gain(batches=(12, 24, 36, 48, 60, 96, 192, 384, 768)) -> list[t
     for batch in batches:
         kw = dict(hidden=12288, layers=96, heads=96, vocab=VOCAB, seq=SEQ, tp=8, pp=12, dp=1,
                   global_batch=batch, microbatch=1)
-        plain, inter = estimate(v=1, **kw).tflops_per_gpu, estimate(v=2, **kw).tflops_per_gpu
+        plain, inter = estimate(virtual=1, **kw).tflops_per_gpu, estimate(virtual=2, **kw).tflops_per_gpu
         out.append((batch, plain, inter, inter / plain - 1))
     return out
 
@@ -103,7 +103,7 @@ def report() -> str:
     rows = table1_errors()
     mape, worst = _mape([err for _, _, err in rows])
     parts.append(tabulate(
-        [(r["params_billion"], r["tp"], r["pp"], r["gpus"], r["global_batch"], e.microbatch, e.v,
+        [(r["params_billion"], r["tp"], r["pp"], r["gpus"], r["global_batch"], e.microbatch, e.virtual,
           f"{e.tflops_per_gpu:.1f}", r["tflops_per_gpu"], f"{100 * err:+.1f}%",
           " ".join(f"{k} {100 * x / e.seconds_per_iteration:.0f}%" for k, x in e.breakdown.items() if x > 0))
          for r, e, err in rows],
@@ -117,7 +117,7 @@ def report() -> str:
     parts.append(tabulate(sweep, headers=("A100 matmul efficiency", "MAPE", "worst row"), tablefmt="github"))
     ranks = planner_ranks()
     parts.append(tabulate(
-        [(r["params_billion"], r["gpus"], (r["tp"], r["pp"]), rank, (best.tp, best.pp, best.microbatch, best.v),
+        [(r["params_billion"], r["gpus"], (r["tp"], r["pp"]), rank, (best.tp, best.pp, best.microbatch, best.virtual),
           f"{best.tflops_per_gpu:.1f}", f"{paper.tflops_per_gpu:.1f}" if paper else "-")
          for r, rank, best, paper in ranks],
         headers=("B params", "GPUs", "paper (tp, pp)", "its rank", "planner (tp, pp, micro, v)",

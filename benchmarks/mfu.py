@@ -8,7 +8,7 @@ The model is autoshard's nanoGPT at GPT-3 XL's shape (24 layers, hidden 2048, 16
 and trained with fused AdamW under bf16 autocast (fp32 weights), next to the plain model in the
 same run (alternating steps). In the same run the device's bf16 matrix-multiply rate is measured
 (8192^3 products on random data, rotating over three operand sets, median). MFU counts the model's
-FLOPs as Megatron does without recomputation (`flops_no_recompute` in autoshard/cost_formulas.py)
+FLOPs as Megatron does without recomputation (`flops_no_recompute` in autoshard/planning/cost_formulas.py)
 and divides the achieved rate by that measured matmul rate. Target (issue 6): >= 50%.
 On the CPU everything runs in fp32; the numbers check the script, they measure nothing useful.
 """
@@ -24,8 +24,8 @@ from tabulate import tabulate
 from timing import median_seconds
 
 from autoshard import autoshard
-from autoshard.cost_formulas import evaluate
 from autoshard.models import GPT, GPTConfig
+from autoshard.planning.cost_formulas import evaluate
 
 
 def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, reps: int = 20) -> float:

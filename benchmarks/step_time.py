@@ -5,7 +5,7 @@
 
 Both programs come from the same seeded single-device nanoGPT and run in the same gloo world:
 autoshard's program (`autoshard(model, tp=t, pp=p, gather_output=False)`, loss in the graph through
-its vocabulary-parallel cross-entropy; with pp its `PipelineRuntime.train_step`) and
+its vocabulary-parallel cross-entropy; with pp its `MeshRuntime.train_step`) and
 `benchmarks/hand_parallel` (Megatron's layers and, with pp, stages and schedule loop by hand).
 First both train three SGD steps on the same batches and their losses must agree (relative error
 <= 1e-5), so the baseline is proved to compute the same thing. Then rounds of one step each, the
@@ -44,8 +44,8 @@ def _step(module, opt, idx, targets) -> float:
 
 def config_name(args: argparse.Namespace) -> str:
     name = f"tp={args.tp}" + (f" pp={args.pp}" if args.pp > 1 else "")
-    if args.chunks > 1:
-        name += f" v={args.chunks}"
+    if args.virtual_pipeline > 1:
+        name += f" v={args.virtual_pipeline}"
     return name + (f" m={args.microbatches}" if args.pp > 1 or args.microbatches > 1 else "")
 
 
@@ -73,9 +73,9 @@ def main(args: argparse.Namespace) -> bool:
         hand = ParallelGPT(model, rank, args.tp)
     else:
         micro = tuple(x[: args.batch // args.microbatches] for x in batches[0])
-        prog = autoshard(model, tp=args.tp, pp=args.pp, virtual=args.chunks, microbatches=args.microbatches,
+        prog = autoshard(model, tp=args.tp, pp=args.pp, virtual=args.virtual_pipeline, microbatches=args.microbatches,
                          schedule=args.schedule, gather_output=False, example_inputs=micro)
-        hand = PipelineGPT(model, args.tp, args.pp, virtual=args.chunks, microbatches=args.microbatches,
+        hand = PipelineGPT(model, args.tp, args.pp, virtual=args.virtual_pipeline, microbatches=args.microbatches,
                            schedule=args.schedule)
     ours = prog.distributed()
     opt_ours = torch.optim.SGD(ours.parameters(), lr=args.lr)
@@ -117,7 +117,7 @@ def main(args: argparse.Namespace) -> bool:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--tp", 2), ("--pp", 1), ("--chunks", 1), ("--microbatches", 1), ("--layers", 4), ("--hidden", 256), ("--heads", 8), ("--vocab", 4096),
+    for flag, default in (("--tp", 2), ("--pp", 1), ("--virtual-pipeline", 1), ("--microbatches", 1), ("--layers", 4), ("--hidden", 256), ("--heads", 8), ("--vocab", 4096),
                           ("--seq", 128), ("--batch", 4), ("--rounds", 20), ("--warmup", 3)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-2)

@@ -2,6 +2,6 @@
 (`build.py`), launched through CuPy (`launch.py`), exposed as torch custom ops with exact torch
 fallbacks (`ops.py`, the public face of `elementwise_ops.py` and `row_ops.py`; `reference.py`).
 Importing this package registers the `autoshard::` ops."""
-from . import ops
+from autoshard.kernels import ops
 
 __all__ = ["ops"]

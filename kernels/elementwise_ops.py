@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from . import reference as ref
-from .launch import cuda_impl
-from .op_common import LIB as _LIB
-from .op_common import broadcast as _broadcast
-from .op_common import sum_to as _sum_to
+from autoshard.kernels import reference as ref
+from autoshard.kernels.launch import cuda_impl
+from autoshard.kernels.op_common import LIB as _LIB
+from autoshard.kernels.op_common import broadcast as _broadcast
+from autoshard.kernels.op_common import sum_to as _sum_to
 
 __all__ = ["bias_gelu", "swiglu", "bias_dropout_add", "draw_seed"]
 

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .build import function
-from .reference import result_dtype
+from autoshard.kernels.build import function
+from autoshard.kernels.reference import result_dtype
 
 __all__ = ["cuda_impl", "poisoned_outputs", "LAUNCHES"]
 

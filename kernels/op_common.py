@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference as ref
+from autoshard.kernels import reference as ref
 
 LIB = "autoshard"
 

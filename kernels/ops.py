@@ -11,8 +11,8 @@ backward is again a custom op. The element-wise ops live in `elementwise_ops.py`
 """
 from __future__ import annotations
 
-from .elementwise_ops import bias_dropout_add, bias_gelu, draw_seed, swiglu
-from .row_ops import layer_norm, rms_norm, rotary, scaled_masked_softmax
+from autoshard.kernels.elementwise_ops import bias_dropout_add, bias_gelu, draw_seed, swiglu
+from autoshard.kernels.row_ops import layer_norm, rms_norm, rotary, scaled_masked_softmax
 
 __all__ = ["bias_gelu", "swiglu", "scaled_masked_softmax", "bias_dropout_add", "layer_norm", "rms_norm",
            "rotary", "draw_seed"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from . import reference as ref
-from .launch import cuda_impl
-from .op_common import LIB as _LIB
+from autoshard.kernels import reference as ref
+from autoshard.kernels.launch import cuda_impl
+from autoshard.kernels.op_common import LIB as _LIB
 
 __all__ = ["scaled_masked_softmax", "layer_norm", "rms_norm", "rotary"]
 
@@ -100,7 +100,7 @@ def _norm_grad(ctx, grad, _gmean, _grstd):
 _norm.register_autograd(_norm_grad, setup_context=_norm_setup)
 # No autocast rule (CUDA autocast runs layer_norm in fp32): registering one with
 # torch.library.register_autocast made a later call of another autoshard op segfault inside torch's
-# dispatch (torch 2.13; 8 runs in 8 of tests/test_fuse.py then the rotary test). passes/fuse.py
+# dispatch (torch 2.13; 8 runs in 8 of tests/simulation/test_fuse.py then the rotary test). passes/fusion/fuse.py
 # says what that leaves different.
 
 

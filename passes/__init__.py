@@ -1,1 +1,1 @@
-"""Graph passes (installed as `autoshard.passes`): sharding analysis, then per-rank rewrite."""
+"""Passes over torch.export graphs: sharding analysis, the per-rank rewrite, pipeline stages, fusion."""

@@ -1,4 +1,4 @@
 """Small reference models used by the demo and tests."""
-from .gpt import GPT, GPTConfig
+from autoshard.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard import checkpoint as ck
-from autoshard.materialize import materialize
+from autoshard.checkpoint.materialize import materialize
 from autoshard.testing.launch import run_checker
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import autoshard
-from autoshard.rank import slice_layout
+from autoshard.compile.rank import slice_layout
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, scaled_errors
 from autoshard.testing.models import (
@@ -75,14 +75,14 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
     local = {n: p.detach() for n, p in rt.named_parameters()}
     want = {}
     for pname, p in ref.named_parameters():
-        use = prog.plan.params.get(pname)
+        use = prog.sharding.params.get(pname)
         want[pname] = slice_layout(p.detach(), use.dim, use.layout[rank]) if use else p.detach()
     errs = scaled_errors(local, want)
     where = max(errs, key=errs.get)
     worst_param = errs[where]
     return {"model": name, "rank": rank, "world": world, "optim": optim, "in_graph_loss": in_graph,
             "sequence_parallel": sequence_parallel, "fuse": fuse, "steps": len(batches), "loss_rel": worst_loss,
-            "param_rel": worst_param, "worst_param": where, "sharded": len(prog.plan.params)}
+            "param_rel": worst_param, "worst_param": where, "sharded": len(prog.sharding.params)}
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ def check(fuse: bool, sequence_parallel: bool, steps: int) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    replicated = {n: p.detach() for n, p in rt.named_parameters() if n not in prog.plan.params}
+    replicated = {n: p.detach() for n, p in rt.named_parameters() if n not in prog.sharding.params}
     differ = [n for n, p in replicated.items() if not _same_on_every_rank(p)]
     return {"fuse": fuse, "sequence_parallel": sequence_parallel, "rank": rank, "world": world,
             "fused_dropouts": len(fused), "losses": losses, "same_loss": same_loss,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import GPT, GPTConfig
+from autoshard.models import GPT, GPTConfig
 
 __all__ = ["MODEL_NAMES", "build_model"]
 

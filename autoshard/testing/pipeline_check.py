@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 8 -m autoshard.testing.pipeline_check --tp 2 --pp 2 --dp 2
 
 Every rank builds the same seeded model twice: one copy is compiled with autoshard and trained
-through `PipelineRuntime.train_step` on its own rank; the other trains single-device on the same
+through `MeshRuntime.train_step` on its own rank; the other trains single-device on the same
 global batches with the same optimizer (AdamW) and gradient clipping. Per-step losses and, at the
 end, this rank's parameter shards are compared with the single-device ones. Exit status 1 on any
 mismatch; rank 0 prints one JSON line per model (and per optimizer, and fused or not with
@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from autoshard import autoshard
-from autoshard.rank import slice_layout
+from autoshard.compile.rank import slice_layout
+from autoshard.runtime.schedules import stage_owner
+from autoshard.runtime.trace import export_trace
 from autoshard.testing.graphs import fused_ops
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
-from autoshard.trace import export_trace
 
 
 def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace) -> dict:
@@ -39,7 +40,7 @@ def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace) -> 
     # uneven length (-100): the step's loss must be the per-token mean over the global batch, across
     # microbatches and data-parallel ranks. AdamW runs keep every label: over 10 steps Adam's
     # normalization amplifies 1e-7 rounding past the 1e-5 gradient-norm check (Llama: 1.6e-5).
-    # Whole rows ignored are checked in one process (tests/test_real_inputs.py).
+    # Whole rows ignored are checked in one process (tests/simulation/test_real_inputs.py).
     for _, labels in steps if optim == "sgd" else ():
         prompt = torch.randint(0, 16, (batch,), generator=gen)
         labels[torch.arange(16) < prompt[:, None]] = -100
@@ -64,15 +65,15 @@ def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace) -> 
         ref_opt.zero_grad()
         loss_errs.append(max_rel(loss, ref_loss))
         norms.append(ref_norm.item())
-    # this rank's chunks: stage s runs on pipeline rank s % pp
-    fused = sum(len(fused_ops(s)) for s in prog.stage_modules(rt.tp_rank)[rt.pp_rank::args.pp])
+    mine = [s for i, s in enumerate(prog.stage_modules(rt.tp_rank)) if stage_owner(i, args.pp)[0] == rt.pp_rank]
+    fused = sum(len(fused_ops(s)) for s in mine)
     if args.trace:
         export_trace(rt.records, os.path.join(args.trace, f"{name}_tp{args.tp}_pp{args.pp}_dp{args.dp}_v{args.virtual}"))
     local = {n: p.detach() for n, p in rt.named_parameters()}
     want = {}
     for pname, p in ref.named_parameters():
         if pname in local:
-            use = prog.plan.params.get(pname)
+            use = prog.sharding.params.get(pname)
             want[pname] = slice_layout(p.detach(), use.dim, use.layout[rt.tp_rank]) if use else p.detach()
     errs = scaled_errors(local, want)
     where = max(errs, key=errs.get)
@@ -90,7 +91,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--chunks", dest="virtual", type=int, default=1, help="virtual pipeline chunks per rank")
+    # not --virtual: torchrun's parser reads any prefix of its --virtual-local-rank as its own
+    ap.add_argument("--virtual-pipeline", dest="virtual", type=int, default=1, help="virtual pipeline chunks per rank")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--micro-size", type=int, default=2, help="samples per microbatch")
     ap.add_argument("--schedule", default=None)

@@ -6,7 +6,7 @@ labels on the padding, labels ignored for whole rows, explicit `position_ids`, e
 (`output_hidden_states`, and `num_items_in_batch` for causal LMs), a new batch and sequence
 length, length 1, a train/eval switch, and bf16 autocast. Each case returns its worst relative
 error (outputs at unmasked positions, the loss, every gradient), or the refusal's message; the
-test (tests/test_real_inputs.py) requires every case to match or refuse clearly.
+test (tests/simulation/test_real_inputs.py) requires every case to match or refuse clearly.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from .. import autoshard
-from ..errors import AutoshardError
-from .metrics import grad_errors, max_rel
-from .models import VOCAB, build_model
+from autoshard import autoshard
+from autoshard.errors import AutoshardError
+from autoshard.testing.metrics import grad_errors, max_rel
+from autoshard.testing.models import VOCAB, build_model
 
 __all__ = ["Case", "sweep", "CASES", "BF16_TOLERANCE"]
 

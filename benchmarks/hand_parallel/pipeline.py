@@ -9,7 +9,7 @@ embedding's shard, and after backward the two gradients are summed over the "emb
 
 Activations between stages have one known shape, (microbatch, seq, hidden), so they travel with no
 header: isend for sends (kept until the step ends), a blocking recv into a fresh buffer for receives.
-The action order is `autoshard.schedules` (the schedules are data: GPipe, 1F1B, interleaved 1F1B).
+The action order is `autoshard.runtime.schedules` (the schedules are data: GPipe, 1F1B, interleaved 1F1B).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.models import GPT
-from autoshard.schedules import make_schedule
+from autoshard.runtime.schedules import make_schedule
 from benchmarks.hand_parallel.gpt import ParallelGPT
 from benchmarks.hand_parallel.layers import copy_to_tp, vocab_parallel_cross_entropy
 

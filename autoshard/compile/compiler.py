@@ -1,0 +1,72 @@
+"""The compile's passes for one input signature, in order, and for one rank.
+
+`autoshard()` runs them for the example inputs; a program runs them again for each new input
+signature (or mode, or autocast state) a call brings:
+
+    compile_signature: capture (torch.export) -> annotate (sharding analysis, writes node.meta)
+    rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
+
+Annotation comes before any rewrite so that every rank is cut from one decision; the rewrite is per
+rank so that ranks are built lazily (a torchrun process builds only its own); fusion comes after
+the rewrite so that fused ops see the shards and the collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.compile.capture import Captured, capture
+from autoshard.compile.new_signature import new_plan_refusal, sharding_clash
+from autoshard.compile.weights import WeightSource
+from autoshard.errors import ShardingError
+from autoshard.module_paths import fetch_attr
+from autoshard.passes.fusion.fuse import fuse
+from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
+from autoshard.passes.rewrite.retarget import retarget_device
+from autoshard.passes.sharding.annotate import ShardingPlan, annotate
+from autoshard.passes.sharding.options import ShardOptions
+
+__all__ = ["Compiled", "Compiler"]
+
+
+@dataclass
+class Compiled:
+    """One input signature's captured graph and the sharding decided on it."""
+
+    captured: Captured
+    plan: ShardingPlan
+    index: int            # 0 for the example inputs; names this graph's modules apart from the others'
+
+
+class Compiler:
+    """Runs the passes for one model and tp; keeps every signature compiled so far (`compiled`)."""
+
+    def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
+                 example_inputs: dict[str, object]):
+        self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
+        self.example_inputs = example_inputs       # named in refusals of signatures that shard differently
+        self.compiled: list[Compiled] = []
+
+    def compile_signature(self, named: dict[str, object], training: bool | None = None) -> Compiled:
+        """capture -> annotate. A later signature whose sharding differs from the first's is refused
+        (the ranks' parameters are cut once), naming the input and the parameter."""
+        model, device = self.source.for_capture()
+        cap = capture(model, named, dynamic=not self.options.sequence_parallel, training=training)
+        if device is not None:       # traced from the released model's meta skeleton
+            retarget_device(cap.gm, device)
+        plan = annotate(cap.gm, self.tp, cap.param_names, self.options)
+        if self.compiled:
+            first = self.compiled[0]
+            clash = sharding_clash(first.captured, first.plan, cap, plan)
+            if clash is not None:
+                raise ShardingError(new_plan_refusal(named, self.example_inputs, first.plan, plan, clash))
+        entry = Compiled(cap, plan, len(self.compiled))
+        self.compiled.append(entry)
+        return entry
+
+    def rank_graph(self, entry: Compiled, r: int) -> RankGraph:
+        """rewrite -> fuse: rank r's graph of one compiled signature."""
+        cap = entry.captured
+        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, f"_s{entry.index}" if entry.index else "")
+        if self.fuse:
+            fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
+        return rg

@@ -1,0 +1,257 @@
+"""ShardedProgram: what `autoshard()` returns. It holds the compile's results and offers the user's
+methods, each delegating to the part that owns it: the compiler (new signatures), the weight source
+(cutting ranks), the stage layout (pipeline stages), the simulator, reassembly and printing."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autoshard.compile.capture import InputBinder
+from autoshard.compile.compiler import Compiled, Compiler
+from autoshard.compile.describe import describe
+from autoshard.compile.norm_weights import NormWeights
+from autoshard.compile.rank import RankProgram
+from autoshard.compile.reassemble import assemble
+from autoshard.compile.simulate import ProgramSimulator, join_replicated
+from autoshard.compile.stage_layout import StageLayout
+from autoshard.compile.weights import check_state_dict, copy_into_rank, meta_like, rank_slice
+from autoshard.errors import ShardingError, warn_renamed
+from autoshard.module_paths import assign_attr, fetch_attr
+from autoshard.passes.rewrite.rank_rewrite import RankGraph
+from autoshard.passes.sharding.annotate import ShardingPlan
+from autoshard.passes.stages import StageGraph
+from autoshard.runtime.executor import MeshRuntime
+from autoshard.runtime.mesh import MeshGroups, ParallelDims
+from autoshard.runtime.schedules import Action
+
+__all__ = ["ShardedProgram"]
+
+
+class ShardedProgram:
+    """Per-rank programs for one model over a tp x pp x dp mesh (see `autoshard`)."""
+
+    def __init__(self, compiler: Compiler, rank0: RankGraph, stages: StageLayout, dims: ParallelDims, *,
+                 model: nn.Module, example_inputs: dict[str, object], virtual: int, microbatches: int,
+                 schedule_name: str, schedule: list[list[Action]]):
+        self._compiler, self._source = compiler, compiler.source
+        self.tp, self.dims, self.virtual, self.microbatches = compiler.tp, dims, virtual, microbatches
+        self.options, self.fuse = compiler.options, compiler.fuse
+        self.schedule_name, self.schedule = schedule_name, schedule
+        self.example_inputs = example_inputs
+        self.model_name = type(model).__name__
+        self.param_shapes: dict[str, torch.Size] = {n: p.shape for n, p in model.named_parameters()}
+        self.param_aliases: dict[str, list[str]] = {}        # parameter -> every name it has (tied weights)
+        by_id: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.param_aliases.setdefault(by_id.setdefault(id(p), n), []).append(n)
+        self._bind = InputBinder.of(model)
+        self.planned = None     # the planner's Estimate when autoshard chose the split (world_size=)
+        self._seed = 0
+        self._training = model.training     # the ranks' mode: they start in the model's
+        self._ranks: dict[int, RankProgram] = {}
+        self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice
+        self.rank0_graph: fx.Graph = rank0.graph
+        self._stages = stages
+        self._names_with_ties = stages.names_with_ties
+        self._simulator = ProgramSimulator(stages)
+        self.param_weight = NormWeights(self.sharding, stages.param_holders, self.param_shapes)
+
+    @property
+    def model(self) -> nn.Module:
+        """The single-device model this program was compiled from (held weakly after distributed())."""
+        return self._source.model
+
+    @property
+    def sharding(self) -> ShardingPlan:
+        """The sharding decided on the example inputs: each parameter's dim and per-rank layout."""
+        return self._compiler.compiled[0].plan
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """Deprecated: `sharding` (`autoshard.plan()` is the planner, which returns estimates)."""
+        warn_renamed("ShardedProgram.plan", "ShardedProgram.sharding")
+        return self.sharding
+
+    @property
+    def estimate(self):
+        """Deprecated: `planned` (`autoshard.estimate()` is the cost model's function)."""
+        warn_renamed("ShardedProgram.estimate", "ShardedProgram.planned")
+        return self.planned
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def param_holders(self) -> dict[str, set[int]]:
+        """Parameter -> the pipeline ranks whose stages read it."""
+        return self._stages.param_holders
+
+    @property
+    def shared_params(self) -> dict[tuple[int, ...], list[str]]:
+        """Pipeline ranks -> the parameters they all read (a tied embedding: first and last stage)."""
+        return self._stages.shared_params
+
+    # ---- compile and pipeline stages ---------------------------------------------------------
+    def _compile(self, named: dict[str, object], training: bool | None = None) -> Compiled:
+        entry = self._compiler.compile_signature(named, training)
+        for rank in self._ranks.values():
+            self._add_graph(rank, entry)
+        return entry
+
+    def stage_graphs(self, gm: fx.GraphModule | fx.Graph) -> list[StageGraph]:
+        """The pp * virtual stage graphs cut from one rank graph `gm` (cached)."""
+        return self._stages.stage_graphs(gm)
+
+    def stage_modules(self, tp_rank: int = 0) -> list[fx.GraphModule]:
+        """Tensor-parallel rank `tp_rank`'s program cut into stages (example inputs' graph): one module
+        per stage, stage s running on pipeline rank s % pp as its chunk s // pp; print `.code`."""
+        rank = self.rank(tp_rank)
+        return [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}")
+                for sg in self.stage_graphs(rank.graph_module)]
+
+    def _add_graph(self, rank: RankProgram, entry: Compiled) -> None:
+        cap = entry.captured
+        if rank.rank == 0 and entry.index == 0 and self._rank0 is not None:
+            rg, self._rank0 = self._rank0, None
+        else:
+            rg = self._compiler.rank_graph(entry, rank.rank)
+        attrs: dict[str, object] = dict(rg.restrict_buffers)
+        for n in cap.gm.graph.nodes:
+            if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
+                obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
+                attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec)
+
+    # ---- ranks -------------------------------------------------------------------------------
+    def rank(self, r: int) -> RankProgram:
+        """Rank r's module: its parameter shards and its graph(s); `.code` prints them."""
+        if not 0 <= r < self.tp:
+            raise IndexError(f"rank {r} out of range for world size {self.tp}")
+        if r not in self._ranks:
+            full = self._source.tensors(cut=sorted(self._ranks))     # one state of the model for every rank
+            trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
+            params = {name: nn.Parameter(rank_slice(full[name], self.sharding.params.get(name), r).clone(),
+                                         requires_grad=grad) for name, grad in trainable.items()}
+            rank = RankProgram(r, self.tp, params, self._bind, compile_for=self._compile)
+            rank.train(self._training)
+            rank.rng.manual_seed(self._seed)
+            for entry in self._compiler.compiled:
+                self._add_graph(rank, entry)
+            copy_into_rank(rank, self.sharding.params, {n: t for n, t in full.items() if n not in params})   # buffers
+            self._ranks[r] = rank
+            if len(self._ranks) == self.tp:
+                self._source.all_cut()
+        return self._ranks[r]
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full-size weights (the model's own names, as `model.state_dict()` gives them) into
+        every rank: the ranks built so far get their shards copied in, and ranks built later are
+        cut from `state_dict` (held by reference until then). strict: every parameter must be
+        given and every given name must be a parameter or buffer of the model."""
+        state_dict = dict(state_dict)
+        for name, aliases in self.param_aliases.items():     # a tied weight given under another of its names
+            given = next((a for a in aliases if a in state_dict), None)
+            if name not in state_dict and given is not None:
+                state_dict[name] = state_dict[given]
+        check_state_dict(state_dict, self.param_shapes, self._names_with_ties | self._source.buffer_names(), strict)
+        for rank in self._ranks.values():
+            copy_into_rank(rank, self.sharding.params, state_dict)
+        self._source.load(state_dict, all_cut=len(self._ranks) == self.tp)
+
+    def ranks(self) -> list[RankProgram]:
+        return [self.rank(r) for r in range(self.tp)]
+
+    def train(self, mode: bool = True) -> "ShardedProgram":
+        """Put every rank (those built later too) in training (`mode=True`) or evaluation mode, as
+        `model.train(mode)` does: dropout and batch norm follow, each mode with its own graph
+        (captured in that mode the first time a call needs it)."""
+        self._training = mode
+        for rank in self._ranks.values():
+            rank.train(mode)
+        return self
+
+    def eval(self) -> "ShardedProgram":
+        return self.train(False)
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed every rank's dropout generators: same masks outside tensor-parallel regions on every
+        rank, a different stream per rank inside them; the same seed gives the same masks again."""
+        for rank in self._ranks.values():
+            rank.rng.manual_seed(seed)
+        self._seed = seed
+
+    def distributed(self, group: dist.ProcessGroup | None = None) -> RankProgram | MeshRuntime:
+        """This process's part of the program (inside torchrun).
+
+        tp only: rank module called like the model, its collectives on `group` (default: WORLD).
+        With pp, dp or microbatches > 1: a `MeshRuntime` for the WORLD group, whose
+        `train_step(batch..., labels=...)` runs the schedule and returns the loss.
+        """
+        size = dist.get_world_size(group)
+        if size != self.world_size:
+            raise ShardingError(f"the process group has {size} ranks but the program was built for "
+                                f"tp={self.tp} x pp={self.pp} x dp={self.dp} = {self.world_size}")
+        if self.world_size == self.tp and self.microbatches == 1:
+            mine = self.rank(dist.get_rank(group)).bind(group)
+            self._release()
+            return mine
+        if group is not None and group is not dist.group.WORLD:
+            raise ShardingError("a pipeline or data-parallel program runs on the WORLD group")
+        rank = dist.get_rank()
+        groups = MeshGroups(self.dims, rank, list(self.shared_params))
+        runtime = MeshRuntime(self, rank, groups, self.schedule)
+        self._release()
+        return runtime
+
+    def _release(self) -> None:
+        """This process's rank is cut: hold nothing more of the model's weights (the captured
+        graphs' copies of them become meta tensors; the model itself is held weakly)."""
+        self._source.release()
+        for entry in self._compiler.compiled:
+            gm = entry.captured.gm
+            for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+                if not t.is_meta:
+                    assign_attr(gm, name, meta_like(t))
+
+    # ---- simulation and reassembly -----------------------------------------------------------
+    def simulate(self, *args, **kwargs):
+        """Run all ranks in this process; returns what `model(*args, **kwargs)` returns.
+
+        Outputs are replicated, so every rank holds the same values; a loss computed from the result
+        back-propagates into every rank, as each rank's own loss does under torch.distributed.
+        """
+        outs, out_spec = self._simulator.run(self.ranks(), args, kwargs)
+        return pytree.tree_unflatten([join_replicated(list(leaf)) for leaf in zip(*outs)], out_spec)
+
+    def simulate_all(self, *args, **kwargs) -> list[object]:
+        """Every rank's own output, unjoined (for checking that the copies agree)."""
+        outs, out_spec = self._simulator.run(self.ranks(), args, kwargs)
+        return [pytree.tree_unflatten(list(o), out_spec) for o in outs]
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Gradients reassembled to full shapes, keyed by the model's own parameter names."""
+        return assemble(self.ranks(), self.sharding, self.param_shapes,
+                        lambda p: None if p.grad is None else p.grad.detach())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters reassembled to full shapes, keyed by the model's own parameter names."""
+        return assemble(self.ranks(), self.sharding, self.param_shapes, lambda p: p.detach())
+
+    def __str__(self) -> str:
+        return describe(self)
+
+    __repr__ = __str__

@@ -1,0 +1,173 @@
+"""How collectives reach other ranks: a communicator on a process group, a per-rank handle, and the
+one switch between a real run and the in-process simulator.
+
+Every collective's math is written once over a list of per-rank tensors with a `Reducer`. Under
+torch.distributed the list holds this rank's tensor and the reductions are collectives on its
+group (`distributed_reducer`); in the simulator it holds every rank's tensor and the reductions
+are plain sums, maxima and concatenations (`SIMULATED`). `Collective` is the base of every
+collective module: its `forward` takes the first road, its `simulate` the second, so that choice
+is made here and nowhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "Reducer", "distributed_reducer", "SIMULATED",
+           "Collective", "write_rows", "scatter_into_full", "take_from_full"]
+
+
+class Communicator(Protocol):
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the tensor-parallel group; returns a new tensor."""
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over the group; returns a new tensor."""
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over the group, keeping this rank's equal chunk of `dim`."""
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's equal chunk of `dim`, concatenated in rank order."""
+
+
+class ProcessGroupComm:
+    """The collectives on a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        x = t.movedim(dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] // dist.get_world_size(self.group), *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        return out.movedim(0, dim)
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        x = t.movedim(dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] * dist.get_world_size(self.group), *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out.movedim(0, dim)
+
+
+class CommHandle:
+    """The communicator a rank's collectives use; shared by all graphs of one rank, bound when the
+    program runs under torch.distributed."""
+
+    def __init__(self, rank: int, world: int = 1):
+        self.rank, self.world, self.comm = rank, world, None
+
+    def get(self) -> Communicator:
+        if self.comm is None:
+            raise RuntimeError(
+                f"rank {self.rank}'s program issues collectives but has no process group: run it "
+                f"with prog.distributed() inside torchrun, or use prog.simulate() in one process")
+        return self.comm
+
+
+Ranked = list[torch.Tensor]     # one tensor per rank present: this rank's alone, or every rank's
+
+
+@dataclass(frozen=True)
+class Reducer:
+    """Reductions over ranks for a list of per-rank tensors (see the module docstring)."""
+
+    sum: Callable[[Ranked], Ranked]
+    max: Callable[[Ranked], Ranked]
+    all_gather: Callable[[Ranked, int], Ranked]       # equal chunks along a dim, in rank order
+    reduce_scatter: Callable[[Ranked, int], Ranked]   # the sum, each rank keeping its equal chunk of dim
+    split: Callable[[Ranked, int], Ranked]            # each rank's own chunk of its (replicated) tensor
+
+
+def distributed_reducer(handle: CommHandle) -> Reducer:
+    comm, rank, world = handle.get(), handle.rank, handle.world
+    return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])],
+                   all_gather=lambda xs, d: [comm.all_gather(xs[0], d)],
+                   reduce_scatter=lambda xs, d: [comm.reduce_scatter(xs[0], d)],
+                   split=lambda xs, d: [xs[0].chunk(world, d)[rank].contiguous()])
+
+
+def _dim_major(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t laid out as the real collectives return it: dim d outermost in memory (they run on
+    t.movedim(d, 0)), so the simulator hands later ops the same strides a real run does."""
+    return t.movedim(d, 0).contiguous().movedim(0, d)
+
+
+def _sim_sum(xs: Ranked) -> Ranked:
+    s = sum(xs[1:], xs[0].clone())
+    return [s.clone() for _ in xs]
+
+
+def _sim_max(xs: Ranked) -> Ranked:
+    m = torch.stack(xs).amax(0)
+    return [m.clone() for _ in xs]
+
+
+def _sim_all_gather(xs: Ranked, d: int) -> Ranked:
+    full = torch.cat(xs, d)
+    return [_dim_major(full, d) for _ in xs]
+
+
+def _sim_reduce_scatter(xs: Ranked, d: int) -> Ranked:
+    total = sum(xs[1:], xs[0].clone())
+    return [_dim_major(c, d) for c in total.chunk(len(xs), d)]
+
+
+SIMULATED = Reducer(sum=_sim_sum, max=_sim_max, all_gather=_sim_all_gather, reduce_scatter=_sim_reduce_scatter,
+                    split=lambda xs, d: [x.chunk(len(xs), d)[i].contiguous() for i, x in enumerate(xs)])
+
+
+class Collective(nn.Module):
+    """Base of the collective modules a rank graph calls. A subclass writes `run(red, mods,
+    rank_args)` once, over the ranks present (`mods[i]` and `rank_args[i]` are rank i's module and
+    positional arguments), returning one output per rank."""
+
+    def __init__(self, handle: CommHandle):
+        super().__init__()
+        self.handle = handle
+
+    @staticmethod
+    def run(red: Reducer, mods: list, rank_args: list[tuple]) -> list:
+        raise NotImplementedError
+
+    def forward(self, *args: torch.Tensor):
+        return self.run(distributed_reducer(self.handle), [self], [args])[0]
+
+    @classmethod
+    def simulate(cls, mods: list, rank_args: list[tuple]) -> list:
+        """All ranks at once, in one process (compile/simulate.py's lockstep runner calls this)."""
+        return cls.run(SIMULATED, mods, rank_args)
+
+
+def write_rows(full: torch.Tensor, t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """Copy a rank's local `t` into the global rows `ranges` of `full` along `dim` (in place)."""
+    pos = 0
+    for a, b in ranges:
+        full.narrow(dim, a, b - a).copy_(t.narrow(dim, pos, b - a))
+        pos += b - a
+    return full
+
+
+def scatter_into_full(t: torch.Tensor, dim: int, size: int, ranges) -> torch.Tensor:
+    """Zeros of global `size` along `dim`, with this rank's rows (`ranges`) filled from `t`."""
+    shape = list(t.shape)
+    shape[dim] = size
+    return write_rows(t.new_zeros(shape), t, dim, ranges)
+
+
+def take_from_full(full: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    return torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)

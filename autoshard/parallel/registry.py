@@ -1,0 +1,47 @@
+"""The registry of modules the rewrite can ask a rank for: spec type -> how a rank builds it.
+
+The rewrite (passes/rewrite/rank_rewrite.py) emits a spec per module a rank graph calls (besides f
+and g, which every rank has); `build_module` turns it into the module. Adding a collective is one
+file here in parallel/ (its autograd function, its `Collective` module with `run`, its frozen spec
+with `build`) and one row below.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from torch import nn
+
+from autoshard.parallel.comm import CommHandle
+from autoshard.parallel.rng import RandomOpSpec, RNGTracker
+from autoshard.parallel.sequence_parallel import SequenceSpec
+from autoshard.parallel.tensor_parallel import SyncSpec
+from autoshard.parallel.vocab_parallel import CrossEntropySpec, GatherSpec
+
+__all__ = ["RankResources", "ModuleSpec", "COLLECTIVES", "build_module"]
+
+
+class RankResources(Protocol):
+    """What a rank lends the modules it builds."""
+
+    handle: CommHandle        # its communicator
+    rng: RNGTracker           # its generator states, per RNG region
+
+
+ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec
+
+COLLECTIVES: dict[type, Callable[[ModuleSpec, RankResources], nn.Module]] = {
+    SyncSpec: lambda spec, rank: spec.build(rank.handle),           # sync_<param>: GQA rows held twice
+    SequenceSpec: lambda spec, rank: spec.build(rank.handle),       # sequence parallelism's scatter/gather
+    GatherSpec: lambda spec, rank: spec.build(rank.handle),         # gather_<node>: sharded outputs
+    CrossEntropySpec: lambda spec, rank: spec.build(rank.handle),   # vocab_cross_entropy_<node>
+    RandomOpSpec: lambda spec, rank: spec.build(rank.rng),          # <region>_rng_<node>: dropout
+}
+
+
+def build_module(spec: ModuleSpec, rank: RankResources) -> nn.Module:
+    try:
+        make = COLLECTIVES[type(spec)]
+    except KeyError:
+        raise TypeError(f"no module is registered for {type(spec).__name__} ({spec.module}); add a row to "
+                        f"autoshard/parallel/registry.py's COLLECTIVES") from None
+    return make(spec, rank)

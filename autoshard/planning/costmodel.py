@@ -1,0 +1,258 @@
+"""An analytic performance model of Megatron-style training (tp x pp x dp, interleaving, recompute).
+
+    >>> from autoshard.planning.costmodel import estimate
+    >>> e = estimate(hidden=25600, layers=128, heads=160, vocab=51200, seq=2048,
+    ...              tp=8, pp=64, dp=6, global_batch=3072)
+    >>> 150 < e.tflops_per_gpu < 175      # the paper measured 163 on A100s
+    True
+
+One iteration on the busiest pipeline rank is
+
+    (m + (p - 1)/v) * W  +  point-to-point  +  data-parallel all-reduce  +  optimizer step
+
+where W is that rank's work per microbatch: its layers (GEMMs by `kernel_cost`, fused elementwise
+kernels by bytes, two tensor-parallel all-reduces per pass), forward, backward and the recomputed
+forward, plus the embedding (first rank) or LM head and loss (last rank). Nothing overlaps, as in
+the Megatron of the papers. Closed forms (FLOPs, bytes, volumes) live in `cost_formulas`, hardware
+in `hardware`; this file puts them together.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autoshard.errors import require_positive_int, warn_renamed
+from autoshard.planning.cost_formulas import evaluate
+from autoshard.planning.gemm_timing import (
+    LayerShape,
+    bytes_seconds,
+    gemm_seconds,
+    layer_elementwise_seconds,
+    layer_gemm_seconds,
+)
+from autoshard.planning.hardware import Hardware, get_hardware
+
+__all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
+
+RECOMPUTE = ("full", "selective", "none")
+_RESERVED = 0.1     # device memory kept back for the CUDA context, NCCL buffers and fragmentation
+_ADAM_BYTES = 28    # per parameter per step: read fp16 grad, fp32 master, m, v; write them and fp16 weight
+
+
+@dataclass(frozen=True)
+class Estimate:
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    microbatch: int
+    virtual: int                    # pipeline chunks per rank (the paper's v)
+    hardware: str
+    recompute: str
+    sequence_parallel: bool
+    seconds_per_iteration: float
+    tflops_per_gpu: float           # FLOPs counted as the paper does, recomputation included
+    model_tflops_per_gpu: float     # FLOPs of the model alone (no recomputation): model FLOP utilization
+    memory_gib_per_gpu: float
+    fits: bool
+    peak_tflops: float
+    breakdown: dict[str, float] = field(default_factory=dict)   # seconds per iteration, by cause
+
+    @property
+    def v(self) -> int:
+        """Deprecated: `virtual`."""
+        warn_renamed("Estimate.v", "Estimate.virtual")
+        return self.virtual
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.microbatch)
+
+    @property
+    def percent_of_peak(self) -> float:
+        return 100 * self.tflops_per_gpu / self.peak_tflops
+
+    def explain(self) -> str:
+        parts = ", ".join(f"{k} {100 * x / self.seconds_per_iteration:.0f}%"
+                          for k, x in self.breakdown.items() if x > 0)
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} microbatch={self.microbatch} virtual={self.virtual}: "
+                f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "
+                f"{self.seconds_per_iteration:.2f} s/iteration, {self.memory_gib_per_gpu:.1f} GiB per GPU"
+                f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}")
+
+
+def _allreduce_seconds(nbytes: float, n: int, link_gb_s: float, hw: Hardware) -> float:
+    if n == 1:
+        return 0.0
+    return hw.latency_us * 1e-6 + 2 * (n - 1) / n * nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
+
+
+def _tp_allreduce_seconds(x: LayerShape, hw: Hardware) -> float:
+    """One all-reduce of a layer's (b, s, h) output over the tensor-parallel ranks on NVLink."""
+    return _allreduce_seconds(evaluate("tp_allreduce_bytes", b=x.b, s=x.s, h=x.h), x.t, hw.nvlink_gb_s, hw)
+
+
+def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
+    """(forward compute, backward compute with recomputation, tensor-parallel communication) seconds
+    of one layer for one microbatch."""
+    gf, gb = layer_gemm_seconds(x, hw)
+    ef, eb = layer_elementwise_seconds(x, hw)
+    backward = gb + eb
+    passes = 4                                  # two all-reduces forward, two backward
+    if recompute == "full":
+        backward += gf + ef
+        passes += 2
+    elif recompute == "selective":
+        backward += layer_gemm_seconds(x, hw, attention_core_only=True)[0]
+        backward += layer_elementwise_seconds(x, hw, attention_core_only=True)[0]
+    return gf + ef, backward, passes * _tp_allreduce_seconds(x, hw)
+
+
+def _ends_seconds(x: LayerShape, vocab: int, hw: Hardware) -> tuple[float, float, float]:
+    """(first rank compute, last rank compute, first rank communication) per microbatch."""
+    tokens = x.b * x.s * x.h / (x.t if x.sp else 1)
+    logits = x.b * x.s * vocab / x.t
+    rows = x.b * x.s
+    head = (gemm_seconds(rows, vocab // x.t, x.h, hw) + gemm_seconds(rows, x.h, vocab // x.t, hw)
+            + gemm_seconds(x.h, vocab // x.t, rows, hw)
+            + bytes_seconds(14 * logits + 10 * tokens, hw))    # fp32 cross-entropy both ways, final norm
+    embed = bytes_seconds(8 * tokens, hw)                      # lookup and gradient scatter
+    return embed, head, _tp_allreduce_seconds(x, hw)          # the vocab-parallel embedding's sum
+
+
+def candidates(*, layers: int, pp: int, dp: int, global_batch: int, microbatch: int | None = None,
+               virtual: int | None = None, max_microbatch: int = 64) -> list[tuple[int, int]]:
+    """Legal (microbatch, virtual) pairs: microbatch divides the per-replica batch; virtual > 1 needs
+    pp > 1, layers divisible by pp * virtual and microbatches divisible by pp (the interleaved schedule)."""
+    v = virtual
+    per_replica = global_batch // dp
+    bs = [microbatch] if microbatch else [x for x in range(1, min(per_replica, max_microbatch) + 1)
+                                          if per_replica % x == 0 and (x & (x - 1) == 0 or x == per_replica)]
+    vs = [v] if v else [1] + [x for x in range(2, layers // pp + 1) if pp > 1 and layers % (pp * x) == 0]
+    return [(mb, vv) for mb in bs for vv in vs if vv == 1 or (per_replica // mb) % pp == 0]
+
+
+def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int, dp: int,
+             global_batch: int, microbatch: int | None = None, virtual: int | None = None,
+             hardware: str | Hardware = "a100-80gb", recompute: str = "full",
+             sequence_parallel: bool = False, overlap_grad_reduce: bool = False, v: int | None = None) -> Estimate:
+    """Predicted time, throughput and memory of one training iteration.
+
+    overlap_grad_reduce: the data-parallel gradient all-reduce runs during the backward pass (torch
+    DDP, the 2019 Megatron); False is the PTD-P paper's Megatron, which reduces after the backward.
+
+    `microbatch=None` or `virtual=None` (pipeline chunks per rank, the paper's v) choose the fastest
+    legal value that fits memory (if none fits, the configuration with the least memory, marked
+    `fits=False`). `v` is the deprecated name of `virtual`.
+    """
+    if v is not None:
+        warn_renamed("estimate(v=...)", "estimate(virtual=...)")
+        virtual = v if virtual is None else virtual
+    v = virtual
+    for name, x in dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
+                        dp=dp, global_batch=global_batch).items():
+        require_positive_int(name, x)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if hidden % heads or heads % tp:
+        raise ValueError(f"tp={tp} must divide heads={heads}, and heads must divide hidden={hidden}")
+    if global_batch % dp:
+        raise ValueError(f"dp={dp} does not divide global_batch={global_batch}")
+    if pp > layers:
+        raise ValueError(f"pp={pp} is more pipeline stages than layers={layers}")
+    if microbatch is not None:
+        require_positive_int("microbatch", microbatch)
+        if (global_batch // dp) % microbatch:
+            raise ValueError(f"microbatch={microbatch} does not divide the per-replica batch "
+                             f"global_batch/dp = {global_batch}/{dp} = {global_batch // dp}")
+    if v is not None:
+        require_positive_int("virtual", v)
+        if v > 1 and (pp == 1 or layers % (pp * v)):
+            raise ValueError(f"virtual={v} needs pp > 1 and layers={layers} divisible by pp*virtual={pp * v}")
+    hw = get_hardware(hardware)
+    pairs = candidates(layers=layers, pp=pp, dp=dp, global_batch=global_batch, microbatch=microbatch, virtual=v)
+    if not pairs:
+        raise ValueError(f"virtual={v} needs the {global_batch // dp // (microbatch or 1)} microbatches per "
+                         f"replica divisible by pp={pp} (interleaved schedule)")
+    shape = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
+                 global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
+                 overlap_grad_reduce=overlap_grad_reduce)
+    results = [_one(hw, microbatch=mb, v=vv, **shape) for mb, vv in pairs]
+    fitting = [e for e in results if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: e.seconds_per_iteration)
+    return min(results, key=lambda e: e.memory_gib_per_gpu)
+
+
+def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
+         recompute, sequence_parallel, overlap_grad_reduce) -> Estimate:
+    sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
+               d=dp, v=v)
+    x = LayerShape(microbatch, seq, hidden, heads, tp, sequence_parallel)
+    m = global_batch // (dp * microbatch)
+    layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute)
+    layer_compute = layer_forward + layer_backward
+    embed, head, embed_comm = _ends_seconds(x, vocab, hw)
+    per_rank = math.ceil(layers / pp)
+    ends = embed + head if pp == 1 else max(embed, head)
+    work_compute = per_rank * layer_compute + ends
+    work_comm = per_rank * layer_comm + embed_comm
+    work = work_compute + work_comm
+    node = hw.gpus_per_node
+    one_node = tp * pp * dp <= node
+    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm,
+                 "bubble": evaluate("bubble_fraction", p=pp, v=v, m=m) * m * work}
+    tied = 0.0
+    if pp > 1:
+        link = hw.nvlink_gb_s if one_node else hw.network_gb_s
+        hop = (hw.latency_us * 1e-6 + evaluate("p2p_bytes_per_gpu", **sym) / (link * 1e9 * hw.network_efficiency)
+               + _tp_allreduce_seconds(x, hw) / 2)          # the all-gather: half an all-reduce
+        breakdown["p2p"] = 2 * v * m * hop
+        # GPT's tied embedding: the first and last stage add their gradients.
+        tied = _allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
+    grads = evaluate("dp_allreduce_bytes", **sym)
+    dp_link = hw.nvlink_gb_s if tp * dp <= node else hw.network_gb_s
+    grad_reduce = _allreduce_seconds(grads, dp, dp_link, hw)
+    if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
+        grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
+    breakdown["dp_comm"] = tied + grad_reduce
+    breakdown["optimizer"] = bytes_seconds(_ADAM_BYTES * evaluate("parameters_per_gpu", **sym), hw)
+    seconds = sum(breakdown.values())
+
+    flops = evaluate({"full": "flops_full_recompute", "selective": "flops_selective_recompute",
+                      "none": "flops_no_recompute"}[recompute], **sym)
+    model_flops = evaluate("flops_no_recompute", **sym)
+    gpus = tp * pp * dp
+    memory = _memory_bytes(sym, m, per_rank, recompute, sequence_parallel)
+    return Estimate(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
+                    global_batch=global_batch, microbatch=microbatch, virtual=v, hardware=hw.name, recompute=recompute,
+                    sequence_parallel=sequence_parallel, seconds_per_iteration=seconds,
+                    tflops_per_gpu=flops / seconds / gpus / 1e12,
+                    model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
+                    memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - _RESERVED) * hw.memory_gib * 2**30,
+                    peak_tflops=hw.peak_tflops, breakdown=breakdown)
+
+
+def _memory_bytes(sym: dict, m: int, per_rank: int, recompute: str, sp: bool) -> float:
+    """Peak bytes on the busiest rank: weights and optimizer, stored activations of the microbatches
+    in flight, one layer's full activations (being recomputed or back-propagated), the logits."""
+    inflight = evaluate("inflight_layers_1f1b" if sym["v"] == 1 else "inflight_layers_interleaved", **sym)
+    inflight = min(inflight, per_rank * m)      # a short step never fills the pipeline
+    suffix = "_sp" if sp else ""
+    stored = {"full": "checkpoint_bytes", "selective": "activation_bytes_selective",
+              "none": "activation_bytes_no_recompute"}[recompute] + suffix
+    # One layer's full activations while it is recomputed or back-propagated (already counted when
+    # nothing is recomputed).
+    working = 0.0 if recompute == "none" else evaluate("activation_bytes_no_recompute" + suffix, **sym)
+    logits = 8 * sym["b"] * sym["s"] * sym["V"] / sym["t"]      # fp16 logits, fp32 softmax and its gradient
+    return evaluate("weight_and_optimizer_bytes", **sym) + inflight * evaluate(stored, **sym) + working + logits
+

@@ -1,0 +1,74 @@
+"""Hardware presets for the cost model: plain data, each number with its source.
+
+Rates are per GPU. Link bandwidths are one direction (what a ring collective's step moves), so
+NVLink's "600 GB/s" bidirectional datasheet figure is 300 here. The three efficiencies turn
+datasheet peaks into rates real kernels reach; they are the only numbers not read off a
+datasheet, and `benchmarks/RESULTS.md` shows how the predictions move with each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Hardware", "PRESETS", "get_hardware"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float          # dense fp16/bf16 tensor-core rate, datasheet
+    hbm_gb_s: float             # memory bandwidth, datasheet
+    memory_gib: float           # usable device memory
+    sms: int                    # streaming multiprocessors: the width of one GEMM wave
+    gpus_per_node: int          # the tensor-parallel group stays inside a node
+    nvlink_gb_s: float          # per GPU, one direction, inside a node
+    network_gb_s: float         # per GPU, one direction, between nodes (NIC rate / GPUs per NIC)
+    matmul_efficiency: float    # fraction of peak a large, well-shaped GEMM sustains in training
+    memory_efficiency: float    # fraction of HBM bandwidth a streaming kernel reaches
+    network_efficiency: float   # collective bus bandwidth / link rate
+    latency_us: float = 10.0    # start-up cost of one collective or point-to-point message
+
+    def __post_init__(self):
+        for name in ("peak_tflops", "hbm_gb_s", "memory_gib", "nvlink_gb_s", "network_gb_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
+        for name in ("matmul_efficiency", "memory_efficiency", "network_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+
+
+# Efficiencies. memory 0.9: a device-to-device copy on an H200 here moved 4.3 of the datasheet's
+# 4.8 TB/s (device/KINDS.md). network 0.8: NCCL's ring reaches about 80% of link rate on large
+# messages. matmul 0.70 (A100, V100): the one constant chosen against the Megatron tables (a
+# global value, the same for every row); an isolated 8192^3 bf16 product on an H200 here ran at
+# 0.78-0.81 of peak on random data, and sustained training (clocks held down by power, GEMMs of
+# 2048 rows) sits below that. H100/H200 use the measured 0.79 less the same training margin.
+_EFF = dict(memory_efficiency=0.9, network_efficiency=0.8)
+
+PRESETS: dict[str, Hardware] = {
+    # DGX A100 80GB, the PTD-P paper's cluster: 8 GPUs per node on NVLink 3 (600 GB/s both ways),
+    # 8 InfiniBand HDR links per node (200 Gb/s = 25 GB/s each, one per GPU).
+    "a100-80gb": Hardware("a100-80gb", peak_tflops=312, hbm_gb_s=2039, memory_gib=80, sms=108,
+                          gpus_per_node=8, nvlink_gb_s=300, network_gb_s=25, matmul_efficiency=0.70, **_EFF),
+    # DGX H100: NVLink 4 (900 GB/s both ways), 8 InfiniBand NDR links per node (400 Gb/s each).
+    "h100-80gb": Hardware("h100-80gb", peak_tflops=989, hbm_gb_s=3350, memory_gib=80, sms=132,
+                          gpus_per_node=8, nvlink_gb_s=450, network_gb_s=50, matmul_efficiency=0.70, **_EFF),
+    # HGX H200: the H100's compute and links with 141 GB of HBM3e at 4.8 TB/s.
+    "h200": Hardware("h200", peak_tflops=989, hbm_gb_s=4800, memory_gib=141, sms=132,
+                     gpus_per_node=8, nvlink_gb_s=450, network_gb_s=50, matmul_efficiency=0.70, **_EFF),
+    # DGX-2H V100 32GB, the 2019 Megatron paper's cluster: 16 GPUs per node on NVSwitch (300 GB/s
+    # both ways), 8 InfiniBand adapters giving 100 GB/s per node between servers.
+    "v100-32gb": Hardware("v100-32gb", peak_tflops=125, hbm_gb_s=900, memory_gib=32, sms=80,
+                          gpus_per_node=16, nvlink_gb_s=150, network_gb_s=100 / 16, matmul_efficiency=0.70, **_EFF),
+}
+
+
+def get_hardware(hardware: str | Hardware, **overrides) -> Hardware:
+    """A preset by name (or a Hardware as is), with fields replaced by `overrides`."""
+    if isinstance(hardware, Hardware):
+        hw = hardware
+    elif hardware in PRESETS:
+        hw = PRESETS[hardware]
+    else:
+        raise ValueError(f"unknown hardware {hardware!r}; presets: {', '.join(sorted(PRESETS))} "
+                         "(or pass an autoshard.planning.hardware.Hardware)")
+    return replace(hw, **overrides) if overrides else hw

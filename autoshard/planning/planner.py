@@ -1,0 +1,107 @@
+"""Choosing tp, pp, dp, interleaving and microbatch size from the cost model.
+
+    >>> from autoshard.planning.planner import ModelShape, plan
+    >>> best = plan(ModelShape(hidden=10240, layers=60, heads=80, vocab=51200, seq=2048),
+    ...             gpus=1024, global_batch=1792)[0]      # PTD-P Table 1's 76.1B run
+    >>> best.tp, best.pp
+    (8, 4)
+
+The planner enumerates every legal split of the GPUs (tensor-parallel inside a node and dividing
+the heads, pipeline no deeper than the layers, data-parallel dividing the batch), lets
+`costmodel.estimate` pick each split's microbatch and interleaving, drops what does not fit in
+memory, and ranks the rest by predicted iteration time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from autoshard.errors import require_positive_int
+from autoshard.planning.costmodel import Estimate, estimate
+from autoshard.planning.hardware import Hardware, get_hardware
+
+__all__ = ["ModelShape", "shape_of", "plan", "explain"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+
+
+# Config attribute names, one row per field, in the order tried (Hugging Face, then nanoGPT).
+_CONFIG_NAMES: dict[str, tuple[str, ...]] = {
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "heads": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab": ("vocab_size",),
+    "seq": ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"),
+}
+
+
+def shape_of(model_or_shape: nn.Module | ModelShape | dict) -> ModelShape:
+    """The transformer shape of a model (read from its `config`), a ModelShape, or a dict of its fields."""
+    if isinstance(model_or_shape, ModelShape):
+        return model_or_shape
+    if isinstance(model_or_shape, dict):
+        return ModelShape(**model_or_shape)
+    config = getattr(model_or_shape, "config", None)
+    if config is None:
+        raise ValueError(f"cannot read the shape of {type(model_or_shape).__name__}: it has no `config`; "
+                         "pass autoshard.planning.planner.ModelShape(hidden=, layers=, heads=, vocab=, seq=)")
+    found, missing = {}, []
+    for name, aliases in _CONFIG_NAMES.items():
+        value = next((getattr(config, a) for a in aliases if isinstance(getattr(config, a, None), int)), None)
+        (missing.append(f"{name} (one of {', '.join(aliases)})") if value is None else found.__setitem__(name, value))
+    if missing:
+        raise ValueError(f"{type(model_or_shape).__name__}.config lacks {'; '.join(missing)}; "
+                         "pass autoshard.planning.planner.ModelShape instead")
+    return ModelShape(**found)
+
+
+def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware):
+    for tp in range(1, min(gpus, hw.gpus_per_node) + 1):
+        if gpus % tp or shape.heads % tp or shape.hidden % shape.heads:
+            continue
+        for pp in range(1, min(gpus // tp, shape.layers) + 1):
+            if (gpus // tp) % pp == 0 and global_batch % (gpus // (tp * pp)) == 0:
+                yield tp, pp, gpus // (tp * pp)
+
+
+def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
+         hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str = "full",
+         sequence_parallel: bool = False, top: int | None = None) -> list[Estimate]:
+    """Configurations that fit memory, fastest first (at most `top` of them)."""
+    require_positive_int("gpus", gpus)
+    require_positive_int("global_batch", global_batch)
+    shape = shape_of(model_or_shape)
+    hw = get_hardware(hardware)
+    found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
+                      seq=seq or shape.seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
+                      recompute=recompute, sequence_parallel=sequence_parallel)
+             for tp, pp, dp in _splits(shape, gpus, global_batch, hw)]
+    fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
+    if not fitting:
+        least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)
+        raise ValueError(f"no split of {gpus} GPUs fits {shape} in {hw.memory_gib} GiB per GPU"
+                         + (f"; the least memory is {least.memory_gib_per_gpu:.1f} GiB at tp={least.tp} "
+                            f"pp={least.pp}" if least else " (no legal split: check heads and batch)"))
+    return fitting[:top] if top else fitting
+
+
+def explain(plans: list[Estimate], top: int = 3) -> str:
+    """The first `top` plans, each with its time breakdown and what it loses against the best."""
+    best = plans[0]
+    lines = []
+    for i, e in enumerate(plans[:top]):
+        line = f"{i + 1}. {e.explain()}"
+        if i:
+            slower = 100 * (e.seconds_per_iteration / best.seconds_per_iteration - 1)
+            cause = max(e.breakdown, key=lambda k: e.breakdown[k] - best.breakdown.get(k, 0.0))
+            line += f"\n   {slower:.1f}% slower than 1., mostly in {cause}"
+        lines.append(line)
+    return "\n".join(lines)

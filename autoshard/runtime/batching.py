@@ -1,0 +1,40 @@
+"""Cutting a global batch into data-parallel slices and microbatches, and finding a model's loss."""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from autoshard.errors import ShardingError
+
+__all__ = ["TARGETS", "split_batch", "pick_loss"]
+
+
+TARGETS = "__autoshard_targets__"      # loss_fn's targets ride along with the inputs while splitting
+
+
+def split_batch(named: dict[str, object], parts: int, what: str) -> list[dict[str, object]]:
+    """Split every tensor input (also inside lists, tuples and dicts) with the batch's leading size
+    into `parts` equal chunks."""
+    sizes = [v.shape[0] for v in pytree.tree_leaves(named) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not sizes:
+        raise ShardingError("the step's inputs hold no batched tensor to split")
+    batch = sizes[0]
+    if batch % parts:
+        raise ShardingError(f"a batch of {batch} samples cannot be split into {what} = {parts} equal parts")
+    def cut(v, i):
+        return v.chunk(parts)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+    return [pytree.tree_map(lambda v, i=i: cut(v, i), named) for i in range(parts)]
+
+
+def pick_loss(outputs: object) -> torch.Tensor:
+    """The loss among a model's outputs: `.loss` / ["loss"], else the one scalar tensor."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if loss is None:
+        scalars = [x for x in pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor) and x.dim() == 0]
+        if len(scalars) != 1:
+            raise ShardingError(f"cannot find the loss among the model's outputs ({len(scalars)} scalar tensors); "
+                                f"pass the labels so that the model returns its loss")
+        loss = scalars[0]
+    return loss

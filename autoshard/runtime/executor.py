@@ -1,0 +1,277 @@
+"""The executor: one process's part of a tp x pp x dp training step.
+
+`MeshRuntime` holds this rank's chunks (one stage graph each, `v` of them with interleaving)
+and runs its schedule's action list: a forward receives its stage's inputs from the previous
+stage (unless it is stage 0), runs the stage graph on the microbatch, sends the outputs on and
+keeps what backward needs; a backward receives the output gradients (the last stage starts from its
+loss), back-propagates, sends its input gradients back and frees the microbatch's state. Then
+gradients are synchronised (grad_sync.py). Each action's start and end are recorded for tracing.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autoshard.errors import ShardingError
+from autoshard.module_paths import assign_attr, fetch_attr, has_attr
+from autoshard.passes.stages import StageGraph
+from autoshard.runtime.batching import TARGETS, pick_loss, split_batch
+from autoshard.runtime.grad_sync import all_reduce_buckets, clip_grads, global_grad_norm
+from autoshard.runtime.loss_tokens import loss_tokens
+from autoshard.runtime.mesh import MeshGroups, ParallelDims
+from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
+from autoshard.runtime.schedules import Action, stage_index, stage_owner
+from autoshard.runtime.trace import ActionRecord
+
+__all__ = ["MeshRuntime", "ProgramView", "RankView"]
+
+
+class RankView(Protocol):
+    """What the runtime uses of one tensor-parallel rank's program (compile/rank.py's RankProgram)."""
+
+    training: bool
+
+    def bind(self, comm: object) -> "RankView": ...
+    def bind_inputs(self, args: tuple, kwargs: dict) -> dict[str, object]: ...
+    def graph_for(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list, object]: ...
+    def graph_modules(self) -> list[fx.GraphModule]: ...
+    def set_tensors(self, values: dict[str, torch.Tensor]) -> None: ...
+    def train(self, mode: bool = True) -> nn.Module: ...
+
+
+class ProgramView(Protocol):
+    """What the runtime uses of a compiled program (compile/program.py's ShardedProgram)."""
+
+    dims: ParallelDims
+    virtual: int
+    microbatches: int
+    example_inputs: dict[str, object]
+    shared_params: dict[tuple[int, ...], list[str]]
+
+    def rank(self, r: int) -> RankView: ...
+    def stage_graphs(self, gm: fx.GraphModule) -> list[StageGraph]: ...
+    def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float: ...
+
+
+class MeshRuntime(nn.Module):
+    """This process's part of a tp x pp x dp program: its chunks (one stage each; all of the model
+    without pipelining), its groups and its schedule; see `ShardedProgram.distributed`.
+
+    `named_parameters()` lists only the parameters this rank holds, under the model's names; give
+    them to any torch.optim optimizer.
+    """
+
+    def __init__(self, prog: ProgramView, rank: int, groups: MeshGroups, schedule: list[list[Action]]):
+        super().__init__()
+        self.dims: ParallelDims = prog.dims
+        self.global_rank = rank
+        self.pp_rank, self.dp_rank, self.tp_rank = self.dims.coords(rank)
+        self.groups, self.virtual, self.microbatches = groups, prog.virtual, prog.microbatches
+        self.n_stages = self.dims.pp * self.virtual
+        self.actions = schedule[self.pp_rank]
+        self.records: list[ActionRecord] = []
+        self.last_grad_norm: torch.Tensor | None = None
+        program = prog.rank(self.tp_rank).bind(groups.tp)
+        self._prog = prog
+        # not a submodule: this runtime registers the tensors its chunks read itself (below)
+        object.__setattr__(self, "_program", program)
+        self._chunks: dict[int, list[tuple[StageGraph, fx.GraphModule]]] = {}   # id(rank graph) -> chunks
+        self.training = program.training
+        self._tokens: dict[int, object] = {}        # id(rank graph) -> LossTokens | None
+        gm, _, _ = program.graph_for((), prog.example_inputs)
+        for _, chunk in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
+            for n in chunk.graph.nodes:
+                value = fetch_attr(chunk, n.target) if n.op == "get_attr" else None
+                if isinstance(value, torch.Tensor) and not has_attr(self, n.target):
+                    assign_attr(self, n.target, value)
+        self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
+        self.transfer = Transfer(self.n_stages, self.device)
+
+    def train(self, mode: bool = True) -> "MeshRuntime":
+        """Training or evaluation mode, for this runtime and its rank program's graphs."""
+        super().train(mode)
+        self._program.train(mode)
+        return self
+
+    # ---- building ----------------------------------------------------------------------------
+    def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule]]:
+        if id(gm) not in self._chunks:
+            stages = self._prog.stage_graphs(gm)
+            mine = [stages[stage_index(self.pp_rank, c, self.dims.pp)] for c in range(self.virtual)]
+            self._chunks[id(gm)] = [(sg, fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}"))
+                                    for sg in mine]
+        return self._chunks[id(gm)]
+
+    def _rank_of_stage(self, stage: int) -> int:
+        return self.dims.rank_of(stage_owner(stage, self.dims.pp)[0], self.dp_rank, self.tp_rank)
+
+    def _chunk_modules(self) -> list[fx.GraphModule]:
+        return [gm for chunks in self._chunks.values() for _, gm in chunks]
+
+    def graph_modules(self) -> list[fx.GraphModule]:
+        return self._chunk_modules() + self._program.graph_modules()
+
+    def set_tensors(self, values: dict[str, torch.Tensor]) -> None:
+        """Replace parameters or buffers by name in this runtime, its chunks and its rank program."""
+        for name, value in values.items():
+            for root in [self] + self._chunk_modules():
+                if has_attr(root, name):
+                    assign_attr(root, name, value)
+        self._program.set_tensors(values)
+        self.device = self.transfer.device = next(self.parameters()).device
+
+    # ---- one step ----------------------------------------------------------------------------
+    def train_step(self, *args, max_norm: float | None = None,
+                   loss_fn: Callable[[object, object], torch.Tensor] | None = None, targets: object = None,
+                   loss_reduction: str = "mean", ignore_index: int = -100, **kwargs) -> torch.Tensor:
+        """Forward and backward of one global batch (every rank passes the same batch; data-parallel
+        rank d trains on its d-th slice, cut into microbatches); gradients are accumulated into
+        `.grad`, synchronised, and clipped to `max_norm` if given. Returns the batch's loss on
+        every rank. Call your optimizer's `step()` after it.
+
+        The loss is the model's own (`.loss`, or its one scalar output), or `loss_fn(outputs,
+        targets)` on the last stage, with `targets` (tensors batched like the inputs) cut into the
+        same microbatches. A model whose loss is a mean cross-entropy (Hugging Face's, F.cross_entropy)
+        is averaged per token over the whole global batch, as on one device: microbatch i's mean
+        counts n_i / N, n_i its tokens whose label is not ignored, N their sum over all microbatches
+        and data-parallel ranks. `loss_fn` declares its normalization with `loss_reduction`: "sum"
+        (it returns the sum over its tokens; the step divides by the global count of targets not
+        equal to `ignore_index`, so the result is the per-token mean) or "mean" (a mean over the
+        microbatch's samples; the step averages the microbatches' means, which equals the per-token
+        mean only when every microbatch counts the same tokens). Any other loss of the model is
+        averaged over microbatches the same way."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ShardingError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_reduction == "sum" and loss_fn is None:
+            raise ShardingError("loss_reduction='sum' describes a loss_fn; the model's own loss is counted per token "
+                                "when it is a mean cross-entropy")
+        if loss_fn is None and targets is not None:     # the model's own input (nanoGPT's `targets`)
+            kwargs["targets"] = targets
+        named = self._program.bind_inputs(args, kwargs)
+        if "num_items_in_batch" in named and named["num_items_in_batch"] is not None:
+            raise ShardingError("train_step averages the loss over the global batch's tokens itself; drop "
+                                "num_items_in_batch (it would divide each microbatch's sum by it again)")
+        if loss_fn is not None:
+            named = {**named, TARGETS: targets}
+        mine = split_batch(named, self.dims.dp, "dp")[self.dp_rank]
+        micro = split_batch(mine, self.microbatches, "microbatches")
+        goals = [mb.pop(TARGETS, None) for mb in micro]
+
+        def loss_of(outputs: object, i: int) -> torch.Tensor:
+            return loss_fn(outputs, goals[i]) if loss_fn is not None else pick_loss(outputs)
+        flats = []
+        for mb in micro:
+            gm, flat, out_spec = self._program.graph_for((), mb)
+            flats.append(flat)
+        scales, per_token = self._loss_scales(gm, flats, goals, loss_fn, loss_reduction, ignore_index)
+        chunks = self._chunks_for(gm)
+        losses = self._run(chunks, flats, out_spec, loss_of, scales)
+        self.transfer.wait_sends()
+        self._sync_grads(max_norm, 1.0 if per_token else 1.0 / self.dims.dp)
+        total = torch.zeros((), device=self.device)
+        if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
+            total = torch.stack(losses).sum() / (1 if per_token else self.dims.dp)
+        dist.all_reduce(total)          # the last stages' parts, on every rank
+        return total
+
+    def _loss_scales(self, gm: fx.GraphModule, flats: list[list], goals: list, loss_fn, reduction: str,
+                     ignore_index: int) -> tuple[list[torch.Tensor | float], bool]:
+        """Each microbatch's loss factor, and whether they average per token over the global batch
+        (then they already sum to one over all data-parallel ranks)."""
+        m = self.microbatches
+        if loss_fn is None:
+            if id(gm) not in self._tokens:
+                self._tokens[id(gm)] = loss_tokens(gm)
+            counter = self._tokens[id(gm)]
+            if counter is None:
+                return [1.0 / m] * m, False
+            counts = [counter.count(*flat).to(torch.float64) for flat in flats]
+        elif reduction == "sum":
+            counts = [sum(((t != ignore_index).sum() for t in pytree.tree_leaves(goal)
+                           if isinstance(t, torch.Tensor)), torch.zeros((), dtype=torch.int64)).to(torch.float64)
+                      for goal in goals]
+        else:
+            return [1.0 / m] * m, False
+        counts_t = torch.stack(counts).to(self.device)
+        total = counts_t.sum()
+        if self.dims.dp > 1:
+            dist.all_reduce(total, group=self.groups.dp)
+        if loss_fn is None:        # the model's mean over n_i tokens, weighted n_i / N
+            return [c / total for c in counts_t], True
+        return [1.0 / total] * m, True       # loss_fn's sum, over N
+
+    def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec,
+             loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
+        """Runs the schedule; returns the last stage's scaled microbatch losses. A microbatch whose
+        scale is 0 (no token counted: its mean is 0/0) adds nothing and back-propagates nothing."""
+        last = self.n_stages - 1
+        saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        losses, origin = [], time.time()
+        self.records = []
+        for a in self.actions:
+            stage, i = a.stage(self.pp_rank, self.dims.pp), a.microbatch
+            start = time.time()
+            if a.kind == "F":
+                received = []
+                if stage > 0:
+                    received = self.transfer.recv_forward(len(chunks[a.chunk][0].receives),
+                                                          self._rank_of_stage(stage - 1), stage, i)
+                    received = [t.requires_grad_() if t.is_floating_point() else t for t in received]
+                    start = time.time()           # waiting for the previous stage is idle time
+                outs = list(chunks[a.chunk][1](*flats[i], *received))
+                if stage == last:
+                    loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
+                    scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
+                    empty = isinstance(scale, torch.Tensor) and not bool(scale)
+                    outs = [torch.zeros_like(loss) if empty else loss * scale]
+                    losses.append(outs[0].detach().to(self.device, torch.float32))
+                else:
+                    self.transfer.send(outs, self._rank_of_stage(stage + 1), stage, i, FORWARD)
+                saved[(stage, i)] = (outs, received)
+            else:
+                outs, received = saved.pop((stage, i))
+                if stage == last:
+                    if outs[0].requires_grad:
+                        torch.autograd.backward(outs[0])
+                else:
+                    sent = [o for o in outs if o.is_floating_point()]
+                    grads = self.transfer.recv_backward(sent, self._rank_of_stage(stage + 1), stage, i)
+                    start = time.time()
+                    pairs = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if stage > 0:
+                    back = [t.grad if t.grad is not None else torch.zeros_like(t)
+                            for t in received if t.is_floating_point()]
+                    self.transfer.send(back, self._rank_of_stage(stage - 1), stage, i, BACKWARD)
+            self.records.append(ActionRecord(self.global_rank, self.pp_rank, stage, a, start - origin, time.time() - origin))
+        return losses
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def _sync_grads(self, max_norm: float | None, dp_scale: float) -> None:
+        params = dict(self.named_parameters())
+        for p in params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for pps, group in self.groups.shared.items():     # tied weights: sum the stages' parts
+            for name in self._prog.shared_params.get(pps, []):
+                if name in params:
+                    dist.all_reduce(params[name].grad, group=group)
+        if self.dims.dp > 1:
+            all_reduce_buckets([p.grad for p in params.values()], self.groups.dp, dp_scale)
+        if max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(max_norm)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients by the global norm over all tp x pp x dp ranks; returns the norm."""
+        weighted = [(p.grad, self._prog.param_weight(name, self.tp_rank)) for name, p in self.named_parameters()
+                    if p.grad is not None]
+        norm = global_grad_norm(weighted, self.dims)
+        clip_grads([g for g, _ in weighted], norm, max_norm)
+        return norm

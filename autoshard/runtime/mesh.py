@@ -1,0 +1,72 @@
+"""The device mesh: tp x dp x pp ranks, their coordinates and their process groups.
+
+Global rank order is Megatron's: tensor-parallel ranks are adjacent (they exchange the most bytes,
+so they share a node), then data-parallel, then pipeline:
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from autoshard.errors import require_positive_int
+
+__all__ = ["ParallelDims", "MeshGroups"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            require_positive_int(name, getattr(self, name))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} out of range for world size {self.world_size} "
+                             f"(tp={self.tp} x dp={self.dp} x pp={self.pp})")
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+
+
+class MeshGroups:
+    """This process's groups. Every rank creates every group, in the same order, as
+    torch.distributed requires; each keeps the ones it belongs to.
+
+    tp: its tensor-parallel ranks. dp: the ranks holding the same shards in other data-parallel
+    replicas. shared[ranks]: for each set of pipeline ranks that hold one parameter (a tied
+    embedding: first and last stage), the group of those ranks at this (dp, tp) position.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int, shared_pp_sets: list[tuple[int, ...]]):
+        self.dims, self.rank = dims, rank
+        p, d, t = dims.coords(rank)
+        self.tp = self._make([[dims.rank_of(i, j, k) for k in range(dims.tp)]
+                              for i in range(dims.pp) for j in range(dims.dp)])
+        self.dp = self._make([[dims.rank_of(i, j, k) for j in range(dims.dp)]
+                              for i in range(dims.pp) for k in range(dims.tp)])
+        self.shared: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for pps in sorted(set(shared_pp_sets)):
+            group = self._make([[dims.rank_of(i, j, k) for i in pps] for j in range(dims.dp) for k in range(dims.tp)])
+            if p in pps:
+                self.shared[pps] = group
+
+    def _make(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine

@@ -1,0 +1,135 @@
+"""Schedule timelines: a Chrome trace (open in Perfetto or chrome://tracing) and a PNG picture.
+
+Both take `ActionRecord`s: the executor's measured ones (`MeshRuntime.records`, gathered from
+every rank by `export_trace`) or a schedule's unit-cost run (`records_of(check(...))`). The PNG has
+one row per pipeline rank, time to the right; forwards are blue, backwards green, a darker shade
+for each later chunk, and each box is labelled with its microbatch number. It is drawn with the
+standard library alone (zlib), so no plotting package is needed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from autoshard.runtime.json_gather import all_gather_json
+from autoshard.runtime.schedules import Action, Timeline
+
+__all__ = ["ActionRecord", "records_of", "chrome_trace", "write_png", "text_timeline", "export_trace"]
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One action as it ran: global rank, pipeline rank (the picture's row), stage, start, end (s)."""
+    rank: int
+    row: int
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+def records_of(timeline: Timeline, seconds_per_unit: float = 1.0) -> list[ActionRecord]:
+    pp = len(timeline.spans)
+    return [ActionRecord(r, r, a.stage(r, pp), a, s * seconds_per_unit, e * seconds_per_unit)
+            for r, row in enumerate(timeline.spans) for a, s, e in row]
+
+
+def chrome_trace(records: list[ActionRecord]) -> dict:
+    """Chrome trace-event JSON: one process per global rank, one complete event per action."""
+    t0 = min(r.start for r in records)
+    events = [{"name": f"{r.action.kind} mb{r.action.microbatch}", "cat": "forward" if r.action.kind == "F" else "backward",
+               "ph": "X", "pid": r.rank, "tid": r.row, "ts": (r.start - t0) * 1e6, "dur": (r.end - r.start) * 1e6,
+               "args": {"stage": r.stage, "chunk": r.action.chunk, "microbatch": r.action.microbatch}}
+              for r in records]
+    events += [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+               for rank in sorted({r.rank for r in records})]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+_DIGITS = ["111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
+           "111100111001111", "111100111101111", "111001001001001", "111101111101111", "111101111001111"]
+
+
+def _shade(kind: str, chunk: int, chunks: int) -> tuple[int, int, int]:
+    base = (66, 133, 244) if kind == "F" else (52, 168, 83)
+    k = 1.0 - 0.45 * chunk / max(chunks - 1, 1)
+    return tuple(int(c * k) for c in base)
+
+
+def write_png(records: list[ActionRecord], path: str, width: int = 1200, row_height: int = 28) -> None:
+    """Draw one row per pipeline rank (`ActionRecord.row`); rows of equal `row` from several
+    tensor- or data-parallel ranks are drawn from the first of them."""
+    rows = sorted({r.row for r in records})
+    first = {row: min(r.rank for r in records if r.row == row) for row in rows}
+    shown = [r for r in records if r.rank == first[r.row]]
+    t0, t1 = min(r.start for r in shown), max(r.end for r in shown)
+    chunks = max(r.action.chunk for r in shown) + 1
+    height = row_height * len(rows) + 8
+    img = [[(255, 255, 255)] * width for _ in range(height)]
+    scale = (width - 8) / max(t1 - t0, 1e-12)
+    for r in shown:
+        y0 = 4 + rows.index(r.row) * row_height
+        x0, x1 = 4 + int((r.start - t0) * scale), 4 + max(int((r.end - t0) * scale) - 1, int((r.start - t0) * scale) + 1)
+        for y in range(y0 + 2, y0 + row_height - 2):
+            img[y][x0:x1] = [_shade(r.action.kind, r.action.chunk, chunks)] * (x1 - x0)
+        _label(img, str(r.action.microbatch), x0, x1, y0 + row_height // 2)
+    raw = b"".join(b"\x00" + bytes(c for px in line for c in px) for line in img)
+    def chunk(tag: bytes, data: bytes) -> bytes:      # noqa: E306
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    with open(path, "wb") as fh:
+        fh.write(png)
+
+
+def _label(img, text: str, x0: int, x1: int, ymid: int, px: int = 2) -> None:
+    w = len(text) * 4 * px - px
+    if x1 - x0 < w + 4:
+        return
+    x = x0 + (x1 - x0 - w) // 2
+    for ch in text:
+        bits = _DIGITS[int(ch)]
+        for i, b in enumerate(bits):
+            if b == "1":
+                for dy in range(px):
+                    for dx in range(px):
+                        img[ymid - 5 * px // 2 + (i // 3) * px + dy][x + (i % 3) * px + dx] = (255, 255, 255)
+        x += 4 * px
+
+
+def export_trace(records: list[ActionRecord], prefix: str) -> None:
+    """Gather every rank's records (inside torchrun) and write `prefix`.json and `prefix`.png on rank 0."""
+    everyone = [records]
+    if dist.is_initialized():
+        rows = [[r.rank, r.row, r.stage, r.action.kind, r.action.chunk, r.action.microbatch, r.start, r.end]
+                for r in records]
+        everyone = [[ActionRecord(a, b, c, Action(k, ch, m), s, e) for a, b, c, k, ch, m, s, e in part]
+                    for part in all_gather_json(rows)]
+        if dist.get_rank() != 0:
+            return
+    flat = [r for part in everyone for r in part]
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    with open(prefix + ".json", "w") as fh:
+        json.dump(chrome_trace(flat), fh)
+    write_png(flat, prefix + ".png")
+
+
+
+def text_timeline(timeline: Timeline) -> str:
+    """A unit-cost timeline as text: one row per rank, one column per step; F/B for chunk 0,
+    f/b for chunk 1 (then G/C ...), the microbatch number after it, `..` when idle."""
+    letters = ["FB", "fb", "GC", "gc"]
+    lines = []
+    for r, row in enumerate(timeline.spans):
+        cells = [".  "] * int(timeline.makespan)
+        for a, start, _ in row:
+            kind = letters[a.chunk % len(letters)][0 if a.kind == "F" else 1]
+            cells[int(start)] = f"{kind}{a.microbatch:<2}"
+        lines.append(f"rank {r} | " + "".join(cells).rstrip())
+    return "\n".join(lines)
+

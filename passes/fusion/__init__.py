@@ -1,0 +1,1 @@
+"""Fusion: subgraph patterns (a table) replaced by autoshard.kernels' fused ops."""

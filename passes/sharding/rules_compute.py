@@ -1,0 +1,231 @@
+"""Rules for ops that compute: elementwise arithmetic, matmuls against parameters, attention, norms.
+
+A matmul against a parameter whose input is replicated starts a column-parallel region (its output
+features are sharded); one whose input is sharded on the contraction dim is the row-parallel end
+of that region (partial sums, reduced by g). Everything between must be in this table.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.errors import ShardingError
+from autoshard.passes.sharding.index_sets import is_partition, token_tiles
+from autoshard.passes.sharding.placement import (
+    REPLICATE,
+    Abandon,
+    ColumnInput,
+    GatherTokens,
+    NodeSharding,
+    Origin,
+    ParamUse,
+    Restrict,
+    RowParallel,
+    Shard,
+)
+from autoshard.passes.sharding.rule_context import RuleContext
+from autoshard.passes.sharding.rules_attention import activation_matmul
+from autoshard.passes.sharding.rules_shape import moved, norm_dim, sharded_inputs
+
+__all__ = ["COMPUTE_RULES", "row_parallel_error"]
+
+
+def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None, object]]) -> NodeSharding:
+    """Elementwise alignment of (arg index, list item, value) operands broadcast to the node's rank."""
+    out_nd = len(ctx.shape(node))
+    shards = [(ctx.place(v), len(ctx.shape(v))) for _, _, v in tensors]
+    lead = next(((p, nd) for p, nd in shards if isinstance(p, Shard)), None)
+    if lead is None:
+        return NodeSharding(REPLICATE)
+    p0, nd0 = lead
+    od = p0.dim + out_nd - nd0
+    roots = frozenset().union(*(p.roots for p, _ in shards if isinstance(p, Shard)))
+    res = NodeSharding(Shard(od, p0.size, p0.layout, roots, p0.origin))
+    for (arg, item, v), (p, nd) in zip(tensors, shards):
+        d = od - (out_nd - nd)
+        if isinstance(p, Shard):
+            if p.dim != d or p.layout != p0.layout:
+                raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
+            continue
+        if d < 0 or ctx.shape(v)[d] == 1:
+            continue  # broadcast along the sharded dim
+        if p0.size != int(ctx.shape(v)[d]):
+            raise Abandon(roots, f"{ctx.where(node)} would cut a replicated operand at padded positions")
+        prm = ctx.param(v)
+        if prm is not None and not prm[1]:
+            res.params.append(ParamUse(prm[0], d, p0.layout))
+        else:
+            res.edits.append(Restrict(arg, d, p0.layout, item=item))
+    return res
+
+
+def elementwise(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    tensors = [(i, None, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node) and "val" in a.meta
+               and hasattr(a.meta["val"], "shape")]
+    return _align(ctx, node, tensors)
+
+
+def cat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    items = [(0, i, a) for i, a in enumerate(node.args[0])]
+    res = _align(ctx, node, items)
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    if isinstance(res.placement, Shard) and res.placement.dim == dim:
+        raise Abandon(res.placement.roots, f"{ctx.where(node)} concatenates along a sharded dim")
+    return res
+
+
+def stack(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """stack(tensors, dim): the items (all one shape) aligned as cat aligns them; the output has a
+    new dim at `dim`, so an item's sharded dim d is the output's d, or d + 1 from `dim` on."""
+    res = _align(ctx, node, [(0, i, a) for i, a in enumerate(node.args[0])])
+    p = res.placement
+    if not isinstance(p, Shard):
+        return res
+    new = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    item_dim = p.dim - 1                  # _align placed it as if broadcast from the right
+    res.placement = moved(p, item_dim + (1 if item_dim >= new else 0))
+    return res
+
+
+def _reduce_over(ctx: RuleContext, node: fx.Node, dims: list[int], keepdim: bool) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(node.args[0]))
+    dims = [norm_dim(d, nd) for d in dims] if dims else list(range(nd))
+    if p.dim in dims:
+        raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
+    d = p.dim if keepdim else p.dim - sum(1 for x in dims if x < p.dim)
+    return NodeSharding(Shard(d, p.size, p.layout, p.roots, p.origin))
+
+
+def reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return _reduce_over(ctx, node, dims, bool(keep))
+
+
+def softmax(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    return _reduce_over(ctx, node, [node.args[1]], True)
+
+
+def layer_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    nd = len(ctx.shape(node))
+    k = len(node.args[1])
+    return _reduce_over(ctx, node, list(range(nd - k, nd)), True)
+
+
+def row_parallel_error(ctx: RuleContext, node: fx.Node, p: Shard) -> Exception:
+    return ShardingError(
+        f"tp={ctx.tp} cannot split the input of {ctx.where(node)}: its {p.size} features would be "
+        f"shared between ranks (blocks fewer than ranks), so the row-parallel sum would count them "
+        f"twice. The attention heads (or blocks) feeding it must be divisible by tp={ctx.tp}; they come from "
+        f"{', '.join(ctx.where(r) for r in sorted(p.roots))}. Key/value heads fewer than tp can be shared "
+        f"by ranks; query heads cannot.")
+
+
+def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out_dim: int,
+                  bias_arg: int | None) -> NodeSharding:
+    """x @ W with W a parameter; `w_out_dim` is W's output-feature dim (0 for linear, 1 for mm)."""
+    x = node.args[x_arg]
+    w_name, transposed = ctx.param(node.args[w_arg])
+    w_out = w_out_dim ^ int(transposed)   # dim of the stored parameter
+    bias = node.args[bias_arg] if bias_arg is not None and len(node.args) > bias_arg else None
+    b_name = ctx.param(bias)[0] if bias is not None and ctx.param(bias) is not None else None
+    p = ctx.place(x)
+    nd = len(ctx.shape(node))
+    gather = None
+    if isinstance(p, Shard) and p.dim != len(ctx.shape(x)) - 1 and ctx.options.sequence_parallel:
+        outer = token_tiles(p.layout, p.size, ctx.tp)
+        if outer is None:
+            raise Abandon(p.roots, f"{ctx.where(node)}: sequence shards not in rank order")
+        gather = GatherTokens(x_arg, p.dim, outer)   # sequence-parallel tokens: gather them
+        ctx.note_tokens(node, x, p)
+        p = REPLICATE
+    if not isinstance(p, Shard):
+        size = int(ctx.shape(node)[-1])
+        found = ctx.root_layout(node, size, (w_name, w_out))
+        if found is None or (bias is not None and b_name is None):
+            # a replicated matmul on sequence shards: gather the tokens, compute the same everywhere
+            keep = GatherTokens(gather.arg, gather.dim, gather.outer, reduce_grads=False) if gather else None
+            return NodeSharding(REPLICATE, edits=[keep] if keep is not None else [])
+        layout, padded = found
+        res = NodeSharding(Shard(nd - 1, padded or size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
+                           role="column", edits=[e for e in (gather, ColumnInput(x_arg)) if e is not None])
+        res.params.append(ParamUse(w_name, w_out, layout, padded))
+        if b_name is not None:
+            res.params.append(ParamUse(b_name, 0, layout, padded))
+        return res
+    if p.dim != len(ctx.shape(x)) - 1:  # a token dim: every row is computed where it lives
+        return NodeSharding(Shard(p.dim, p.size, p.layout, p.roots, p.origin))
+    if not is_partition(p.layout, p.size):
+        raise row_parallel_error(ctx, node, p)
+    tokens = ctx.tokens_for(node, p.roots) if ctx.options.sequence_parallel else None
+    scatter = None
+    out_place = REPLICATE
+    if tokens is not None:      # end the region with a reduce-scatter onto the sequence shards
+        dim, seq = tokens
+        scatter = (dim, token_tiles(seq.layout, seq.size, ctx.tp))
+        out_place = Shard(dim, seq.size, seq.layout, seq.roots, None)
+    res = NodeSharding(out_place, role="row",
+                       edits=[RowParallel(bias_arg if bias is not None else None, scatter=scatter)])
+    w_size = int(ctx.shape(node.args[w_arg])[1 - w_out ^ int(transposed)])
+    res.params.append(ParamUse(w_name, 1 - w_out, p.layout, p.size if p.size != w_size else None))
+    return res
+
+
+def linear(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    if ctx.param(node.args[1]) is None:
+        return _activation_matmul(ctx, node, transposed_b=True)
+    return _param_matmul(ctx, node, 0, 1, 0, 2)
+
+
+def addmm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    if ctx.param(node.args[2]) is None or len(ctx.shape(node.args[0])) != 1:
+        return default(ctx, node)
+    return _param_matmul(ctx, node, 1, 2, 1, 0)
+
+
+def mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    b = node.args[1]
+    if ctx.param(b) is not None and len(ctx.shape(b)) == 2:
+        return _param_matmul(ctx, node, 0, 1, 1, None)
+    return _activation_matmul(ctx, node, transposed_b=False)
+
+
+def _activation_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) -> NodeSharding:
+    if any(len(ctx.shape(x)) < 2 for x in node.args[:2]):
+        return default(ctx, node)
+    return activation_matmul(ctx, node, transposed_b=transposed_b)
+
+
+def sym_size(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if isinstance(p, Shard) and norm_dim(node.args[1], len(ctx.shape(node.args[0]))) == p.dim:
+        raise Abandon(p.roots, f"{ctx.where(node)} reads the size of a sharded dim")
+    return NodeSharding(REPLICATE)
+
+
+def default(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    shards = sharded_inputs(ctx, node)
+    if shards:
+        raise Abandon(frozenset().union(*(p.roots for p in shards)),
+                      f"{ctx.where(node)}: no sharding rule for {node.target}")
+    return NodeSharding(REPLICATE)
+
+
+_ELEMENTWISE = (
+    "add", "sub", "rsub", "mul", "div", "where", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
+    "minimum", "pow", "masked_fill", "__and__", "__or__", "logical_and", "logical_or", "fmod",
+    "remainder", "clamp_min", "clamp_max", "copysign", "atan2", "lerp", "addcmul", "addcdiv",
+    "bitwise_and", "bitwise_or", "hypot", "xlogy", "gelu_backward", "threshold",
+)
+
+COMPUTE_RULES = {
+    **{name: elementwise for name in _ELEMENTWISE},
+    "cat": cat, "stack": stack, "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
+    "var": reduction, "std": reduction, "prod": reduction, "_softmax": softmax, "softmax": softmax,
+    "log_softmax": softmax, "_log_softmax": softmax, "layer_norm": layer_norm,
+    "native_layer_norm": layer_norm, "rms_norm": layer_norm, "linear": linear, "addmm": addmm,
+    "mm": mm, "matmul": mm, "bmm": mm, "sym_size": sym_size,
+}

@@ -1,0 +1,266 @@
+"""Rules for ops that move, cut or join dims without arithmetic: views, transposes, splits, cat."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.passes.graph_reading import op_name
+from autoshard.passes.sharding.index_sets import compress, expand, local_size, tile, untile, window
+from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
+from autoshard.passes.sharding.rule_context import RuleContext
+from autoshard.passes.sharding.shape_algebra import map_reshape_dim
+
+__all__ = ["SHAPE_RULES", "sharded_inputs", "norm_dim", "moved"]
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def sharded_inputs(ctx: RuleContext, node: fx.Node) -> list[Shard]:
+    out = []
+    for a in node.all_input_nodes:
+        p = ctx.place(a)
+        if isinstance(p, Shard):
+            out.append(p)
+    return out
+
+
+def moved(p: Shard, dim: int, **kw) -> Shard:
+    """`p` at another dim (or with other fields): the same shard of a dim that moved."""
+    fields = dict(dim=dim, size=p.size, layout=p.layout, roots=p.roots, origin=p.origin)
+    fields.update(kw)
+    return Shard(**fields)
+
+
+def passthrough(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """Same shape as the first argument: unary elementwise ops, dropout, casts, contiguous."""
+    return NodeSharding(ctx.place(node.args[0]))
+
+
+def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    src, dst = ctx.shape(node.args[0]), ctx.shape(node)
+    m = map_reshape_dim(src, dst, p.dim, unit_outer=ctx.prefers_unit_outer(node))
+    if m is not None and not ctx.prefers_unit_outer(node):
+        other = map_reshape_dim(src, dst, p.dim, unit_outer=True)
+        if other is not None and other.out_dim != m.out_dim:
+            ctx.note_alternative(node, p.roots)
+    if m is None or not dst[m.out_dim].is_Integer:
+        raise Abandon(p.roots, f"{ctx.where(node)} reshapes sharded dim {p.dim} of {src} into {dst}")
+    flat = tile(expand(p.layout, m.in_inner), m.outer, m.in_size * m.in_inner)
+    out_layout = compress(flat, m.out_inner)
+    inner_dims = [j for j in range(m.out_dim + 1, len(dst)) if dst[j] != 1]
+    if out_layout is None and m.in_inner == 1 and m.outer == 1 and inner_dims and dst[m.out_dim].is_Integer \
+            and int(dst[m.out_dim]) > 1:
+        # [B*T] tokens in B tiles -> [B, T]: the shard moves to the token dim (sequence parallelism)
+        per = untile(p.layout, int(dst[m.out_dim]), m.out_inner)
+        j = inner_dims[0]
+        if per is not None and dst[j].is_Integer and m.out_inner == int(dst[j]):
+            local = local_size(per)
+            sizes = node.args[1]
+            lit = sizes[j] if len(sizes) == len(dst) else None
+            if isinstance(lit, int):
+                edits = [ArgEdit(1, (local,) * ctx.tp, item=j)] if lit != -1 else []
+                return NodeSharding(Shard(j, int(dst[j]), per, p.roots, None), edits=edits)
+    if out_layout is None:
+        if m.out_inner % m.in_inner:
+            raise Abandon(p.roots, f"{ctx.where(node)} splits sharded dim {p.dim} off-block")
+        ctx.require_granularity(p.origin, p.size, m.out_inner // m.in_inner, p.roots,
+                                f"{ctx.where(node)} views dim {p.dim} ({p.size}) in blocks of "
+                                f"{m.out_inner // m.in_inner}")
+        raise AssertionError("require_granularity returns only when the layout already fits")
+    origin = None
+    if p.origin is not None and m.out_inner % m.in_inner == 0 and m.outer == 1:
+        origin = Origin(p.origin.root, p.origin.offset, p.origin.scale * (m.out_inner // m.in_inner))
+    local = local_size(out_layout)
+    if local is None:
+        raise Abandon(p.roots, f"{ctx.where(node)}: ranks would hold different sizes")
+    padded = p.size != int(src[p.dim])
+    if padded and not m.in_inner == m.out_inner == m.outer == 1:
+        raise Abandon(p.roots, f"{ctx.where(node)} regroups a padded sharded dim")
+    size = p.size if padded else int(dst[m.out_dim])
+    out = Shard(m.out_dim, size, out_layout, p.roots, origin)
+    sizes = node.args[1]
+    edits = []
+    lit = sizes[m.out_dim] if len(sizes) == len(dst) else None
+    if isinstance(lit, fx.Node) or lit is None:
+        raise Abandon(p.roots, f"{ctx.where(node)}: size of sharded dim {m.out_dim} is not a literal")
+    if lit != -1:
+        edits.append(ArgEdit(1, (local,) * ctx.tp, item=m.out_dim))
+    return NodeSharding(out, edits=edits)
+
+
+def expand_rule(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    sizes = node.args[1]
+    od = p.dim + len(sizes) - len(ctx.shape(node.args[0]))
+    lit = sizes[od]
+    edits = []
+    if isinstance(lit, fx.Node):
+        raise Abandon(p.roots, f"{ctx.where(node)}: expand size of sharded dim is symbolic")
+    if lit != -1:
+        edits.append(ArgEdit(1, (local_size(p.layout),) * ctx.tp, item=od))
+    return NodeSharding(moved(p, od), edits=edits)
+
+
+def transpose(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(node))
+    if node.target.__name__.startswith("t."):
+        a, b = 0, 1
+    else:
+        a, b = norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)
+    d = b if p.dim == a else a if p.dim == b else p.dim
+    return NodeSharding(moved(p, d))
+
+
+def permute(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    dims = [norm_dim(d, len(node.args[1])) for d in node.args[1]]
+    return NodeSharding(moved(p, dims.index(p.dim)))
+
+
+def flatten(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """flatten(x, start, end) merges dims start..end: a sharded dim outside them moves; one inside is
+    refused (the shard would be regrouped; a view with literal sizes goes through `reshape`)."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(node.args[0]))
+    start = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    end = norm_dim(node.args[2] if len(node.args) > 2 else -1, nd)
+    if start <= p.dim <= end and start != end:
+        raise Abandon(p.roots, f"{ctx.where(node)} flattens sharded dim {p.dim} with dims {start}..{end}")
+    return NodeSharding(moved(p, p.dim - (end - start) if p.dim > end else p.dim))
+
+
+def unsqueeze(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    k = norm_dim(node.args[1], len(ctx.shape(node)))
+    return NodeSharding(moved(p, p.dim + (1 if k <= p.dim else 0)))
+
+
+def squeeze(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    src = ctx.shape(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else list(range(len(src)))
+    dims = [dims] if isinstance(dims, int) else dims
+    gone = {norm_dim(d, len(src)) for d in dims if src[norm_dim(d, len(src))] == 1}
+    return NodeSharding(moved(p, p.dim - sum(1 for g in gone if g < p.dim)))
+
+
+def select(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    d = norm_dim(node.args[1], len(ctx.shape(node.args[0])))
+    if d == p.dim:
+        raise Abandon(p.roots, f"{ctx.where(node)} selects one index of a sharded dim")
+    return NodeSharding(moved(p, p.dim - (1 if d < p.dim else 0)))
+
+
+def _pieces(ctx: RuleContext, node: fx.Node, p: Shard, bounds: list[tuple[int, int]]) -> list[Shard]:
+    """Cut the sharded dim at `bounds`: each piece must be spread evenly over the ranks."""
+    cuts = sorted({a for a, _ in bounds} | {b for _, b in bounds})
+    ctx.require_cuts(p.origin, cuts, p.size, p.roots, f"{ctx.where(node)} cuts sharded dim {p.dim} at {cuts}")
+    out = []
+    for a, b in bounds:
+        lay = window(p.layout, a, b)
+        if local_size(lay) is None:
+            raise Abandon(p.roots, f"{ctx.where(node)}: piece [{a}, {b}) is not spread evenly")
+        org = p.origin and Origin(p.origin.root, p.origin.offset + a * p.origin.scale, p.origin.scale)
+        out.append(Shard(p.dim, b - a, lay, p.roots, org))
+    return out
+
+
+def _held_before(p: Shard, r: int, pos: int) -> int:
+    return sum(max(0, min(b, pos) - a) for a, b in p.layout[r])
+
+
+def slice_rule(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    nd = len(ctx.shape(node.args[0]))
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    if d != p.dim:
+        return NodeSharding(p)
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else p.size
+    step = node.args[4] if len(node.args) > 4 else 1
+    if not all(isinstance(v, int) for v in (start, end, step)) or step != 1:
+        raise Abandon(p.roots, f"{ctx.where(node)} slices a sharded dim with a step or symbolic bounds")
+    start, end = (norm_dim(start, p.size), min(norm_dim(end, p.size), p.size))
+    if (start, end) == (0, p.size):
+        return NodeSharding(p)
+    (piece,) = _pieces(ctx, node, p, [(start, end)])
+    edits = [ArgEdit(2, tuple(_held_before(p, r, start) for r in range(ctx.tp))),
+             ArgEdit(3, tuple(_held_before(p, r, end) for r in range(ctx.tp)))]
+    return NodeSharding(piece, edits=edits)
+
+
+def split(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    n_out = len(node.meta["val"])
+    if not isinstance(p, Shard):
+        return NodeSharding((REPLICATE,) * n_out)
+    nd = len(ctx.shape(node.args[0]))
+    d = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+    if d != p.dim:
+        return NodeSharding((p,) * n_out)
+    sizes = [int(t.shape[d]) for t in node.meta["val"]]
+    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+    pieces = _pieces(ctx, node, p, bounds)
+    local = [local_size(q.layout) for q in pieces]
+    if op_name(node.target) == "chunk":        # chunk(x, n): n pieces locally too, if they come out the same
+        if len(set(local)) != 1:
+            raise Abandon(p.roots, f"{ctx.where(node)}: uneven chunks of a sharded dim")
+        return NodeSharding(tuple(pieces))
+    if isinstance(node.args[1], int):
+        if len(set(local)) != 1:
+            raise Abandon(p.roots, f"{ctx.where(node)}: uneven split of a sharded dim")
+        edits = [ArgEdit(1, (local[0],) * ctx.tp)]
+    else:
+        edits = [ArgEdit(1, (v,) * ctx.tp, item=i) for i, v in enumerate(local)]
+    return NodeSharding(tuple(pieces), edits=edits)
+
+
+def getitem(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    src = node.args[0]
+    p = ctx.place(src)
+    if isinstance(p, tuple):
+        return NodeSharding(p[node.args[1]])
+    if isinstance(p, Shard):
+        raise Abandon(p.roots, f"{ctx.where(node)} indexes into a sharded value")
+    return NodeSharding(REPLICATE)
+
+
+# ops whose output has their input's placement (unary, casts, copies): padding-safe too (op_table)
+PASSTHROUGH = (
+    "contiguous", "clone", "alias", "detach", "to", "_to_copy", "type_as", "dropout",
+    "gelu", "silu", "relu", "tanh", "sigmoid", "neg", "exp", "log", "sqrt",
+    "rsqrt", "erf", "abs", "square", "reciprocal", "sin", "cos", "log1p", "expm1",
+    "softplus", "leaky_relu", "elu", "hardtanh", "_assert_tensor_metadata", "lift_fresh_copy",
+    "zeros_like", "ones_like", "empty_like", "full_like", "fill", "clamp", "nan_to_num",
+    "logical_not", "bitwise_not", "sign", "floor", "ceil", "round", "trunc", "scalar_tensor_like",
+)
+
+SHAPE_RULES = {
+    "view": reshape, "reshape": reshape, "_unsafe_view": reshape,
+    "expand": expand_rule, "transpose": transpose, "t": transpose, "permute": permute,
+    "unsqueeze": unsqueeze, "flatten": flatten, "squeeze": squeeze, "select": select, "slice": slice_rule,
+    "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
+    **{name: passthrough for name in PASSTHROUGH},
+}

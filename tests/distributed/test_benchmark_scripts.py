@@ -1,0 +1,31 @@
+"""The GPU benchmark scripts run end to end on the CPU with tiny sizes (their numbers mean nothing
+there; the GPU session runs them for real), so a broken script is caught before device time."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_kernel_benchmark_times_each_case_forward_and_backward_and_checks_agreement():
+    out = _run("kernels.py", "--quick", "--no-compile", "--cases", "bias_gelu_tanh", "layer_norm", "softmax_mask")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "kernel" not in line]
+    cells = [[c.strip() for c in r] for r in rows]
+    assert [(r[0], r[2]) for r in cells] == [(c, p) for c in ("bias_gelu_tanh", "layer_norm", "softmax_mask")
+                                            for p in ("fwd", "fwd+bwd")]
+    agree = {r[0]: r[11] for r in cells}
+    assert agree["bias_gelu_tanh"].startswith("ok") and agree["layer_norm"].startswith("ok")
+    assert agree["softmax_mask"] == "n/a"          # fully masked rows: 0 fused, NaN in torch.softmax
+    assert all(float(r[4]) > 0 and float(r[7]) > 0 for r in cells) and "copy bandwidth measured" in out
+
+
+def test_mfu_benchmark_runs_both_programs():
+    out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1")
+    assert "| autoshard" in out and "| plain" in out and "autoshard / plain step time" in out

@@ -1,0 +1,29 @@
+"""The import graph: no cycles between modules, and subsystems import one way only.
+
+The check reads every `import` in autoshard/, passes/ and kernels/ (function-level and
+TYPE_CHECKING imports included), the same way `python -m autoshard.testing.imports` prints it.
+"""
+from autoshard.testing.imports import ALLOWED, TOP_LEVEL, cycles, import_graph, layer_violations, long_files
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph()) == []
+
+
+def test_subsystems_import_one_way():
+    assert layer_violations(import_graph()) == []
+
+
+def test_every_subsystem_has_a_rule():
+    layers = {m.split(".")[1] for m in import_graph() if m.count(".") >= 1}
+    assert layers <= set(ALLOWED) | TOP_LEVEL, layers - set(ALLOWED) - TOP_LEVEL
+
+
+def test_no_source_file_is_over_300_lines():
+    assert long_files(300) == []
+
+
+def test_the_checker_sees_a_cycle_and_a_backwards_import():
+    graph = {"autoshard.passes.a": {"autoshard.runtime.b"}, "autoshard.runtime.b": {"autoshard.passes.a"}}
+    assert cycles(graph) == [["autoshard.passes.a", "autoshard.runtime.b"]]
+    assert layer_violations(graph) == ["autoshard.passes.a imports autoshard.runtime.b (passes may not import runtime)"]

@@ -1,0 +1,82 @@
+"""The planner: legal splits only, fastest first; autoshard(model, world_size=N) compiles its choice."""
+import pytest
+import torch
+
+from autoshard import ShardingError, autoshard
+from autoshard.models import GPT, GPTConfig
+from autoshard.planning.planner import ModelShape, explain, plan, shape_of
+from autoshard.testing.models import build_model
+
+GPT76B = ModelShape(hidden=10240, layers=60, heads=80, vocab=51200, seq=2048)   # Table 1, 76.1B
+
+
+def test_plans_are_legal_fitting_and_sorted():
+    plans = plan(GPT76B, gpus=1024, global_batch=1792)
+    assert [e.seconds_per_iteration for e in plans] == sorted(e.seconds_per_iteration for e in plans)
+    for e in plans:
+        assert e.fits and e.gpus == 1024 and GPT76B.heads % e.tp == 0 and e.tp <= 8 and e.pp <= GPT76B.layers
+        assert 1792 % e.dp == 0
+    assert (1, 1) not in {(e.tp, e.pp) for e in plans}       # 76B does not fit one GPU
+    assert plans[0].tp == 8 and plans[0].pp == 4             # the paper's split
+
+
+def test_explain_names_what_the_runners_up_lose():
+    text = explain(plan(GPT76B, gpus=1024, global_batch=1792))
+    assert text.startswith("1. tp=8 pp=4") and "slower than 1., mostly in" in text and "3. " in text
+
+
+def test_too_big_a_model_is_refused_with_the_least_memory():
+    with pytest.raises(ValueError, match="no split of 4 GPUs fits .* the least memory is .* GiB at tp=4 pp=1"):
+        plan(GPT76B, gpus=4, global_batch=8)
+
+
+def test_shape_is_read_from_hugging_face_and_nanogpt_configs():
+    hf = build_model("gpt2", layers=3, hidden=64, heads=4)
+    assert shape_of(hf) == ModelShape(hidden=64, layers=3, heads=4, vocab=hf.config.vocab_size,
+                                      seq=hf.config.n_positions)
+    nano = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32))
+    assert shape_of(nano) == ModelShape(64, 2, 4, 128, 32)
+    with pytest.raises(ValueError, match="Linear: it has no `config`"):
+        shape_of(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.simulation
+def test_autoshard_world_size_compiles_the_planners_choice():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=128, block_size=32))
+    prog = autoshard(model, world_size=4, global_batch=8)
+    best = plan(model, gpus=4, global_batch=8)[0]
+    assert prog.planned == best
+    assert (prog.tp, prog.pp, prog.dp, prog.virtual) == (best.tp, best.pp, best.dp, best.virtual)
+    assert prog.world_size == 4 and prog.microbatches == best.microbatches
+    ids = torch.randint(0, 128, (2, 16))
+    assert torch.allclose(prog.simulate(ids)[0], model(ids)[0], atol=1e-5)
+
+
+def test_autoshard_world_size_excludes_an_explicit_split():
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32))
+    with pytest.raises(ShardingError, match="world_size=4 asks the planner .* drop tp=2"):
+        autoshard(model, world_size=4, tp=2)
+
+
+def test_autoshard_world_size_without_a_config_says_how_to_plan():
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(ShardingError, match="world_size=2: cannot read the shape of Plain.*autoshard.plan"):
+        autoshard(Plain(), world_size=2, example_inputs=(torch.randn(2, 4),))
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import autoshard.planning.costmodel
+    import autoshard.planning.planner
+    for module in (autoshard.planning.costmodel, autoshard.planning.planner):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
