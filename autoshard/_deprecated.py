@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import Callable
 
-__all__ = ["MOVED_MODULES", "install_moved_modules", "renamed_attribute"]
+__all__ = ["MOVED_MODULES", "install_moved_modules", "renamed_attribute", "moved_names"]
 
 MOVED_MODULES = {       # old module -> new module
     "autoshard.capture": "autoshard.compile.capture",
@@ -77,5 +77,16 @@ def renamed_attribute(module: str, renames: dict[str, tuple[str, object]]) -> Ca
             warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release; use "
                           f"{module}.{new}", DeprecationWarning, stacklevel=2)
             return obj
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    return __getattr__
+
+
+def moved_names(module: str, homes: dict[str, str]) -> Callable[[str], object]:
+    """A module `__getattr__` serving names that moved to other modules: name -> its new module."""
+    def __getattr__(name: str) -> object:
+        if name in homes:
+            warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release; use "
+                          f"{homes[name]}.{name}", DeprecationWarning, stacklevel=2)
+            return getattr(importlib.import_module(homes[name]), name)
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     return __getattr__

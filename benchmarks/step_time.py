@@ -117,6 +117,7 @@ def main(args: argparse.Namespace) -> bool:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # --virtual-pipeline, not --virtual: torchrun reads any prefix of its --virtual-local-rank as its own
     for flag, default in (("--tp", 2), ("--pp", 1), ("--virtual-pipeline", 1), ("--microbatches", 1), ("--layers", 4), ("--hidden", 256), ("--heads", 8), ("--vocab", 4096),
                           ("--seq", 128), ("--batch", 4), ("--rounds", 20), ("--warmup", 3)):
         ap.add_argument(flag, type=int, default=default)

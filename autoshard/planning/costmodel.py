@@ -10,7 +10,7 @@ One iteration on the busiest pipeline rank is
 
     (m + (p - 1)/v) * W  +  point-to-point  +  data-parallel all-reduce  +  optimizer step
 
-where W is that rank's work per microbatch: its layers (GEMMs by `kernel_cost`, fused elementwise
+where W is that rank's work per microbatch: its layers (GEMMs by `gemm_timing`, fused elementwise
 kernels by bytes, two tensor-parallel all-reduces per pass), forward, backward and the recomputed
 forward, plus the embedding (first rank) or LM head and loss (last rank). Nothing overlaps, as in
 the Megatron of the papers. Closed forms (FLOPs, bytes, volumes) live in `cost_formulas`, hardware

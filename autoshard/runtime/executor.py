@@ -1,6 +1,6 @@
 """The executor: one process's part of a tp x pp x dp training step.
 
-`MeshRuntime` holds this rank's chunks (one stage graph each, `v` of them with interleaving)
+`MeshRuntime` holds this rank's chunks (one stage graph each, `virtual` of them with interleaving)
 and runs its schedule's action list: a forward receives its stage's inputs from the previous
 stage (unless it is stage 0), runs the stage graph on the microbatch, sends the outputs on and
 keeps what backward needs; a backward receives the output gradients (the last stage starts from its

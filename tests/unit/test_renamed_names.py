@@ -55,6 +55,17 @@ def test_old_module_paths_import_the_moved_modules(old, new):
     assert module is importlib.import_module(new)
 
 
+def test_the_old_rewrite_module_serves_its_names_from_their_new_homes():
+    import autoshard.passes.rewrite as old
+    from autoshard.passes.rewrite.rank_rewrite import rewrite_rank
+    with pytest.warns(DeprecationWarning, match="use autoshard.passes.rewrite.rank_rewrite.rewrite_rank"):
+        assert old.rewrite_rank is rewrite_rank
+    with pytest.warns(DeprecationWarning, match="use autoshard.parallel.tensor_parallel.SyncSpec"):
+        assert old.SyncSpec is SyncSpec
+    with pytest.raises(AttributeError):
+        old.nothing_like_this
+
+
 def test_schedule_chunks_flag_is_virtual(capsys):
     from autoshard.cli import main
     main(["schedule", "--pp", "2", "--chunks", "2", "--microbatches", "4"])
