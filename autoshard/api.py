@@ -17,6 +17,7 @@ from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError, require_positive_int
 from autoshard.passes.sharding.options import ShardOptions
+from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware
 from autoshard.planning.planner import plan
 from autoshard.runtime.mesh import ParallelDims
@@ -63,39 +64,18 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     >>> torch.allclose(prog.simulate(ids)[0], model(ids)[0], atol=1e-5)
     True
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
     chosen = None
-    if world_size is not None:
-        given = {k: x for k, x in dict(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatches=microbatches).items()
-                 if x is not None}
-        if given:
-            raise ShardingError(f"world_size={world_size} asks the planner to choose tp, pp, dp, virtual and "
-                                f"microbatches; drop {', '.join(f'{k}={x}' for k, x in given.items())} or world_size")
-        try:
-            chosen = plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
-                          sequence_parallel=sequence_parallel)[0]
-        except ValueError as e:
-            raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
-                                "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"
-                                "virtual/microbatches") from None
+    if world_size is not None:      # the planner picks the split
+        chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel,
+                                dict(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatches=microbatches))
         tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
     tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual", virtual), ("microbatches", microbatches)):
         require_positive_int(name, x)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
-    if isinstance(example_inputs, torch.Tensor):      # one input given bare: the model's first argument
-        example_inputs = (example_inputs,)
-    elif example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        raise ShardingError(f"example_inputs must be a tuple of the model's positional inputs, got "
-                            f"{type(example_inputs).__name__}; pass example_kwargs={{...}} for named ones")
-    if example_kwargs is not None and not isinstance(example_kwargs, dict):
-        raise ShardingError(f"example_kwargs must be a dict of the model's named inputs, got "
-                            f"{type(example_kwargs).__name__}")
-    if example_inputs is None and example_kwargs is None:
-        args, kwargs = infer_example_inputs(model)
-    else:
-        args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
                             "where the vocabulary-parallel embedding's partial sums are reduced")
@@ -111,12 +91,45 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     steps = make_schedule(schedule_name, pp, virtual, microbatches)
     check(steps, virtual, microbatches)                     # complete and deadlock-free, or it raises
 
+    # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named)
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
-    ties = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    stages = StageLayout(pp, virtual, ties, rank0.graph)    # pipeline stages; who holds each parameter
+    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
+    stages = StageLayout(pp, virtual, all_names, rank0.graph)   # pipeline stages; who holds each parameter
     prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
                           microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
     prog.planned = chosen
     return prog
+
+
+def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
+                   sequence_parallel: bool, given: dict[str, int | None]) -> Estimate:
+    """The planner's fastest split of `world_size` GPUs; refused when the caller also fixed one."""
+    fixed = {k: x for k, x in given.items() if x is not None}
+    if fixed:
+        raise ShardingError(f"world_size={world_size} asks the planner to choose tp, pp, dp, virtual and "
+                            f"microbatches; drop {', '.join(f'{k}={x}' for k, x in fixed.items())} or world_size")
+    try:
+        return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
+                    sequence_parallel=sequence_parallel)[0]
+    except ValueError as e:
+        raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
+                            "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"
+                            "virtual/microbatches") from None
+
+
+def _example_call(model: nn.Module, example_inputs: tuple | torch.Tensor | None,
+                  example_kwargs: dict | None) -> tuple[tuple, dict]:
+    """The example call's positional and named inputs, as given or inferred from the model."""
+    if isinstance(example_inputs, torch.Tensor):      # one input given bare: the model's first argument
+        example_inputs = (example_inputs,)
+    elif example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        raise ShardingError(f"example_inputs must be a tuple of the model's positional inputs, got "
+                            f"{type(example_inputs).__name__}; pass example_kwargs={{...}} for named ones")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ShardingError(f"example_kwargs must be a dict of the model's named inputs, got "
+                            f"{type(example_kwargs).__name__}")
+    if example_inputs is None and example_kwargs is None:
+        return infer_example_inputs(model)
+    return tuple(example_inputs or ()), dict(example_kwargs or {})
