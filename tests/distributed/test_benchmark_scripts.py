@@ -29,3 +29,13 @@ def test_kernel_benchmark_times_each_case_forward_and_backward_and_checks_agreem
 def test_mfu_benchmark_runs_both_programs():
     out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1")
     assert "| autoshard" in out and "| plain" in out and "autoshard / plain step time" in out
+
+
+def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):
+    out = _run("checkout_ab.py", ROOT, ROOT, "--quick")
+    row = next(line for line in out.splitlines() if line.startswith("| gpt2 tp=2"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert len(cells) == 7 and all(float(c) > 0 for c in cells[1:])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "checkout_ab.py"), str(tmp_path), ROOT,
+                           "--quick"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode != 0 and f"{tmp_path}: imported autoshard from" in proc.stderr
