@@ -1,4 +1,4 @@
-"""The registry of modules the rewrite can ask a rank for: spec type -> how a rank builds it.
+"""The registry of modules the rewrite can ask a rank for: spec type -> what a rank lends its build.
 
 The rewrite (passes/rewrite/rank_rewrite.py) emits a spec per module a rank graph calls (besides f
 and g, which every rank has); `build_module` turns it into the module. Adding a collective is one
@@ -7,7 +7,7 @@ with `build`) and one row below.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 from torch import nn
 
@@ -29,19 +29,20 @@ class RankResources(Protocol):
 
 ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec
 
-COLLECTIVES: dict[type, Callable[[ModuleSpec, RankResources], nn.Module]] = {
-    SyncSpec: lambda spec, rank: spec.build(rank.handle),           # sync_<param>: GQA rows held twice
-    SequenceSpec: lambda spec, rank: spec.build(rank.handle),       # sequence parallelism's scatter/gather
-    GatherSpec: lambda spec, rank: spec.build(rank.handle),         # gather_<node>: sharded outputs
-    CrossEntropySpec: lambda spec, rank: spec.build(rank.handle),   # vocab_cross_entropy_<node>
-    RandomOpSpec: lambda spec, rank: spec.build(rank.rng),          # <region>_rng_<node>: dropout
+# spec type -> the rank resource its `build` takes
+COLLECTIVES: dict[type, str] = {
+    SyncSpec: "handle",            # sync_<param>: rows of a parameter held by several ranks (GQA)
+    SequenceSpec: "handle",        # sequence parallelism's reduce-scatter / all-gather
+    GatherSpec: "handle",          # gather_<node>: sharded outputs the model returns
+    CrossEntropySpec: "handle",    # vocab_cross_entropy_<node>: the loss on vocabulary shards
+    RandomOpSpec: "rng",           # <region>_rng_<node>: a random op under its region's generator
 }
 
 
 def build_module(spec: ModuleSpec, rank: RankResources) -> nn.Module:
     try:
-        make = COLLECTIVES[type(spec)]
+        resource = COLLECTIVES[type(spec)]
     except KeyError:
         raise TypeError(f"no module is registered for {type(spec).__name__} ({spec.module}); add a row to "
                         f"autoshard/parallel/registry.py's COLLECTIVES") from None
-    return make(spec, rank)
+    return spec.build(getattr(rank, resource))

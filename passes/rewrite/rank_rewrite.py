@@ -200,9 +200,9 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
                 target, args = aten.mm.default, args[1:3]
             else:
                 args = args[:row.bias_arg]
-        if node.op == "call_function" and draws_randomly(op_name(target), tuple(args), kwargs):
+        if node.op == "call_function" and draws_randomly(op := op_name(target), tuple(args), kwargs):
             region, prefix = ("tensor_parallel", "tp") if _sharded_out(ns) else ("replicated", "replicated")
-            spec = RandomOpSpec(f"{prefix}_rng_{node.name}{suffix}", target, region, RANDOM_OPS[op_name(target)])
+            spec = RandomOpSpec(f"{prefix}_rng_{node.name}{suffix}", target, region, RANDOM_OPS[op])
             modules.append(spec)
             new = g.create_node("call_module", spec.module, tuple(args), kwargs, name=node.name)
         else:
