@@ -5,8 +5,9 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-import warnings
 from typing import Callable
+
+from autoshard.errors import warn_renamed
 
 __all__ = ["MOVED_MODULES", "install_moved_modules", "renamed_attribute", "moved_names"]
 
@@ -56,8 +57,7 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         new = MOVED_MODULES[spec.name]
-        warnings.warn(f"{spec.name} is deprecated and will be removed in the next release; use {new}",
-                      DeprecationWarning, stacklevel=2)
+        warn_renamed(spec.name, new, stacklevel=2)
         return importlib.import_module(new)
 
     def exec_module(self, module) -> None:
@@ -74,8 +74,7 @@ def renamed_attribute(module: str, renames: dict[str, tuple[str, object]]) -> Ca
     def __getattr__(name: str) -> object:
         if name in renames:
             new, obj = renames[name]
-            warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release; use "
-                          f"{module}.{new}", DeprecationWarning, stacklevel=2)
+            warn_renamed(f"{module}.{name}", f"{module}.{new}")
             return obj
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     return __getattr__
@@ -85,8 +84,7 @@ def moved_names(module: str, homes: dict[str, str]) -> Callable[[str], object]:
     """A module `__getattr__` serving names that moved to other modules: name -> its new module."""
     def __getattr__(name: str) -> object:
         if name in homes:
-            warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release; use "
-                          f"{homes[name]}.{name}", DeprecationWarning, stacklevel=2)
+            warn_renamed(f"{module}.{name}", f"{homes[name]}.{name}")
             return getattr(importlib.import_module(homes[name]), name)
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     return __getattr__

@@ -25,7 +25,8 @@ def require_positive_int(name: str, value: object) -> int:
     return value
 
 
-def warn_renamed(old: str, new: str) -> None:
-    """A deprecated name was used: it still works for this release, and says what to use instead."""
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """A deprecated name was used: it still works for this release, and says what to use instead.
+    The default stacklevel points at the caller of the function or property that calls this."""
     warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
-                  stacklevel=3)
+                  stacklevel=stacklevel)
