@@ -7,7 +7,8 @@
 2. Compile time against bare torch.export on meta-device models: GPT-2 width from 8 to 128 layers
    (tp=4); the 1T shape (hidden 25600, 160 heads) from 16 to 128 layers at tp=8, pp=8, v=2 and at
    128 layers with pp=64, v=2; GPT-3 175B (96 layers, hidden 12288, 96 heads) at tp=8, pp=8, v=2.
-3. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
+3. The kernels' first-use self-check cost (on the CPU executor without a GPU).
+4. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
    (benchmarks/kernels.py) and the single-GPU MFU run (benchmarks/mfu.py).
 
 `--quick` runs tiny sizes (a smoke test of the scripts, not a measurement) and never appends.
@@ -49,6 +50,7 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
                     str(HERE / "step_time.py"), *cfg, *(TINY if quick else MODEL + ["--rounds", "20"]), *extra])
     for cfg in COMPILE_TINY if quick else COMPILE_CONFIGS:
         out.append([py, str(HERE / "compile_scaling.py"), *cfg, *extra])
+    out.append([py, str(HERE / "self_check_cost.py"), *extra])
     if _has_cuda():
         out.append([py, str(HERE / "kernels.py"), *(["--quick"] if quick else []), *extra])
         out.append([py, str(HERE / "mfu.py"), *(["--quick"] if quick else []), *extra])

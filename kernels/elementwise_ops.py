@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.kernels import reference as ref
-from autoshard.kernels.launch import cuda_impl
+from autoshard.kernels.dispatch import register_impls
 from autoshard.kernels.op_common import LIB as _LIB
 from autoshard.kernels.op_common import broadcast as _broadcast
 from autoshard.kernels.op_common import sum_to as _sum_to
@@ -155,4 +155,4 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     return _bias_dropout_add(x, bias, residual, p, draw_seed(x.device) if seed is None and p > 0 else (seed or 0))
 
 
-cuda_impl(_bias_gelu, _bias_gelu_backward, _swiglu, _swiglu_backward, _bias_dropout_add, _bias_dropout_add_backward)
+register_impls(_bias_gelu, _bias_gelu_backward, _swiglu, _swiglu_backward, _bias_dropout_add, _bias_dropout_add_backward)

@@ -1,26 +1,29 @@
-"""CUDA implementations of the fused ops: CuPy launches of kernels/cuda/ on torch's current stream.
+"""CUDA implementations of the fused ops: launches of kernels/cuda/ through CuPy on torch's current
+stream, or, for CPU tensors while the CPU executor is on (kernels/cpu_executor.py), the same
+kernels run on the CPU through the same code here (pack choice, strides, grid sizing).
 
 Tensors cross to CuPy by DLPack (no copies), converted while CuPy's current stream is torch's, so
 the exchange adds no cross-stream wait (and works under CUDA graph capture); absent optional tensors
 are null pointers. Element-wise kernels take 16-byte packs when the last dim and every pointer allow
-(`vec`), row kernels one block per row. Only registered when CuPy imports; without it CUDA tensors
-run the reference. `poisoned_outputs()` fills every buffer a kernel writes with NaN first, so a
-test sees any element a kernel leaves unwritten.
+(`vec`), row kernels one block per row. Which calls reach these functions, and when the torch
+implementation runs instead, is kernels/dispatch.py's business. `poisoned_outputs()` fills every
+buffer a kernel writes with NaN first, so a test sees any element a kernel leaves unwritten.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from autoshard.kernels import cpu_executor
 from autoshard.kernels.build import function
 from autoshard.kernels.reference import result_dtype
 
-__all__ = ["cuda_impl", "poisoned_outputs", "LAUNCHES"]
+__all__ = ["poisoned_outputs", "LAUNCHES", "bias_gelu", "bias_gelu_backward", "swiglu", "swiglu_backward", "softmax",
+           "softmax_backward", "bias_dropout_add", "bias_dropout_add_backward", "norm", "norm_backward", "rotary"]
 
 _THREADS = 256
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,16 +70,26 @@ def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None, strides: tuple[in
     return int(all(v % n == 0 for v in (cols, *strides)) and _aligned(x, *ts))
 
 
+def _sm_count(like: torch.Tensor) -> int:
+    """The device's multiprocessor count, or the CPU executor's stand-in for it."""
+    if like.is_cuda:
+        return torch.cuda.get_device_properties(like.device).multi_processor_count
+    return (cpu_executor.active() or cpu_executor.Config()).sm_count
+
+
 def _run(name: str, like: torch.Tensor, blocks: int, args: tuple, threads: int = _THREADS) -> None:
-    """Launch `name<like's dtype>` on torch's current stream with at most 32 blocks per SM (the
-    kernels stride over the rest)."""
-    import cupy
-    sms = torch.cuda.get_device_properties(like.device).multi_processor_count
-    grid = max(1, min(blocks, sms * 32))
-    kernel = function(name, str(like.dtype).removeprefix("torch."))
-    stream = torch.cuda.current_stream(like.device).cuda_stream
-    with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(stream):
-        kernel((grid,), (threads,), tuple(_arg(a) for a in args))
+    """Launch `name<like's dtype>` with at most 32 blocks per SM (the kernels stride over the rest):
+    on torch's current stream, or for a CPU tensor on the CPU executor."""
+    grid = max(1, min(blocks, _sm_count(like) * 32))
+    dtype_name = str(like.dtype).removeprefix("torch.")
+    if like.is_cuda:
+        import cupy
+        kernel = function(name, dtype_name)
+        stream = torch.cuda.current_stream(like.device).cuda_stream
+        with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(stream):
+            kernel((grid,), (threads,), tuple(_arg(a) for a in args))
+    else:
+        cpu_executor.launch(name, dtype_name, grid, threads, args)
     LAUNCHES[name] += 1
 
 
@@ -193,8 +206,7 @@ def norm_backward(grad, x, weight, mean, rstd, rms):
     grad, x, weight = grad.contiguous(), x.contiguous(), _c(weight)
     cols = x.shape[-1]
     rows = x.numel() // cols
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    blocks = max(1, min(rows, 2 * sms))
+    blocks = max(1, min(rows, 2 * _sm_count(x)))
     dx = _empty_like(x)
     dw = _empty((blocks, cols), torch.float32, x.device)
     db = _empty_like(dw)
@@ -212,71 +224,3 @@ def rotary(x, cos, sin, inverse, half):
          (x, c, s, y, np.int64(b), np.int64(h), np.int64(seq), np.int64(d),
           np.int32(c.shape[0] > 1), np.int32(inverse)))
     return y
-
-
-def _rotary_takes(args: tuple) -> bool:
-    """The kernel rotates [b, heads, s, d] at the middle of d, in a dtype it has."""
-    x, cos, sin, _, half = args
-    return x.dim() == 4 and 2 * half == x.shape[-1] and result_dtype(x, cos, sin) in _KERNEL_DTYPES
-
-
-class _Kernel(NamedTuple):
-    impl: Callable
-    like_first: tuple[int, ...]     # arguments read as the first tensor's kind (its shape, or a vector
-                                    # over its last dim)
-    promote: bool                   # inputs converted to their promoted dtype (else: one dtype or fall back)
-    takes: Callable[[tuple], bool] | None = None      # a further test of the arguments
-
-
-# op -> its kernel. The element-wise ops compute in the promoted dtype like the `x + bias` they
-# replace, so their inputs are converted to it (for a bias, a vector, next to nothing).
-_KERNELS = {
-    "bias_gelu": _Kernel(bias_gelu, (1,), True),
-    "bias_gelu_backward": _Kernel(bias_gelu_backward, (1, 2), True),
-    "swiglu": _Kernel(swiglu, (1, 2, 3), True),
-    "swiglu_backward": _Kernel(swiglu_backward, (1, 2, 3, 4), True),
-    "scaled_masked_softmax": _Kernel(softmax, (), False),
-    "scaled_masked_softmax_backward": _Kernel(softmax_backward, (1,), False),
-    "bias_dropout_add": _Kernel(bias_dropout_add, (1, 2), True),
-    "bias_dropout_add_backward": _Kernel(bias_dropout_add_backward, (), False),
-    "norm": _Kernel(norm, (1, 2), False),
-    "norm_backward": _Kernel(norm_backward, (1, 2), False),
-    "rotary": _Kernel(rotary, (), False, _rotary_takes),
-}
-
-
-def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tuple | None:
-    """The arguments as the kernel reads them, or None where it cannot: every `like_first` tensor
-    (if given) shaped like the first or a vector over its last dim (the kernels broadcast nothing
-    else), all of one fp32 / fp16 / bf16 dtype: the first's, or with `promote` the promoted one
-    they are converted to."""
-    first = args[0]
-    live = [i for i in like_first if args[i] is not None]
-    for i in live:
-        t = args[i]
-        if t.shape != first.shape and not (t.dim() == 1 and t.numel() == first.shape[-1]):
-            return None
-    dtype = result_dtype(first, *(args[i] for i in live)) if promote else first.dtype
-    if dtype not in _KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in live)):
-        return None
-    return tuple(a.to(dtype) if i == 0 or i in live else a for i, a in enumerate(args))
-
-
-def _with_fallback(kernel: _Kernel, reference: Callable):
-    """Run the kernel when it takes these arguments, else the exact torch implementation."""
-    def run(*args):
-        ok = kernel.takes is None or kernel.takes(args)
-        kernel_args = _kernel_args(args, kernel.like_first, kernel.promote) if ok else None
-        return reference(*args) if kernel_args is None else kernel.impl(*kernel_args)
-    return run
-
-
-def cuda_impl(*ops) -> None:
-    """Register the CuPy implementation of each custom op for CUDA tensors, if CuPy is installed."""
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return
-    for op in ops:
-        # op._init_fn: the function the op was defined with, its exact torch implementation
-        op.register_kernel("cuda")(_with_fallback(_KERNELS[op._name.split("::")[-1]], op._init_fn))

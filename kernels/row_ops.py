@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.kernels import reference as ref
-from autoshard.kernels.launch import cuda_impl
+from autoshard.kernels.dispatch import register_impls
 from autoshard.kernels.op_common import LIB as _LIB
 
 __all__ = ["scaled_masked_softmax", "layer_norm", "rms_norm", "rotary"]
@@ -151,4 +151,4 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return _rotary(q, cos, sin, False, q.shape[-1] // 2), _rotary(k, cos, sin, False, k.shape[-1] // 2)
 
 
-cuda_impl(_softmax, _softmax_backward, _norm, _norm_backward, _rotary)
+register_impls(_softmax, _softmax_backward, _norm, _norm_backward, _rotary)

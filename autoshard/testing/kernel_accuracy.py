@@ -1,15 +1,17 @@
 """Fused ops against float64: fresh inputs, outputs poisoned with NaN before every launch, the
-output and every input gradient compared norm-wise (tests/unit/test_kernels.py on the CPU,
-tests/gpu/test_cuda_kernels.py on CUDA)."""
+output and every input gradient compared norm-wise (tests/unit/test_kernels.py for the torch
+implementations, tests/unit/test_cpu_executor.py for the CUDA kernels on the CPU executor,
+tests/gpu/test_cuda_kernels.py for them on a GPU: the last two through `check_kernel_case` and
+`check_deterministic`)."""
 from __future__ import annotations
 
 import zlib
 
 import torch
 
-from autoshard.testing.kernel_cases import make_inputs
+from autoshard.testing.kernel_cases import CASES, make_inputs
 
-__all__ = ["TOL", "rel_norm", "errors_against_float64", "assert_within"]
+__all__ = ["TOL", "rel_norm", "errors_against_float64", "assert_within", "check_kernel_case", "check_deterministic"]
 
 
 def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,3 +55,29 @@ def errors_against_float64(case, shape, dtype, device) -> dict[str, float]:
 def assert_within(errs: dict[str, float], tol: float, what: str) -> None:
     bad = {k: e for k, e in errs.items() if not e <= tol}          # NaN (an unwritten element) fails too
     assert not bad, f"{what}: " + ", ".join(f"{k} {e:.2e}" for k, e in bad.items()) + f" > {tol:.0e}"
+
+
+def check_kernel_case(name: str, dtype: torch.dtype, device: str, what: str) -> None:
+    """Every checked shape of case `name` (single elements, tails, odd sizes), outputs poisoned:
+    the kernels ran (launch counts, not the torch fallback) and wrote every element correctly."""
+    from autoshard.kernels.launch import LAUNCHES
+    case = CASES[name]
+    for shape in case.shapes:
+        before = sum(LAUNCHES.values())
+        errs = errors_against_float64(case, shape, dtype, device)
+        assert sum(LAUNCHES.values()) - before >= 2, f"{name} {shape}: the kernels did not run (fallback)"
+        assert_within(errs, TOL[dtype], f"{name} {shape} {str(dtype).removeprefix('torch.')} on {what}")
+
+
+def check_deterministic(device: str) -> None:
+    """Each case run twice on its largest checked shape, forward and backward, bit-compared: a
+    moving result on the same inputs means a race (the norms' weight gradients are per-block
+    partials summed in a fixed order)."""
+    for case in CASES.values():
+        inputs = make_inputs(case, case.shapes[-1], torch.bfloat16, device, 7)
+        runs, grad = [], None
+        for _ in range(2):
+            out = case.fused(**inputs)
+            grad = torch.randn_like(out) if grad is None else grad
+            runs.append((out, *torch.autograd.grad(out, [inputs[k] for k in case.grads], grad)))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), case.name

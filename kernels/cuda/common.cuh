@@ -1,5 +1,7 @@
 // Shared by every kernel: fp32 / fp16 / bf16 storage with fp32 arithmetic, 16-byte vector access,
-// warp and block reductions. No CUDA headers, so NVRTC compiles it without an include path.
+// warp and block reductions. No CUDA headers, so NVRTC compiles it without an include path. The
+// three PTX conversions have host equivalents (kernels/cpu/cuda_on_cpu.h) for the CPU executor;
+// __CUDA_ARCH__ is defined in every GPU compilation, so the GPU build is unchanged.
 typedef long long i64;
 #define NEG_INF __int_as_float(0xff800000)
 struct f16 { unsigned short bits; };
@@ -7,9 +9,13 @@ struct bf16 { unsigned short bits; };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(f16 x) {
+#ifdef __CUDA_ARCH__
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
   return f;
+#else
+  return emu::half_bits_to_float(x.bits);
+#endif
 }
 __device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(((unsigned)x.bits) << 16); }
 
@@ -17,12 +23,20 @@ template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
   f16 h;
+#ifdef __CUDA_ARCH__
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+#else
+  h.bits = emu::float_to_half_bits(x);
+#endif
   return h;
 }
 template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
   bf16 h;
+#ifdef __CUDA_ARCH__
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+#else
+  h.bits = emu::float_to_bf16_bits(x);
+#endif
   return h;
 }
 

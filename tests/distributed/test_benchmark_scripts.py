@@ -26,6 +26,12 @@ def test_kernel_benchmark_times_each_case_forward_and_backward_and_checks_agreem
     assert all(float(r[4]) > 0 and float(r[7]) > 0 for r in cells) and "copy bandwidth measured" in out
 
 
+def test_self_check_cost_benchmark_checks_every_op():
+    from autoshard.kernels.cpu_executor import compiler
+    out = _run("self_check_cost.py", "--dtypes", "fp32")
+    assert ("11 checks on" in out and "FAIL" not in out) or (compiler() is None and "nothing to measure" in out)
+
+
 def test_mfu_benchmark_runs_both_programs():
     out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1")
     assert "| autoshard" in out and "| plain" in out and "autoshard / plain step time" in out

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard import autoshard
+from autoshard.kernels import cpu_executor
 from autoshard.passes.fusion import fuse as fuse_pass
 from autoshard.testing import build_model, fused_ops, grad_errors, max_rel
 from autoshard.testing.models import VOCAB, input_name, logits_of
@@ -40,12 +41,9 @@ def _assert_matches_model(prog, model: nn.Module, x: torch.Tensor) -> None:
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("device,sp", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=CUDA)])
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device, sp):
-    """fp32, tp=2: on the CPU the fused ops' torch implementations, on CUDA their kernels (which
-    must have run) against the unfused graph's torch ops; also under sequence parallelism, where
-    biases and norm weights are read through f."""
+def _fused_matches_unfused(name: str, device: str, sp: bool) -> int:
+    """fp32, tp=2: the fused rank program's logits and every gradient against the unfused one's
+    (<= 1e-5); returns how many kernel launches it took."""
     from autoshard.kernels.launch import LAUNCHES
     torch.manual_seed(0)
     model = build_model(name, heads=8, kv_heads=2).to(device)
@@ -61,11 +59,38 @@ def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device, sp)
         assert _dead(prog) == []
     (plain, plain_grads, none), (fused, fused_grads, kinds) = results
     assert none == set() and kinds == EXPECTED[name]
-    assert (sum(LAUNCHES.values()) > launches) == (device == "cuda")
     assert max_rel(fused, plain) <= 1e-5
     errs = grad_errors(fused_grads, plain_grads)
     worst = max(errs, key=errs.get)
     assert errs[worst] <= 1e-5, f"{worst}: {errs[worst]:.2e}"
+    return sum(LAUNCHES.values()) - launches
+
+
+@pytest.mark.parametrize("device,sp", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=CUDA)])
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_fused_rank_graphs_match_unfused_forward_and_gradients(name, device, sp):
+    """On the CPU the fused ops' torch implementations, on CUDA their kernels (which must have run)
+    against the unfused graph's torch ops; also under sequence parallelism, where biases and norm
+    weights are read through f."""
+    assert (_fused_matches_unfused(name, device, sp) > 0) == (device == "cuda")
+
+
+@pytest.mark.skipif(cpu_executor.compiler() is None, reason="no host C++ compiler (g++ or $CXX) for the CPU executor")
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_fused_rank_programs_on_the_emulated_cuda_kernels_match_unfused(name):
+    """The CUDA kernels themselves, run by the CPU executor through launch.py's path (pack choice,
+    strides, grid sizing): every fused op of the model launched its kernels, forward and backward,
+    and the program equals the unfused one."""
+    from autoshard.kernels.cpu_executor import GRIDS
+    GRIDS.clear()
+    with cpu_executor.enabled(schedule="run-ahead"):
+        assert _fused_matches_unfused(name, "cpu", sp=False) > 0
+    kernels = {k for k, _, _ in GRIDS}
+    wanted = {"layer_norm": {"norm_fwd", "norm_bwd"}, "rms_norm": {"norm_fwd", "norm_bwd"}, "rotary": {"rope_apply"},
+              "swiglu": {"swiglu_fwd", "swiglu_bwd"}, "bias_gelu": {"bias_gelu_fwd", "bias_gelu_bwd"},
+              "gelu_tanh": {"bias_gelu_fwd", "bias_gelu_bwd"}, "bias_residual": {"bias_dropout_add_fwd"},
+              "causal_softmax": {"scaled_masked_softmax_fwd", "scaled_masked_softmax_bwd"}}
+    assert set().union(*(wanted[k] for k in EXPECTED[name])) <= kernels, kernels
 
 
 def test_fused_ops_land_in_their_layers_pipeline_stage():

@@ -17,7 +17,7 @@ def test_cuda_path_takes_only_what_the_kernels_read_else_the_reference():
     """The kernels read every tensor in one dtype and broadcast nothing beyond a vector over the last
     dim: element-wise ops convert their inputs to the promoted dtype, the others take one dtype;
     anything else must go to the exact torch implementation."""
-    from autoshard.kernels.launch import _KERNELS, _kernel_args
+    from autoshard.kernels.dispatch import _KERNELS, _kernel_args
     x, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
     _, like, promote, _ = _KERNELS["bias_dropout_add"]
     assert _kernel_args((x, b, x.clone(), 0.1, 3), like, promote) is not None
