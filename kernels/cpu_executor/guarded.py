@@ -39,7 +39,7 @@ class Guarded:
     def __init__(self, lib: ctypes.CDLL, t: torch.Tensor, at_end: bool, argument: int):
         if any(s < 0 for s in t.stride()):
             raise KernelExecutionError(f"a tensor with negative strides {t.stride()} cannot be a kernel argument")
-        self.tensor, self.lib = t, lib
+        self.tensor, self.lib, self.argument = t, lib, argument
         self.nbytes = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size() if t.numel() else 0
         length = ctypes.c_size_t()
         base = lib.emu_map_guarded(self.nbytes + 16, ctypes.byref(length))
@@ -65,9 +65,14 @@ class Guarded:
         after = ctypes.string_at(self.ptr + self.nbytes, len(self.after))
         hit = [len(before) - i for i, (a, b) in enumerate(zip(before, self.before)) if a != b]
         if hit:
-            return f"wrote {hit[0]} bytes before its start"
+            return f"a write {hit[0]} bytes before its start"
         hit = [i for i, (a, b) in enumerate(zip(after, self.after)) if a != b]
-        return f"wrote at {hit[0]} bytes past its end" if hit else None
+        return f"a write at byte {hit[0]} past its end" if hit else None
+
+    def span(self) -> tuple[int, int]:
+        """The tensor's own bytes [first, last + 1) in its storage."""
+        start = self.tensor.data_ptr()
+        return start, start + self.nbytes
 
     def copy_back(self) -> None:
         ctypes.memmove(self.tensor.data_ptr(), self.ptr, self.nbytes)

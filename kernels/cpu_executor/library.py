@@ -46,10 +46,12 @@ class Library:
                 params.append(_Param(size.value, chr(kind)))
             self.kernels[lib.emu_kernel_name(k).decode()] = (k, tuple(params))
 
-    def _marshal(self, name: str, params: tuple[_Param, ...], args: tuple, guard: str):
+    def _marshal(self, name: str, params: tuple[_Param, ...], args: tuple, guard: str, guarded: list) -> list:
+        """The arguments as ctypes values, each checked against its parameter; tensors copied into
+        guarded mappings, appended to `guarded` with whether the kernel may write them."""
         if len(args) != len(params):
             raise KernelExecutionError(f"{name} takes {len(params)} arguments, the launch passed {len(args)}")
-        values, guarded = [], []
+        values = []
         for i, (a, p) in enumerate(zip(args, params)):
             if p.kind in "cp":
                 if a is None:
@@ -71,7 +73,13 @@ class Library:
                     f"{name} argument {i}: the parameter is a {p.size}-byte {'float' if p.kind == 'f' else 'integer'}, "
                     f"the launch passed {a.dtype} ({a.nbytes} bytes)")
             values.append(np.ctypeslib.as_ctypes(np.array(a)))
-        return values, guarded
+        for g, writable in guarded:         # each argument is copied: an output aliasing another would diverge
+            for h, _ in guarded:
+                lo, hi = g.span()
+                if writable and h is not g and lo < h.span()[1] and h.span()[0] < hi:
+                    raise KernelExecutionError(f"{name}: argument {g.argument}, which the kernel writes, overlaps "
+                                               f"argument {h.argument} (the executor copies each argument)")
+        return values
 
     def launch(self, name: str, grid: int, block: int, args: tuple, schedule: str = "lockstep",
                guard: str = "end") -> None:
@@ -80,8 +88,9 @@ class Library:
         if name not in self.kernels:
             raise KeyError(f"no kernel {name!r} in the CPU executor; known: {', '.join(sorted(self.kernels))}")
         index, params = self.kernels[name]
-        values, guarded = self._marshal(name, params, args, guard)
+        guarded: list[tuple[Guarded, bool]] = []
         try:
+            values = self._marshal(name, params, args, guard, guarded)
             pointers = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
                                                                for v in values))
             err, sig, addr = ctypes.create_string_buffer(512), ctypes.c_int(), ctypes.c_void_p()
@@ -93,10 +102,10 @@ class Library:
             if status == 2:
                 raise KernelExecutionError(f"{what}: {self._fault(sig.value, addr.value or 0, guarded)} at "
                                            f"{err.value.decode()}")
-            for i, (g, _) in enumerate(guarded):
+            for g, _ in guarded:
                 slack = g.slack_written()
                 if slack:
-                    raise KernelExecutionError(f"{what}: out-of-bounds write: {slack} of tensor argument {i} "
+                    raise KernelExecutionError(f"{what}: out-of-bounds write: {slack} of argument {g.argument} "
                                                f"({g.what()})")
             for g, writable in guarded:
                 if writable:
@@ -110,8 +119,8 @@ class Library:
         name = _SIGNALS.get(sig, f"signal {sig}")
         if sig == signal.SIGILL:
             return f"{name}: a trap, the alignment check's (a misaligned access) or another"
-        for i, (g, _) in enumerate(guarded):
+        for g, _ in guarded:
             where = g.describe(address)
             if where is not None:
-                return f"{name}: out-of-bounds access {where}, tensor argument {i}"
+                return f"{name}: out-of-bounds access {where}, argument {g.argument}"
         return f"{name} at address {address:#x} (outside every argument)"
