@@ -106,6 +106,10 @@ def plan_verb(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:                  # its own command line (autoshard/train/options.py)
+        from autoshard.train import main as train
+        return train(argv[1:])
     ap = argparse.ArgumentParser(prog="autoshard", description="Megatron-style sharding as a compiler pass.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--sequence-parallel", action="store_true")
     pl.add_argument("--top", type=int, default=5)
     pl.set_defaults(run=plan_verb)
+    verbs.add_parser("train", help="train a model on text, sharded (autoshard train --help)", add_help=False)
     args = ap.parse_args(argv)
     if getattr(args, "chunks", None) is not None:
         print("autoshard schedule: --chunks is deprecated and will be removed in the next release; use --virtual",

@@ -18,3 +18,19 @@ def plain_mlp():
 
 def not_a_model():
     return 42
+
+
+def tiny_nanogpt():
+    """nanoGPT's forward(idx, targets): `autoshard train` feeds it the next tokens as targets."""
+    from autoshard.models import GPT, GPTConfig
+    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=320, block_size=64))
+
+
+def no_loss():
+    """A model whose forward takes no labels: `autoshard train` refuses it."""
+    from torch import nn
+
+    class Echo(nn.Module):
+        def forward(self, x):
+            return x
+    return Echo()

@@ -20,6 +20,9 @@ from torch import nn
 __all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "Reducer", "distributed_reducer", "SIMULATED",
            "Collective", "write_rows", "scatter_into_full", "take_from_full"]
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns on every call) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Communicator(Protocol):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +63,7 @@ class ProcessGroupComm:
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         x = t.movedim(dim, 0).contiguous()
         out = x.new_empty((x.shape[0] * dist.get_world_size(self.group), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        _all_gather_single(out, x, group=self.group)
         return out.movedim(0, dim)
 
 

@@ -129,9 +129,11 @@ class MeshRuntime(nn.Module):
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self, *args, max_norm: float | None = None,
                    loss_fn: Callable[[object, object], torch.Tensor] | None = None, targets: object = None,
-                   loss_reduction: str = "mean", ignore_index: int = -100, **kwargs) -> torch.Tensor:
+                   loss_reduction: str = "mean", ignore_index: int = -100, local_batch: bool = False,
+                   **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (every rank passes the same batch; data-parallel
-        rank d trains on its d-th slice, cut into microbatches); gradients are accumulated into
+        rank d trains on its d-th slice, cut into microbatches; with `local_batch` each rank passes
+        its data-parallel replica's slice itself, so no rank holds the global batch); gradients are accumulated into
         `.grad`, synchronised, and clipped to `max_norm` if given. Returns the batch's loss on
         every rank. Call your optimizer's `step()` after it.
 
@@ -159,7 +161,7 @@ class MeshRuntime(nn.Module):
                                 "num_items_in_batch (it would divide each microbatch's sum by it again)")
         if loss_fn is not None:
             named = {**named, TARGETS: targets}
-        mine = split_batch(named, self.dims.dp, "dp")[self.dp_rank]
+        mine = named if local_batch else split_batch(named, self.dims.dp, "dp")[self.dp_rank]
         micro = split_batch(mine, self.microbatches, "microbatches")
         goals = [mb.pop(TARGETS, None) for mb in micro]
 

@@ -4,18 +4,17 @@ Both take `ActionRecord`s: the executor's measured ones (`MeshRuntime.records`, 
 every rank by `export_trace`) or a schedule's unit-cost run (`records_of(check(...))`). The PNG has
 one row per pipeline rank, time to the right; forwards are blue, backwards green, a darker shade
 for each later chunk, and each box is labelled with its microbatch number. It is drawn with the
-standard library alone (zlib), so no plotting package is needed.
+standard library alone (autoshard/png.py), so no plotting package is needed.
 """
 from __future__ import annotations
 
 import json
 import os
-import struct
-import zlib
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from autoshard import png
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.schedules import Action, Timeline
 
@@ -51,10 +50,6 @@ def chrome_trace(records: list[ActionRecord]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-_DIGITS = ["111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
-           "111100111001111", "111100111101111", "111001001001001", "111101111101111", "111101111001111"]
-
-
 def _shade(kind: str, chunk: int, chunks: int) -> tuple[int, int, int]:
     base = (66, 133, 244) if kind == "F" else (52, 168, 83)
     k = 1.0 - 0.45 * chunk / max(chunks - 1, 1)
@@ -70,7 +65,7 @@ def write_png(records: list[ActionRecord], path: str, width: int = 1200, row_hei
     t0, t1 = min(r.start for r in shown), max(r.end for r in shown)
     chunks = max(r.action.chunk for r in shown) + 1
     height = row_height * len(rows) + 8
-    img = [[(255, 255, 255)] * width for _ in range(height)]
+    img = png.blank(width, height)
     scale = (width - 8) / max(t1 - t0, 1e-12)
     for r in shown:
         y0 = 4 + rows.index(r.row) * row_height
@@ -78,28 +73,15 @@ def write_png(records: list[ActionRecord], path: str, width: int = 1200, row_hei
         for y in range(y0 + 2, y0 + row_height - 2):
             img[y][x0:x1] = [_shade(r.action.kind, r.action.chunk, chunks)] * (x1 - x0)
         _label(img, str(r.action.microbatch), x0, x1, y0 + row_height // 2)
-    raw = b"".join(b"\x00" + bytes(c for px in line for c in px) for line in img)
-    def chunk(tag: bytes, data: bytes) -> bytes:      # noqa: E306
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    with open(path, "wb") as fh:
-        fh.write(png)
+    png.write(img, path)
 
 
-def _label(img, text: str, x0: int, x1: int, ymid: int, px: int = 2) -> None:
-    w = len(text) * 4 * px - px
+def _label(img: png.Image, text: str, x0: int, x1: int, ymid: int, px: int = 2) -> None:
+    """`text` in white, centred in the box from x0 to x1 when it fits."""
+    w = png.text_width(text, px)
     if x1 - x0 < w + 4:
         return
-    x = x0 + (x1 - x0 - w) // 2
-    for ch in text:
-        bits = _DIGITS[int(ch)]
-        for i, b in enumerate(bits):
-            if b == "1":
-                for dy in range(px):
-                    for dx in range(px):
-                        img[ymid - 5 * px // 2 + (i // 3) * px + dy][x + (i % 3) * px + dx] = (255, 255, 255)
-        x += 4 * px
+    png.draw_text(img, text, x0 + (x1 - x0 - w) // 2, ymid - 5 * px // 2, px, (255, 255, 255))
 
 
 def export_trace(records: list[ActionRecord], prefix: str) -> None:

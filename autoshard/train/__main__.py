@@ -1,0 +1,3 @@
+from autoshard.train import main
+
+main()

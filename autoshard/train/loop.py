@@ -1,0 +1,215 @@
+"""One process's part of `autoshard train`: build the model, shard it, resume, train, checkpoint,
+report, export. Every rank runs this under torchrun (or one process alone, its own gloo group)."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from autoshard import autoshard
+from autoshard import checkpoint as ck
+from autoshard.checkpoint.convert import consolidate, load_from_file
+from autoshard.checkpoint.index import INDEX
+from autoshard.checkpoint.materialize import materialize
+from autoshard.planning.costmodel import estimate
+from autoshard.train import model_source
+from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
+from autoshard.train.lr import learning_rate
+from autoshard.train.metrics import Reporter, StepMetrics
+from autoshard.train.options import TrainError, TrainOptions
+from autoshard.train.plot import loss_curve
+
+__all__ = ["run", "split_of"]
+
+# what a checkpoint records of the run, checked on --resume (the data and the schedule must match
+# for the continuation to be the same run)
+_RUN_KEYS = ("seq_len", "batch", "seed", "steps", "lr", "warmup", "min_lr_ratio", "data_key")
+
+
+def _init() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+        return
+    with socket.socket() as s:                  # one process, no torchrun: its own group of one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _on_rank0(fn):
+    """fn() on rank 0, its result (or its TrainError) given to every rank."""
+    box: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except TrainError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise TrainError(box[1])
+    return box[0]
+
+
+def split_of(opts: TrainOptions, world: int) -> dict:
+    """tp, pp, dp, virtual, microbatches from the options and the world size (not with --plan)."""
+    tp, pp = opts.tp, opts.pp
+    if world % (tp * pp):
+        raise TrainError(f"the world has {world} processes, not a multiple of tp={tp} x pp={pp} = {tp * pp}")
+    dp = opts.dp or world // (tp * pp)
+    if tp * pp * dp != world:
+        raise TrainError(f"the world has {world} processes but tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp}")
+    micro = opts.microbatches or (2 * pp if pp > 1 else 1)
+    if opts.batch % (dp * micro):
+        raise TrainError(f"--batch {opts.batch} cannot be split into dp={dp} x microbatches={micro} equal parts")
+    return dict(tp=tp, pp=pp, dp=dp, virtual=opts.virtual, microbatches=micro)
+
+
+def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) -> None:
+    if source.max_positions is not None and opts.seq_len > source.max_positions:
+        raise TrainError(f"--seq-len {opts.seq_len} is beyond the model's {source.max_positions} positions")
+    if source.vocab is not None and tokenizer.vocab > source.vocab:
+        raise TrainError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab} ids but the model's vocabulary "
+                         f"has {source.vocab} (--vocab)")
+
+
+def _estimated_seconds(opts: TrainOptions, source, split: dict) -> float | None:
+    cfg = source.config
+    try:
+        return estimate(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                        vocab=cfg.vocab_size, seq=opts.seq_len, tp=split["tp"], pp=split["pp"], dp=split["dp"],
+                        global_batch=opts.batch, microbatch=opts.batch // (split["dp"] * split["microbatches"]),
+                        virtual=split["virtual"], hardware=opts.hardware, recompute="none",
+                        sequence_parallel=opts.sequence_parallel).seconds_per_iteration
+    except (AttributeError, ValueError, TypeError):     # not a transformer config the cost model reads
+        return None
+
+
+def _compile(opts: TrainOptions, source, world: int):
+    example = torch.zeros((2, opts.seq_len), dtype=torch.long)     # 2: a size 1 would be specialized
+    if opts.plan:
+        prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=opts.hardware,
+                         sequence_parallel=opts.sequence_parallel, fuse=opts.fuse,
+                         example_kwargs={source.input_name: example, source.label_name: example})
+        split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, virtual=prog.virtual, microbatches=prog.microbatches)
+        if opts.batch % (split["dp"] * split["microbatches"]):
+            raise TrainError(f"the planner's dp={split['dp']} x microbatches={split['microbatches']} does not divide "
+                             f"--batch {opts.batch}")
+        return prog, split
+    split = split_of(opts, world)
+    micro_batch = opts.batch // (split["dp"] * split["microbatches"])
+    example = torch.zeros((micro_batch, opts.seq_len), dtype=torch.long)
+    prog = autoshard(source.model, **split, sequence_parallel=opts.sequence_parallel, fuse=opts.fuse,
+                     example_kwargs={source.input_name: example, source.label_name: example})
+    return prog, split
+
+
+def _resume(opts: TrainOptions, ckdir: str, prog, rt, optimizer, run_info: dict) -> int:
+    found = ck.latest(ckdir)
+    if found is None:
+        if dist.get_rank() == 0:
+            print(f"--resume: no complete checkpoint under {ckdir}; starting at step 0", flush=True)
+        return 0
+    info = ck.load(found, prog, rt, optimizer)
+    saved = (info.get("extra") or {}).get("run", {})
+    for key in _RUN_KEYS:
+        if key in saved and saved[key] != run_info[key]:
+            raise TrainError(f"{found} was written by a run with {key}={saved[key]!r}; this run has "
+                             f"{run_info[key]!r} (a resumed run must keep the data and schedule)")
+    if dist.get_rank() == 0:
+        print(f"resumed from {found} at step {info['step']}", flush=True)
+    return int(info["step"])
+
+
+def _export(opts: TrainOptions, source, tokenizer, final: str) -> None:
+    """A single-device model from the final checkpoint: a Hugging Face folder (save_pretrained,
+    and the tokenizer when the model folder had one) or model.safetensors for a factory model."""
+    if source.kind == "factory":
+        model = model_source.build(opts, isinstance(tokenizer, ByteTokenizer)).model
+    else:
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(source.config)
+    consolidate(final, model, opts.export)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.tok.save_pretrained(opts.export)
+    print(f"exported a single-device model to {opts.export}", flush=True)
+
+
+def run(opts: TrainOptions) -> int:
+    _init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    ckdir = os.path.join(opts.out, "checkpoints")
+    tokenizer = tokenizer_for(opts.model)
+    source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
+    _check_fit(opts, source, tokenizer)
+    prog, split = _compile(opts, source, world)
+    rt = prog.distributed(mesh=True)
+    if source.weights is not None:
+        materialize(prog, rt, seed=opts.seed)
+        load_from_file(source.weights, prog, rt)
+    optimizer = torch.optim.AdamW(rt.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+    token_file = _on_rank0(lambda: prepare_tokens(opts.data, tokenizer, opts.text_field, os.path.join(opts.out, "data")))
+    batches = Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=split["dp"],
+                           dp_rank=rt.dp_rank, seed=opts.seed, extra=int(source.shifted))
+    run_info = {"seq_len": opts.seq_len, "batch": opts.batch, "seed": opts.seed, "steps": opts.steps, "lr": opts.lr,
+                "warmup": opts.warmup, "min_lr_ratio": opts.min_lr_ratio,
+                "data_key": os.path.basename(token_file), "split": split}
+    start = _resume(opts, ckdir, prog, rt, optimizer, run_info) if opts.resume else 0
+    reporter = Reporter(opts.out, opts.steps, start, rank == 0, opts.hardware)
+    est = _estimated_seconds(opts, source, split)
+    if rank == 0:
+        print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
+              f"virtual={split['virtual']} microbatches={split['microbatches']}, {batches.sequences} sequences of "
+              f"{opts.seq_len} tokens, steps {start + 1}-{opts.steps}", flush=True)
+    saving = None
+    try:
+        for step in range(start, opts.steps):
+            lr = learning_rate(step, peak=opts.lr, warmup=opts.warmup, total=opts.steps, min_ratio=opts.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            prog.manual_seed(opts.seed * 1_000_003 + step)       # dropout: a function of the step, so resumes agree
+            torch.manual_seed(opts.seed * 1_000_003 + step)
+            rows = batches.batch(step)
+            ids, labels = (rows[:, :-1].contiguous(), rows[:, 1:].contiguous()) if source.shifted else (rows, rows)
+            began = time.perf_counter()
+            loss = rt.train_step(**{source.input_name: ids, source.label_name: labels}, local_batch=True,
+                                 max_norm=opts.clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad()
+            took = time.perf_counter() - began
+            reporter.step(StepMetrics(step + 1, loss.item(), lr, float(rt.last_grad_norm),
+                                      opts.batch * opts.seq_len / took, took, est),
+                          show=(step + 1) % opts.log_every == 0)
+            if (step + 1) % opts.save_every == 0 or step + 1 == opts.steps:
+                saving = os.path.join(ckdir, f"step-{step + 1:08d}")
+                ck.save(saving, prog, rt, optimizer, step=step + 1, extra={"run": run_info})
+                saving = None
+            if opts.halt_after == step + 1:
+                sys.stdout.flush()
+                os._exit(3)                     # as a crash would: no clean-up, no final checkpoint
+    except KeyboardInterrupt:
+        if saving is not None and rank == 0 and not os.path.isfile(os.path.join(saving, INDEX)):
+            shutil.rmtree(saving, ignore_errors=True)       # a checkpoint cut short: leave none of it
+        if rank == 0:
+            print(f"\ninterrupted; the newest complete checkpoint is {ck.latest(ckdir)} (continue with --resume)",
+                  file=sys.stderr, flush=True)
+        return 130
+    reporter.close()
+    if rank == 0:
+        steps, losses = reporter.history()
+        loss_curve(steps, losses, os.path.join(opts.out, "loss.png"))
+        print(f"done: loss {losses[0]:.4f} at step {steps[0]} -> {losses[-1]:.4f} at step {steps[-1]}; "
+              f"{opts.out}/metrics.csv, {opts.out}/loss.png, checkpoints in {ckdir}", flush=True)
+        if opts.export:
+            _export(opts, source, tokenizer, ck.latest(ckdir))
+    dist.barrier()
+    return 0

@@ -1,0 +1,80 @@
+"""What rank 0 reports each step: a progress line (tokens/s, loss, learning rate, gradient norm,
+measured and estimated step time), a row of metrics.csv, and TensorBoard scalars where the
+tensorboard package is installed."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+__all__ = ["StepMetrics", "Reporter"]
+
+
+@dataclass
+class StepMetrics:
+    step: int                       # 1-based: the number of optimizer steps taken
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_s: float
+    estimated_step_s: float | None
+
+
+class Reporter:
+    """Writes `out/metrics.csv` (rows after `start` are dropped first when resuming, so the file
+    holds each step once) and prints progress; does nothing on ranks other than 0."""
+
+    def __init__(self, out: str, total: int, start: int, active: bool, hardware: str):
+        self.active, self.total, self.hardware = active, total, hardware
+        self.path = os.path.join(out, "metrics.csv")
+        self.tensorboard = None
+        if not active:
+            return
+        kept = []
+        if start > 0 and os.path.isfile(self.path):
+            with open(self.path, newline="") as fh:
+                kept = [row for row in csv.DictReader(fh) if int(row["step"]) <= start]
+        fields = list(StepMetrics.__dataclass_fields__)
+        with open(self.path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fields)
+            w.writeheader()
+            w.writerows(kept)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(out, "tensorboard"))
+        except ImportError:             # the tensorboard package is optional
+            self.tensorboard = None
+        self.tty = sys.stdout.isatty()
+
+    def step(self, m: StepMetrics, show: bool) -> None:
+        if not self.active:
+            return
+        row = io.StringIO()
+        csv.DictWriter(row, list(StepMetrics.__dataclass_fields__)).writerow(asdict(m))
+        with open(self.path, "a", newline="") as fh:
+            fh.write(row.getvalue())            # one write per row: an interrupted run leaves whole rows
+        if self.tensorboard is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
+                self.tensorboard.add_scalar(f"train/{k}", getattr(m, k), m.step)
+        if show or m.step == self.total:
+            print(self.line(m), end="\r" if self.tty and m.step < self.total else "\n", flush=True)
+
+    def line(self, m: StepMetrics) -> str:
+        done = m.step / self.total
+        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+        est = "" if m.estimated_step_s is None else f" (cost model: {m.estimated_step_s:.3g} s on {self.hardware})"
+        return (f"[{bar}] step {m.step}/{self.total}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad norm {m.grad_norm:.3f}  "
+                f"{m.tokens_per_s:,.0f} tok/s  {m.step_s:.3f} s/step{est}")
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    def history(self) -> tuple[list[int], list[float]]:
+        """(steps, losses) from metrics.csv: the whole run, resumed parts included."""
+        with open(self.path, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        return [int(r["step"]) for r in rows], [float(r["loss"]) for r in rows]

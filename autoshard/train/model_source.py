@@ -1,0 +1,115 @@
+"""The model `--model` names: a transformers model type built from its config (random weights,
+the size options applied), a local Hugging Face folder (its config; weights read per rank after
+sharding), or a `module:factory` callable."""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autoshard.factory import load_factory
+from autoshard.train.options import TrainError, TrainOptions
+
+__all__ = ["ModelSource", "build", "BYTE_VOCAB"]
+
+BYTE_VOCAB = 384        # the byte tokenizer's 257 ids, rounded up to a multiple of 128 (as Megatron pads)
+# size option -> the config attribute it sets (transformers' attribute_map resolves GPT-2's n_layer etc.)
+_OVERRIDES = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+              "kv_heads": "num_key_value_heads", "vocab": "vocab_size", "max_positions": "max_position_embeddings"}
+
+
+@dataclass
+class ModelSource:
+    model: nn.Module
+    kind: str                       # "config", "folder" or "factory"
+    input_name: str                 # the forward argument the token ids go to
+    label_name: str                 # ... and the labels: "labels" (the model shifts them, as Hugging Face's
+                                    # do) or "targets" (the next tokens already, as nanoGPT's)
+    max_positions: int | None
+    vocab: int | None
+    weights: str | None = None      # a folder whose safetensors each rank reads its slices from
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the labels are the next tokens (cut one token further than the inputs)."""
+        return self.label_name == "targets"
+
+    @property
+    def config(self):
+        return getattr(self.model, "config", None)
+
+
+def _apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
+    for opt, attr in _OVERRIDES.items():
+        value = getattr(opts, opt)
+        if opt == "vocab" and value is None and byte_tokenizer:
+            value = BYTE_VOCAB
+        if value is not None:
+            setattr(cfg, attr, value)
+    if opts.ffn is not None:
+        setattr(cfg, "intermediate_size" if hasattr(cfg, "intermediate_size") else "n_inner", opts.ffn)
+    if opts.kv_heads is None and hasattr(cfg, "num_key_value_heads") and opts.heads is not None:
+        cfg.num_key_value_heads = opts.heads
+    if getattr(cfg, "head_dim", None) is not None and (opts.hidden or opts.heads):
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+
+
+def _signature_names(model: nn.Module) -> tuple[str, str]:
+    params = list(inspect.signature(model.forward).parameters)
+    if not params:
+        raise TrainError(f"{type(model).__name__}.forward takes no arguments; it needs the token ids and labels")
+    label = next((n for n in ("labels", "targets") if n in params), None)
+    if label is None:
+        raise TrainError(f"{type(model).__name__}.forward({', '.join(params)}) takes no `labels` or `targets`: "
+                         f"autoshard train needs the model to compute its loss")
+    return ("input_ids" if "input_ids" in params else params[0]), label
+
+
+def build(opts: TrainOptions, byte_tokenizer: bool) -> ModelSource:
+    """The model on every rank alike (seeded by --seed; a folder's model on the meta device)."""
+    torch.manual_seed(opts.seed)
+    if os.path.isdir(opts.model):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        sizes = [o for o in (*_OVERRIDES, "ffn") if getattr(opts, o) is not None]
+        if sizes:
+            raise TrainError(f"--model {opts.model} is a folder: its config fixes the sizes (drop "
+                             f"{', '.join('--' + s.replace('_', '-') for s in sizes)})")
+        cfg = AutoConfig.from_pretrained(opts.model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        has_weights = any(f.endswith(".safetensors") or f == "model.safetensors.index.json"
+                          for f in os.listdir(opts.model))
+        if not has_weights:
+            raise TrainError(f"--model {opts.model}: no safetensors weights in the folder")
+        return ModelSource(model, "folder", "input_ids", "labels", getattr(cfg, "max_position_embeddings", None),
+                           getattr(cfg, "vocab_size", None), weights=opts.model)
+    if ":" in opts.model:
+        try:
+            factory = load_factory(opts.model, "--model")
+        except SystemExit as e:                 # the shared loader's one-line refusal
+            raise TrainError(str(e)) from None
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise TrainError(f"--model {opts.model} returned a {type(model).__name__}, not an nn.Module")
+        inputs, labels = _signature_names(model)
+        cfg = getattr(model, "config", None)
+        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "block_size", None)
+        return ModelSource(model, "factory", inputs, labels, limit, getattr(cfg, "vocab_size", None))
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if opts.model not in CONFIG_MAPPING:
+        known = ", ".join(k for k in ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3")
+                          if k in CONFIG_MAPPING)
+        raise TrainError(f"--model {opts.model}: not a transformers model type, a folder or module:factory "
+                         f"(model types include {known})")
+    cfg = AutoConfig.for_model(opts.model)
+    _apply_sizes(cfg, opts, byte_tokenizer)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:
+        raise TrainError(f"--model {opts.model} with these sizes does not build: {e}") from None
+    return ModelSource(model, "config", "input_ids", "labels", getattr(cfg, "max_position_embeddings", None),
+                       getattr(cfg, "vocab_size", None))

@@ -1,0 +1,131 @@
+"""`autoshard train`'s command line: the options, their defaults, and the checks that need no model."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from autoshard.planning.hardware import PRESETS
+
+__all__ = ["TrainError", "TrainOptions", "parser", "parse"]
+
+
+class TrainError(Exception):
+    """A bad input to `autoshard train`, said in one line."""
+
+
+@dataclass
+class TrainOptions:
+    model: str
+    data: str
+    out: str
+    text_field: str
+    layers: int | None
+    hidden: int | None
+    heads: int | None
+    kv_heads: int | None
+    ffn: int | None
+    vocab: int | None
+    max_positions: int | None
+    tp: int
+    pp: int
+    virtual: int
+    dp: int | None
+    microbatches: int | None
+    plan: bool
+    sequence_parallel: bool
+    fuse: bool
+    seq_len: int
+    batch: int
+    steps: int
+    lr: float
+    min_lr_ratio: float
+    warmup: int
+    weight_decay: float
+    clip: float
+    seed: int
+    save_every: int
+    resume: bool
+    export: str | None
+    log_every: int
+    hardware: str
+    nproc_per_node: int | None
+    halt_after: int | None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="autoshard train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a model on text, sharded tp x pp x dp, under torchrun (or launching it with "
+                    "--nproc-per-node). Checkpoints, metrics.csv and loss.png go to --out.")
+    m = ap.add_argument_group("model")
+    m.add_argument("--model", required=True, help="a transformers model type (llama, gpt2, mistral, qwen2, ...) "
+                   "built from its config with the size options below, a local Hugging Face folder (config + "
+                   "safetensors, and its tokenizer if present), or module:factory returning an nn.Module whose forward "
+                   "takes the token ids and `labels` (shifted inside, as Hugging Face's) or `targets` (the next "
+                   "tokens, as nanoGPT's) and returns the loss")
+    for flag, what in (("--layers", "num_hidden_layers"), ("--hidden", "hidden_size"), ("--heads", "num_attention_heads"),
+                       ("--kv-heads", "num_key_value_heads"), ("--ffn", "intermediate size"),
+                       ("--vocab", "vocab_size (default for the byte tokenizer: 384)"),
+                       ("--max-positions", "max_position_embeddings")):
+        m.add_argument(flag, type=int, default=None, help=f"config override: {what}")
+    d = ap.add_argument_group("data")
+    d.add_argument("--data", required=True, help="a text file, a JSONL file, or a folder of them")
+    d.add_argument("--text-field", default="text", help="the field of each JSONL record that holds its text")
+    d.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    d.add_argument("--batch", type=int, default=8, help="sequences per step, over all data-parallel ranks")
+    p = ap.add_argument_group("parallelism")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--virtual", type=int, default=1, help="pipeline chunks per rank (interleaved 1F1B when > 1)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the rest of the world)")
+    p.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank and step (default: 2 x pp)")
+    p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--fuse", action="store_true", help="fused ops (CUDA kernels on a GPU)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="launch torchrun with this many processes")
+    o = ap.add_argument_group("optimization")
+    o.add_argument("--steps", type=int, default=100)
+    o.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    o.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine decays to lr x this")
+    o.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    o.add_argument("--clip", type=float, default=1.0, help="gradient clipping by global norm (0: off)")
+    o.add_argument("--seed", type=int, default=0)
+    r = ap.add_argument_group("output")
+    r.add_argument("--out", required=True, help="the run's folder: checkpoints/, metrics.csv, loss.png")
+    r.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    r.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    r.add_argument("--export", default=None, help="at the end, write a single-device Hugging Face folder here")
+    r.add_argument("--log-every", type=int, default=1)
+    r.add_argument("--hardware", choices=sorted(PRESETS), default="a100-80gb",
+                   help="the cost model's hardware for the estimated step time")
+    r.add_argument("--halt-after", type=int, default=None,
+                   help="stop abruptly after this step, as a crash would (to test --resume)")
+    return ap
+
+
+def parse(argv: list[str]) -> TrainOptions:
+    """The options, checked: positive sizes, and files that exist."""
+    args = parser().parse_args(argv)
+    opts = TrainOptions(**vars(args))
+    for name in ("tp", "pp", "virtual", "seq_len", "batch", "steps", "save_every", "log_every"):
+        if getattr(opts, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(opts, name)}")
+    for name in ("dp", "microbatches", "nproc_per_node", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+                 "max_positions"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(opts, name)}")
+    if opts.warmup < 0 or opts.clip < 0 or opts.lr <= 0 or not 0 <= opts.min_lr_ratio <= 1:
+        raise TrainError("--warmup and --clip must be >= 0, --lr > 0, --min-lr-ratio in [0, 1]")
+    if not os.path.exists(opts.data):
+        raise TrainError(f"--data {opts.data}: no such file or folder")
+    looks_like_path = os.sep in opts.model or opts.model.startswith(".")
+    if looks_like_path and not os.path.isdir(opts.model):
+        raise TrainError(f"--model {opts.model}: no such folder")
+    if os.path.isdir(opts.model) and not os.path.isfile(os.path.join(opts.model, "config.json")):
+        raise TrainError(f"--model {opts.model}: the folder has no config.json (a Hugging Face model folder needs one)")
+    given = opts.dp is not None or opts.microbatches is not None or (opts.tp, opts.pp, opts.virtual) != (1, 1, 1)
+    if opts.plan and given:
+        raise TrainError("--plan chooses tp, pp, dp, virtual and microbatches itself; give none of them with it")
+    return opts
