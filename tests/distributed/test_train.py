@@ -77,10 +77,10 @@ def test_train_llama_tp2_pp2_resumes_exactly_reshards_and_exports(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_the_planner_choosing_dp2(tmp_path):
-    out = _train(tmp_path, *LLAMA, "--plan", "--steps", "20", nproc=2).stdout
+    out = _train(tmp_path, *LLAMA, "--plan", "--steps", "50", nproc=2).stdout
     assert "tp=1 pp=1 dp=2" in out
     losses = [float(r["loss"]) for r in _rows(tmp_path)]
-    assert len(losses) == 20 and losses[-1] < losses[0]
+    assert len(losses) == 50 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
 
 
 @pytest.mark.slow

@@ -164,3 +164,20 @@ def test_factory_models_name_their_inputs_and_targets_are_the_next_tokens(tmp_pa
     for row in rows.tolist():
         start = next(i for i in range(len(arr)) if arr[i:i + 17].tolist() == row)
         assert start % 16 == 0          # a sequence's 16 tokens and the one after them
+
+
+def test_a_model_folders_own_tokenizer_is_used_and_its_end_of_text_separates_documents(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from autoshard.train.data import HFTokenizer, tokenizer_for
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1, "the": 2, "fox": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path / "m")
+    tok = tokenizer_for(str(tmp_path / "m"))
+    assert isinstance(tok, HFTokenizer) and (tok.vocab, tok.eos) == (4, 1)
+    assert isinstance(tokenizer_for("llama"), ByteTokenizer)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "the fox"}) + "\n\n" + json.dumps({"text": "fox jumps"}) + "\n")
+    tokens = np.load(prepare_tokens(str(docs), tok, "text", str(tmp_path / "cache")))
+    assert tokens.tolist() == [2, 3, 1, 3, 0, 1]
