@@ -1,7 +1,8 @@
-"""The first launch of each fused op, dtype and device in a process checks the kernel against the
-op's torch implementation on a small random input (the op's own flags: approximate, causal, p, rms,
-...). On a mismatch, or if the kernel raises, the kernel is disabled for that op, dtype and device
-with a warning naming it and the error, and the torch implementation runs from then on.
+"""The first launch of each fused op, dtype, device and variant (its flags: approximate, causal, rms,
+inverse, and which optional tensors it gets: a mask, biases) in a process checks the kernel
+against the op's torch implementation on a small random input with those flags. On a mismatch, or
+if the kernel raises, the kernel is disabled for that op, dtype, device and variant with a warning
+naming it and the error, and the torch implementation runs from then on.
 
 On by default on a GPU; `AUTOSHARD_KERNEL_SELF_CHECK=0` turns it off. On the CPU executor it runs
 only when its Config asks (self_check=True): the executor's own tests plant bugs that must show.
@@ -24,7 +25,9 @@ __all__ = ["trusted", "TOLERANCE", "RESULTS", "reset"]
 # in fp32 and round once, so they differ by at most an ulp of the storage type here and there
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ROWS, COLS = 3, 40                  # 40: a tail after four 8-wide packs, so vector and scalar paths run
-RESULTS: dict[tuple[str, torch.dtype, str], tuple[bool, float]] = {}    # (op, dtype, device) -> (passed, seconds)
+# (op, dtype, device, variant) -> (passed, seconds); the variant is the call's flags (a string or a
+# bool: approximate, causal, rms, inverse) and which optional tensors it passes (a mask, biases)
+RESULTS: dict[tuple[str, torch.dtype, str, tuple], tuple[bool, float]] = {}
 
 
 def reset() -> None:
@@ -95,12 +98,19 @@ def _difference(got, want) -> float:
     return worst
 
 
+def _variant(args: tuple) -> tuple:
+    """What selects a kernel's code path: flags, and whether each optional tensor is there (sizes,
+    seeds, probabilities and scales do not)."""
+    return tuple(a if isinstance(a, (bool, str)) else "none" if a is None else "tensor" if isinstance(a, torch.Tensor)
+                 else "number" for a in args)
+
+
 def trusted(name: str, args: tuple, kernel: Callable[[tuple], object], reference: Callable) -> bool:
     """Whether op `name`'s kernel may run on `args` (by their first tensor's dtype and device):
     checked once per process on a small input built like `args`, `kernel(small)` against
     `reference(*small)`."""
     first = args[0]
-    key = (name, first.dtype, str(first.device))
+    key = (name, first.dtype, str(first.device), _variant(args))
     if key in RESULTS:
         return RESULTS[key][0]
     if not _wanted(first.device):

@@ -207,6 +207,11 @@ def test_without_the_executor_cpu_tensors_run_the_torch_implementation():
 WRONG_GELU = ("bias_gelu.cu", "return 0.5f * u * (1.f + t);", "return 0.25f * u * (1.f + t);")
 
 
+def launch_ops() -> set[str]:
+    from autoshard.kernels.dispatch import _KERNELS
+    return set(_KERNELS)
+
+
 @pytest.fixture
 def fresh_checks():
     self_check.reset()
@@ -227,10 +232,13 @@ def test_self_check_disables_a_wrong_kernel_with_a_warning_and_results_stay_righ
         with warnings.catch_warnings():
             warnings.simplefilter("error")                  # warned once, then quietly the torch implementation
             second = ops.bias_gelu(x, b)
-        erf = ops.bias_gelu(x, b, "none")                   # the same kernel: disabled too (one check per op)
+        before = sum(launch.LAUNCHES.values())
+        erf = ops.bias_gelu(x, b, "none")                   # another variant: its own check, passed, the kernel runs
+        assert sum(launch.LAUNCHES.values()) - before >= 2
     assert torch.allclose(first, want, atol=1e-6) and torch.equal(first, second)
     assert torch.allclose(erf, torch.nn.functional.gelu(x + b), atol=1e-6)
-    assert self_check.RESULTS[("bias_gelu", torch.float32, "cpu")][0] is False
+    checks = {key[3]: ok for key, (ok, _) in self_check.RESULTS.items() if key[:3] == ("bias_gelu", torch.float32, "cpu")}
+    assert checks == {("tensor", "tensor", "tanh"): False, ("tensor", "tensor", "none"): True}
 
 
 def test_self_check_passes_the_real_kernels_and_they_run(fresh_checks):
@@ -244,7 +252,8 @@ def test_self_check_passes_the_real_kernels_and_they_run(fresh_checks):
                 inputs = make_inputs(case, shape, dtype, "cpu", 0)
                 out = case.fused(**inputs)
                 torch.autograd.grad(out, [inputs[k] for k in case.grads], torch.ones_like(out))
-    assert all(ok for ok, _ in self_check.RESULTS.values()) and len(self_check.RESULTS) == 11 * 3
+    assert all(ok for ok, _ in self_check.RESULTS.values()) and {k[:2] for k in self_check.RESULTS} == {
+        (op, dtype) for op in launch_ops() for dtype in DTYPES}
     assert sum(launch.LAUNCHES.values()) - before > len(self_check.RESULTS)
 
 
