@@ -17,17 +17,24 @@ import sys
 
 from autoshard.train.options import TrainError, TrainOptions, parse
 
-__all__ = ["main", "TrainError", "TrainOptions"]
+__all__ = ["main", "worker_argv", "TrainError", "TrainOptions"]
 
 
-def _without_launch_flag(argv: list[str]) -> list[str]:
+def worker_argv(argv: list[str]) -> list[str]:
+    """The arguments torchrun passes on to each process: without --nproc-per-node, and --virtual
+    spelled --virtual-pipeline (torchrun reads a bare --virtual as a prefix of its own
+    --virtual-local-rank)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
         elif a == "--nproc-per-node":
             skip = True
-        elif not a.startswith("--nproc-per-node="):
+        elif a.startswith("--nproc-per-node="):
+            continue
+        elif a == "--virtual" or a.startswith("--virtual="):
+            out.append(a.replace("--virtual", "--virtual-pipeline", 1))
+        else:
             out.append(a)
     return out
 
@@ -41,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                 from autoshard.train.loop import split_of
                 split_of(opts, opts.nproc_per_node)                 # a world-size mismatch, said before launching
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train", *_without_launch_flag(argv)]
+                   f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train", *worker_argv(argv)]
             sys.exit(subprocess.run(cmd).returncode)
         from autoshard.train.loop import run
         code = run(opts)

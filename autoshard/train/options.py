@@ -77,7 +77,9 @@ def parser() -> argparse.ArgumentParser:
     p = ap.add_argument_group("parallelism")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--virtual", type=int, default=1, help="pipeline chunks per rank (interleaved 1F1B when > 1)")
+    p.add_argument("--virtual", "--virtual-pipeline", dest="virtual", type=int, default=1,
+                   help="pipeline chunks per rank (interleaved 1F1B when > 1); under torchrun spell it "
+                        "--virtual-pipeline (torchrun takes --virtual for its own --virtual-local-rank)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the rest of the world)")
     p.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank and step (default: 2 x pp)")
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")

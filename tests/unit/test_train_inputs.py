@@ -181,3 +181,11 @@ def test_a_model_folders_own_tokenizer_is_used_and_its_end_of_text_separates_doc
     docs.write_text(json.dumps({"text": "the fox"}) + "\n\n" + json.dumps({"text": "fox jumps"}) + "\n")
     tokens = np.load(prepare_tokens(str(docs), tok, "text", str(tmp_path / "cache")))
     assert tokens.tolist() == [2, 3, 1, 3, 0, 1]
+
+
+def test_the_launcher_passes_virtual_on_under_a_name_torchrun_does_not_claim(tmp_path, text):
+    from autoshard.train import worker_argv
+    argv = ["--model", "gpt2", "--virtual", "2", "--nproc-per-node", "2", "--pp", "2", "--nproc-per-node=2",
+            "--virtual=3"]
+    assert worker_argv(argv) == ["--model", "gpt2", "--virtual-pipeline", "2", "--pp", "2", "--virtual-pipeline=3"]
+    assert _opts(text, tmp_path, "--virtual-pipeline", "2").virtual == _opts(text, tmp_path, "--virtual", "2").virtual == 2
