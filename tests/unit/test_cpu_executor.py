@@ -3,6 +3,9 @@ table under both schedules and both guard placements against float64; planted bu
 barrier, an out-of-bounds index, a misaligned 16-byte access, a barrier in divergent code) fail;
 the host conversions are the PTX ones; launch arguments are checked; the first-use self-check
 disables a wrong kernel. Skipped, with the reason, where no host C++ compiler exists."""
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -268,8 +271,12 @@ def test_self_check_is_off_with_the_environment_variable(fresh_checks, monkeypat
 
 
 def test_the_environment_switch_turns_the_executor_on_for_a_process(monkeypatch):
-    monkeypatch.setenv("AUTOSHARD_CUDA_ON_CPU", "run-ahead")
-    assert _from_environment() == cpu_executor.Config(schedule="run-ahead")
+    """AUTOSHARD_CUDA_ON_CPU=run-ahead in a fresh process: the fused ops run their kernels, run-ahead."""
+    code = ("import torch; from autoshard.kernels import ops, cpu_executor; from autoshard.kernels.launch import LAUNCHES; "
+            "y = ops.rms_norm(torch.randn(4, 64), torch.ones(64)); "
+            "print(cpu_executor.active().schedule, dict(LAUNCHES))")
+    env = {**os.environ, "AUTOSHARD_CUDA_ON_CPU": "run-ahead"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "run-ahead {'norm_fwd': 1}", out.stdout + out.stderr
     monkeypatch.setenv("AUTOSHARD_CUDA_ON_CPU", "0")
     assert _from_environment() is None
-
