@@ -169,7 +169,8 @@ def run(opts: TrainOptions) -> int:
     if rank == 0:
         print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
               f"virtual={split['virtual']} microbatches={split['microbatches']}, {batches.sequences} sequences of "
-              f"{opts.seq_len} tokens, steps {start + 1}-{opts.steps}", flush=True)
+              f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else
+                                             f"all {opts.steps} steps already done"), flush=True)
     saving = None
     try:
         for step in range(start, opts.steps):
@@ -206,9 +207,10 @@ def run(opts: TrainOptions) -> int:
     reporter.close()
     if rank == 0:
         steps, losses = reporter.history()
-        loss_curve(steps, losses, os.path.join(opts.out, "loss.png"))
-        print(f"done: loss {losses[0]:.4f} at step {steps[0]} -> {losses[-1]:.4f} at step {steps[-1]}; "
-              f"{opts.out}/metrics.csv, {opts.out}/loss.png, checkpoints in {ckdir}", flush=True)
+        if steps:                   # none when a resumed run found every step done
+            loss_curve(steps, losses, os.path.join(opts.out, "loss.png"))
+            print(f"done: loss {losses[0]:.4f} at step {steps[0]} -> {losses[-1]:.4f} at step {steps[-1]}; "
+                  f"{opts.out}/metrics.csv, {opts.out}/loss.png, checkpoints in {ckdir}", flush=True)
         if opts.export:
             _export(opts, source, tokenizer, ck.latest(ckdir))
     dist.barrier()
