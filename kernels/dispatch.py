@@ -77,8 +77,8 @@ def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tup
 
 
 def _with_fallback(name: str, kernel: _Kernel, reference: Callable):
-    """Run the kernel when it takes these arguments (and passed its first-use check for their dtype
-    and device), else the exact torch implementation."""
+    """Run the kernel when it takes these arguments (and passed its first-use check for their dtype,
+    device and variant), else the exact torch implementation."""
     def on(args: tuple):
         ok = kernel.takes is None or kernel.takes(args)
         return _kernel_args(args, kernel.like_first, kernel.promote) if ok else None

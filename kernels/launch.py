@@ -1,5 +1,5 @@
 """CUDA implementations of the fused ops: launches of kernels/cuda/ through CuPy on torch's current
-stream, or, for CPU tensors while the CPU executor is on (kernels/cpu_executor.py), the same
+stream, or, for CPU tensors while the CPU executor is on (kernels/cpu_executor/), the same
 kernels run on the CPU through the same code here (pack choice, strides, grid sizing).
 
 Tensors cross to CuPy by DLPack (no copies), converted while CuPy's current stream is torch's, so

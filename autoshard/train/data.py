@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -124,6 +124,7 @@ class Batches:
     dp_rank: int
     seed: int
     extra: int = 0                  # tokens each row reads past seq_len (1: next-token targets cut from it)
+    _orders: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: str, **kw) -> "Batches":
@@ -138,16 +139,19 @@ class Batches:
         return (len(self.tokens) - self.extra) // self.seq_len
 
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.sequences)
+        """Epoch `epoch`'s permutation of the sequences, drawn once (steps ask for it again and again)."""
+        if epoch not in self._orders:
+            if len(self._orders) > 1:              # a batch spans at most two epochs
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.sequences)
+        return self._orders[epoch]
 
     def batch(self, step: int) -> torch.Tensor:
         per_rank = self.global_batch // self.dp
         first = step * self.global_batch + self.dp_rank * per_rank
-        rows, orders = [], {}
+        rows = []
         for g in range(first, first + per_rank):
             epoch, i = divmod(g, self.sequences)
-            if epoch not in orders:
-                orders[epoch] = self._order(epoch)
-            s = int(orders[epoch][i]) * self.seq_len
+            s = int(self._order(epoch)[i]) * self.seq_len
             rows.append(np.asarray(self.tokens[s:s + self.seq_len + self.extra], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))

@@ -60,8 +60,8 @@ def _build(units: dict[str, str], cxx: str, out: Path) -> None:
             cmd = [cxx, *flags, "-I", str(_HOST_DIR), "-c", str(src), "-o", str(obj)]
             jobs.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
             objects.append(str(obj))
-        failed = [(name, p.communicate()[0]) for name, p in jobs]
-        failed = [(name, log) for (name, log), (_, p) in zip(failed, jobs) if p.returncode]
+        logs = [(name, p.communicate()[0], p.returncode) for name, p in jobs]
+        failed = [(name, log) for name, log, status in logs if status]
         if failed:
             raise KernelExecutionError("the CPU executor does not build:\n" + "\n".join(f"{n}:\n{log[:4000]}" for n, log in failed))
         partial = tmp / "lib.so"
@@ -81,13 +81,18 @@ def _library_at(path: str) -> Library:
 
 def library(sources: Mapping[str, str] | None = None) -> Library:
     """The executor with every kernel file built in (and `sources` replacing files, to plant bugs),
-    built on first use and cached by the hash of everything that goes into it."""
+    built on first use and cached by the hash of everything that goes into it; in a process, found
+    once per set of replaced files (every launch asks for it)."""
     cxx = compiler()
     if cxx is None:
         raise ExecutorUnavailable("no host C++ compiler (g++ or $CXX) to build the CPU executor of the CUDA "
                                   "kernels; install g++ (apt install g++)")
-    sources = dict(sources or {})
-    units = {Path(f).stem: _translation_unit(f, sources) for f in KERNELS}
+    return _library_for(cxx, tuple(sorted((sources or {}).items())))
+
+
+@functools.cache
+def _library_for(cxx: str, sources: tuple[tuple[str, str], ...]) -> Library:
+    units = {Path(f).stem: _translation_unit(f, dict(sources)) for f in KERNELS}
     units["executor"] = (_HOST_DIR / "executor.cpp").read_text()
     digest = hashlib.sha256()
     for part in (cxx, subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout,
@@ -98,6 +103,3 @@ def library(sources: Mapping[str, str] | None = None) -> Library:
     if not path.is_file():
         _build(units, cxx, path)
     return _library_at(str(path))
-
-
-# ---- launching -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The CUDA kernels run on the CPU executor (kernels/cpu_executor.py): every case of the kernel
+"""The CUDA kernels run on the CPU executor (kernels/cpu_executor/): every case of the kernel
 table under both schedules and both guard placements against float64; planted bugs (a missing
 barrier, an out-of-bounds index, a misaligned 16-byte access, a barrier in divergent code) fail;
 the host conversions are the PTX ones; launch arguments are checked; the first-use self-check
