@@ -55,6 +55,12 @@ def _apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
         cfg.num_key_value_heads = opts.heads
     if getattr(cfg, "head_dim", None) is not None and (opts.hidden or opts.heads):
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):   # the config's ids for a vocabulary it no longer has
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value >= cfg.vocab_size:
+            setattr(cfg, attr, None)
+        elif isinstance(value, list):
+            setattr(cfg, attr, [v for v in value if v < cfg.vocab_size] or None)
 
 
 def _signature_names(model: nn.Module) -> tuple[str, str]:

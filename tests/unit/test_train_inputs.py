@@ -79,6 +79,14 @@ def test_empty_data_and_data_shorter_than_a_sequence_are_named(tmp_path, text):
         Batches.open(tokens, seq_len=64, global_batch=2, dp=1, dp_rank=0, seed=0)
 
 
+def test_special_token_ids_beyond_a_smaller_vocabulary_are_dropped(tmp_path, text):
+    """Phi-3's config keeps pad_token_id 32000: with the byte tokenizer's 384 rows it did not build."""
+    source = build(parse(["--model", "phi3", "--layers", "1", "--hidden", "32", "--heads", "2", "--data", text,
+                          "--out", str(tmp_path)]), byte_tokenizer=True)
+    cfg = source.model.config
+    assert cfg.vocab_size == BYTE_VOCAB and cfg.pad_token_id is None and cfg.bos_token_id == 1
+
+
 def test_sequence_length_beyond_the_model_and_a_small_vocabulary_are_named(tmp_path, text):
     opts = _opts(text, tmp_path, "--layers", "1", "--hidden", "32", "--heads", "2", "--max-positions", "64",
                  "--seq-len", "128")
