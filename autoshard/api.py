@@ -16,6 +16,7 @@ from autoshard.compile.program import ShardedProgram
 from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError, require_positive_int
+from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.passes.sharding.options import ShardOptions
 from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware
@@ -30,7 +31,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
-              fuse: bool | None = None,
+              fuse: bool | None = None, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
               hardware: str | Hardware = "a100-80gb") -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
@@ -49,6 +50,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     (CuPy kernels on CUDA, exact torch code elsewhere; passes/fusion/rules.py lists the patterns);
     a fused training dropout draws its own masks (same p, same RNG regions, not torch's masks);
     default: on when the model's parameters are on a CUDA device.
+    recompute: "none" (default), "selective" or "full" activation recomputation (Korthikanti et al.
+    2022): "full" keeps only each repeated layer's inputs and runs the layer again in backward;
+    "selective" does that for the attention core only (scores, softmax, dropout, probabilities x
+    values: the part whose memory grows as s^2). Each recomputed region is a checkpointed submodule
+    call in the rank code (`recompute_<layer>`); dropout redraws the forward's masks. With
+    world_size, the planner's choice is used unless given.
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
     many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
     chosen costmodel.Estimate is `prog.planned`.
@@ -72,6 +79,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                                 dict(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatches=microbatches))
         tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
+        recompute = chosen.recompute if recompute is None else recompute
+    recompute = "none" if recompute is None else recompute
+    if recompute not in RECOMPUTE_MODES:
+        raise ShardingError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual", virtual), ("microbatches", microbatches)):
         require_positive_int(name, x)
@@ -92,7 +103,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     check(steps, virtual, microbatches)                     # complete and deadlock-free, or it raises
 
     # The passes, in order.
-    compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named)
+    compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute)
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too

@@ -26,7 +26,7 @@ import torch.fx as fx
 from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path
 
-__all__ = ["LayerStack", "StageGraph", "find_layers", "layers_per_stage", "split_stages"]
+__all__ = ["LayerStack", "StageGraph", "find_layers", "layer_of", "layers_per_stage", "split_stages"]
 
 _INPUT, _PARAM, _ACT = "input", "param", "act"
 
@@ -86,7 +86,7 @@ def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
     return counts
 
 
-def _layer_of(node: fx.Node, prefix: str) -> int | None:
+def layer_of(node: fx.Node, prefix: str) -> int | None:
     for path in _stack_paths(node):
         m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)", path)
         if m:
@@ -113,9 +113,9 @@ def _assign_stages(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list
     """Stage of every ACT node."""
     stage: dict[fx.Node, int] = {}
     for n in graph.nodes:       # forward: layer nodes, and nodes reading activations of known stage
-        if kinds.get(n) != _ACT or (late(n) and _layer_of(n, prefix) is None):
+        if kinds.get(n) != _ACT or (late(n) and layer_of(n, prefix) is None):
             continue
-        layer = _layer_of(n, prefix)
+        layer = layer_of(n, prefix)
         after = [stage[a] for a in n.all_input_nodes if a in stage]
         if layer is not None:
             stage[n] = layer_stage[layer]

@@ -5,6 +5,7 @@ signature (or mode, or autocast state) a call brings:
 
     compile_signature: capture (torch.export) -> annotate (sharding analysis, writes node.meta)
     rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
+                       -> recompute (optional: regions outlined into checkpointed calls)
 
 Annotation comes before any rewrite so that every rank is cut from one decision; the rewrite is per
 rank so that ranks are built lazily (a torchrun process builds only its own); fusion comes after
@@ -20,6 +21,7 @@ from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.fusion.fuse import fuse
+from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
 from autoshard.passes.rewrite.retarget import retarget_device
 from autoshard.passes.sharding.annotate import ShardingPlan, annotate
@@ -41,8 +43,9 @@ class Compiler:
     """Runs the passes for one model and tp; keeps every signature compiled so far (`compiled`)."""
 
     def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
-                 example_inputs: dict[str, object]):
+                 example_inputs: dict[str, object], recompute: str = "none"):
         self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
+        self.recompute = recompute
         self.example_inputs = example_inputs       # named in refusals of signatures that shard differently
         self.compiled: list[Compiled] = []
 
@@ -64,9 +67,14 @@ class Compiler:
         return entry
 
     def rank_graph(self, entry: Compiled, r: int) -> RankGraph:
-        """rewrite -> fuse: rank r's graph of one compiled signature."""
+        """rewrite -> fuse -> recompute: rank r's graph of one compiled signature."""
         cap = entry.captured
-        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, f"_s{entry.index}" if entry.index else "")
+        suffix = f"_s{entry.index}" if entry.index else ""
+        rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, suffix)
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
+        if self.recompute != "none":
+            by_name = {n.name: n for n in cap.gm.graph.nodes}
+            rg.regions = outline_recompute(rg.graph, self.recompute, lambda n: by_name.get(n.meta.get("captured")),
+                                           suffix)
         return rg

@@ -40,7 +40,7 @@ class ShardedProgram:
                  schedule_name: str, schedule: list[list[Action]]):
         self._compiler, self._source = compiler, compiler.source
         self.tp, self.dims, self.virtual, self.microbatches = compiler.tp, dims, virtual, microbatches
-        self.options, self.fuse = compiler.options, compiler.fuse
+        self.options, self.fuse, self.recompute = compiler.options, compiler.fuse, compiler.recompute
         self.schedule_name, self.schedule = schedule_name, schedule
         self.example_inputs = example_inputs
         self.model_name = type(model).__name__
@@ -134,7 +134,7 @@ class ShardedProgram:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
                 obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
-        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec)
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, rg.regions)
 
     # ---- ranks -------------------------------------------------------------------------------
     def rank(self, r: int) -> RankProgram:

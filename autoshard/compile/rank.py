@@ -14,12 +14,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.compile.capture import Signature, autocast_state
+from autoshard.compile.recompute import Recompute
 from autoshard.errors import warn_renamed
 from autoshard.module_paths import assign_attr, has_attr
 from autoshard.parallel.comm import CommHandle, Communicator, ProcessGroupComm
 from autoshard.parallel.registry import ModuleSpec, build_module
 from autoshard.parallel.rng import RNGTracker
 from autoshard.parallel.tensor_parallel import CopyToTensorParallelRegion, ReduceFromTensorParallelRegion
+from autoshard.passes.recompute import RecomputeRegion
 
 __all__ = ["RankProgram", "slice_layout"]
 
@@ -73,13 +75,17 @@ class RankProgram(nn.Module):
         return self.tp
 
     # ---- graphs ------------------------------------------------------------------------------
-    def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec) -> fx.GraphModule:
+    def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec,
+                  regions: list[RecomputeRegion] = ()) -> fx.GraphModule:
         for name, value in attrs.items():
             if not has_attr(self, name):
                 assign_attr(self, name, value)
         for spec in specs:
             if not hasattr(self, spec.module):
                 self.add_module(spec.module, build_module(spec, self))
+        for region in regions:      # after the modules its body calls
+            body = fx.GraphModule(self, region.graph, class_name="RecomputedRegion")
+            self.add_module(region.name, Recompute(body, self.rng, region.layer, region.mode))
         gm = fx.GraphModule(self, graph, class_name=f"Rank{self.rank}Program")
         self._graphs.append((sig, gm, out_spec))
         return gm

@@ -6,7 +6,7 @@ the simulator run all ranks in lockstep. The collectives appear as calls to the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -47,6 +47,7 @@ class RankGraph:
     graph: fx.Graph
     modules: list[ModuleSpec]
     restrict_buffers: dict[str, torch.Tensor]
+    regions: list = field(default_factory=list)     # passes/recompute.py's RecomputeRegion, once outlined
 
 
 def _set(container, edit_item, value):

@@ -1,0 +1,108 @@
+"""Activation recomputation (`autoshard(recompute=...)`): the same losses and gradients as without,
+dropout on, every mesh shape in simulation; the regions are readable in the rank code and the
+recomputation really runs in backward."""
+import pytest
+import torch
+
+import autoshard.compile.recompute as recompute_module
+from autoshard import autoshard
+from autoshard.errors import ShardingError
+from autoshard.testing import build_model
+from autoshard.testing.recompute_check import compare_simulated
+
+pytest.importorskip("transformers")
+
+MESHES = {"tp2": dict(tp=2), "pp2-v2": dict(tp=1, pp=2, virtual=2), "tp2-pp2": dict(tp=2, pp=2),
+          "tp2-sp": dict(tp=2, sequence_parallel=True)}
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_recompute_gives_the_same_losses_and_gradients(name, mode, mesh):
+    r = compare_simulated(name, mode, **MESHES[mesh])
+    assert r["regions"] == 4, r              # one region per layer, 4 layers
+    assert r["bitwise"], r                   # the op order is unchanged: equal bit for bit
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_written_out_attention_and_fused_ops(mode, fuse):
+    """nanoGPT with attention written out (the s^2 scores, softmax, dropout): fused (causal softmax,
+    bias + dropout + residual drawing from a seed) or not."""
+    r = compare_simulated("nanogpt-manual", mode, tp=2, fuse=fuse)
+    assert r["regions"] == 4 and r["bitwise"], r
+
+
+def test_the_check_sees_masks_that_are_not_replayed(monkeypatch):
+    """With the RNG tracker's states not swapped back in for the recomputation, dropout draws new
+    masks in backward and the comparison fails: it can fail."""
+    def no_replay(trackers):
+        import contextlib
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    monkeypatch.setattr(recompute_module, "_replaying", no_replay)
+    r = compare_simulated("gpt2", "full", tp=2)
+    assert r["grad_rel"] > 1e-3, r
+
+
+def _prog(mode, name="nanogpt-manual", **kw):
+    model = build_model(name, layers=2, dropout=0.1).train()
+    ids = torch.randint(0, 128, (2, 16))
+    return autoshard(model, tp=2, recompute=mode, example_inputs=(ids, ids), **kw), ids
+
+
+def test_regions_are_in_the_rank_code():
+    prog, _ = _prog("full")
+    code = prog.rank(0).code
+    assert "self.recompute_h_0(" in code and "self.recompute_h_1(" in code
+    region = prog.rank(0).recompute_h_0
+    assert "full recompute of h.0" in repr(region)
+    body = region.body.code
+    assert "self.f(" in body and "self.g(" in body            # the layer's collectives run again
+
+
+def test_selective_outlines_only_the_attention_core():
+    prog, _ = _prog("selective")
+    body = prog.rank(0).recompute_attention_h_0.body
+    ops = {str(n.target) for n in body.graph.nodes if n.op == "call_function"}
+    assert any("softmax" in op for op in ops), ops
+    assert any("matmul" in op or "bmm" in op for op in ops), ops
+    assert not any("linear" in op or "addmm" in op or "layer_norm" in op for op in ops), ops
+    called = [n.target for n in body.graph.nodes if n.op == "call_module"]
+    assert called and all("rng" in t for t in called), called        # the probabilities' dropout, no f/g
+
+
+def test_recomputation_runs_in_backward(monkeypatch):
+    """In simulation each region runs all tensor-parallel ranks' bodies in lockstep: once forward,
+    once more in backward; under torch.no_grad nothing is kept and nothing runs again."""
+    prog, ids = _prog("full")
+    runs = []
+    lockstep = recompute_module.run_lockstep
+
+    def counted(gms, *a, **kw):
+        runs.append(len(gms))
+        return lockstep(gms, *a, **kw)
+    monkeypatch.setattr(recompute_module, "run_lockstep", counted)
+    loss = prog.simulate(ids, ids)[1]
+    assert runs == [2, 2]                      # 2 layers, each over both ranks
+    loss.backward()
+    assert runs == [2, 2, 2, 2]                # and again in backward
+    runs.clear()
+    with torch.no_grad():
+        prog.simulate(ids, ids)
+    assert runs == [2, 2]
+
+
+def test_eval_mode_and_a_new_signature_are_recomputed_too():
+    prog, ids = _prog("full")
+    prog.eval()
+    ids2 = torch.randint(0, 128, (3, 8))
+    out = prog.simulate(ids2, ids2)[1]
+    out.backward()
+    assert sum("recompute_" in n for n, _ in prog.rank(0).named_children()) == 4   # 2 per signature
+
+
+def test_unknown_mode_is_refused():
+    model = build_model("nanogpt", layers=2)
+    with pytest.raises(ShardingError, match="recompute must be one of 'none', 'selective', 'full', got 'some'"):
+        autoshard(model, tp=2, recompute="some")
