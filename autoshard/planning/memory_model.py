@@ -1,0 +1,119 @@
+"""Memory per rank as autoshard's runtime holds it: activations saved for backward, term by term,
+times the microbatches in flight on each pipeline rank, plus parameters, gradients and optimizer.
+
+Activation terms (Korthikanti et al. 2022, section 4, re-derived for the tensors our rank graphs
+save; e bytes per activation element, m per dropout-mask element, sbh = seq x microbatch x hidden,
+t tensor-parallel ranks, "/t*" divided by t only under sequence parallelism):
+
+    term                                   bytes             kept by
+    layer input (first norm's input)       e sbh /t*         none, selective, full
+    first norm output (QKV's input)        e sbh             none, selective
+    Q, K, V                                3 e sbh /t        none, selective
+    attention output (out-proj's input)    e sbh /t          none, selective
+    attention residual dropout mask        m sbh /t*         none, selective (models that have it)
+    second norm input                      e sbh /t*         none, selective
+    second norm output (FC1's input)       e sbh             none, selective
+    FC1 output (activation's input)        f e sbh /t        none, selective    (f = ffn / hidden)
+    activation output (FC2's input)        f e sbh /t        none, selective
+    MLP residual dropout mask              m sbh /t*         none, selective
+    softmax output                         e a s^2 b /t      none
+    attention dropout mask                 m a s^2 b /t      none
+    attention dropout output               e a s^2 b /t      none
+
+With e=2, m=1, f=4 and both residual dropouts this is Korthikanti's sbh (10 + 24/t + 5as/(ht)).
+Where ours differ: under sequence parallelism the norm outputs are all-gathered before the column
+matmul and the matmul saves the gathered (full) copy (Megatron saves the shard and gathers again
+in backward), so sbh (4 + 30/t) at 16 bits rather than 34/t. On the CPU, dropout is aten's
+decomposition (input x mask with the mask in the input's dtype: m = e = 4 in fp32) where CUDA's
+fused kernel keeps 1-byte masks. SDPA with dropout on the CPU runs the math kernel, which saves
+the three s^2 terms as written-out attention does; a flash kernel (no dropout) keeps only a
+log-sum-exp, e a s b / t (`attention="flash"`).
+
+Layernorm statistics (2 x 4 bytes per token), the causal mask buffer and integer inputs are small
+and left out (under 0.5% of a layer at the sizes we measure).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ActivationShape", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
+           "inflight_layers", "RECOMPUTE_KEEPS"]
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What one layer's saved activations depend on. e: bytes per activation element; m: per mask
+    element; ffn: FFN width / hidden; resid_dropouts: residual dropouts per layer (GPT-2 and
+    Megatron's GPT: 2; nanoGPT: 1, after the MLP); attention: "math" (s^2 terms saved) or "flash"."""
+    s: int
+    b: int
+    h: int
+    a: int
+    t: int = 1
+    sp: bool = False
+    e: int = 2
+    m: int = 1
+    ffn: float = 4.0
+    resid_dropouts: int = 2
+    attention: str = "math"
+    dropout: bool = True
+
+
+# name -> (bytes as a function of the shape, the recompute modes that keep it)
+_ALL, _NOT_FULL, _NONE = ("none", "selective", "full"), ("none", "selective"), ("none",)
+
+
+def _spt(x: ActivationShape) -> int:
+    return x.t if x.sp else 1
+
+
+TERMS: dict[str, tuple[object, tuple[str, ...]]] = {
+    "layer input": (lambda x: x.e * x.s * x.b * x.h / _spt(x), _ALL),
+    "first norm output": (lambda x: x.e * x.s * x.b * x.h, _NOT_FULL),
+    "q, k, v": (lambda x: 3 * x.e * x.s * x.b * x.h / x.t, _NOT_FULL),
+    "attention output": (lambda x: x.e * x.s * x.b * x.h / x.t, _NOT_FULL),
+    "attention residual dropout mask": (lambda x: x.m * x.s * x.b * x.h / _spt(x) * (x.resid_dropouts >= 2) * x.dropout,
+                                        _NOT_FULL),
+    "second norm input": (lambda x: x.e * x.s * x.b * x.h / _spt(x), _NOT_FULL),
+    "second norm output": (lambda x: x.e * x.s * x.b * x.h, _NOT_FULL),
+    "fc1 output": (lambda x: x.ffn * x.e * x.s * x.b * x.h / x.t, _NOT_FULL),
+    "activation output": (lambda x: x.ffn * x.e * x.s * x.b * x.h / x.t, _NOT_FULL),
+    "mlp residual dropout mask": (lambda x: x.m * x.s * x.b * x.h / _spt(x) * (x.resid_dropouts >= 1) * x.dropout,
+                                  _NOT_FULL),
+    "softmax output": (lambda x: x.e * x.a * x.s * x.s * x.b / x.t if x.attention == "math"
+                       else x.e * x.a * x.s * x.b / x.t, _NONE),
+    "attention dropout mask": (lambda x: x.m * x.a * x.s * x.s * x.b / x.t * (x.attention == "math") * x.dropout,
+                               _NONE),
+    "attention dropout output": (lambda x: x.e * x.a * x.s * x.s * x.b / x.t * (x.attention == "math") * x.dropout,
+                                 _NONE),
+}
+RECOMPUTE_KEEPS = {mode: [n for n, (_, keeps) in TERMS.items() if mode in keeps] for mode in _ALL}
+
+
+def activation_terms(x: ActivationShape, recompute: str) -> dict[str, float]:
+    """Bytes of each term one layer keeps for one microbatch under `recompute`."""
+    if recompute not in RECOMPUTE_KEEPS:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_KEEPS)}, got {recompute!r}")
+    return {name: float(TERMS[name][0](x)) for name in RECOMPUTE_KEEPS[recompute]}
+
+
+def layer_activation_bytes(x: ActivationShape, recompute: str) -> float:
+    return sum(activation_terms(x, recompute).values())
+
+
+def inflight_microbatches(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> float:
+    """Microbatches whose activations pipeline rank `rank` holds at once, at its peak (in chunks of
+    l/(p v) layers when virtual > 1, else of l/p layers): GPipe all m; 1F1B min(p - rank, m);
+    interleaved 1F1B Megatron's warm-up, (p - rank - 1) * 2 + (v - 1) * p chunk forwards, plus the
+    one that starts the steady state, at most m v."""
+    if schedule == "gpipe":
+        return microbatches * virtual
+    if virtual == 1:
+        return min(pp - rank, microbatches)
+    warmup = (pp - rank - 1) * 2 + (virtual - 1) * pp
+    return min(warmup + 1, microbatches * virtual)
+
+
+def inflight_layers(schedule: str, pp: int, rank: int, microbatches: int, layers_here: int, virtual: int = 1) -> float:
+    """Layer-microbatches of activations rank `rank` holds at its peak (`layers_here`: its layers, all chunks)."""
+    return inflight_microbatches(schedule, pp, rank, microbatches, virtual) * layers_here / virtual
