@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
     pl.add_argument("--hardware", choices=sorted(PRESETS), default="a100-80gb")
-    pl.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
+    pl.add_argument("--recompute", choices=("full", "selective", "none"), default=None,
+                    help="activation recomputation (default: the planner tries all three)")
     pl.add_argument("--sequence-parallel", action="store_true")
     pl.add_argument("--top", type=int, default=5)
     pl.set_defaults(run=plan_verb)

@@ -54,7 +54,7 @@ def main() -> None:
             rows.append((attention, mode, per_layer, want))
     if not dist.is_initialized() or dist.get_rank() == 0:
         sbh = S * B * H
-        print(f"| attention | recompute | tp | sp | measured MiB/layer | model MiB/layer | measured bytes / sbh | error |")
+        print("| attention | recompute | tp | sp | measured MiB/layer | model MiB/layer | measured bytes / sbh | error |")
         print("|---|---|---|---|---|---|---|---|")
         for attention, mode, got, want in rows:
             print(f"| {attention} | {mode} | {args.tp} | {args.sp} | {got / 2**20:.2f} | {want / 2**20:.2f} | "

@@ -31,6 +31,7 @@ from autoshard.planning.gemm_timing import (
     layer_gemm_seconds,
 )
 from autoshard.planning.hardware import Hardware, get_hardware
+from autoshard.planning.memory_model import RankMemory, busiest_rank
 
 __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
 
@@ -62,6 +63,9 @@ class Estimate:
     fits: bool
     peak_tflops: float
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per iteration, by cause
+    memory: RankMemory | None = None    # the busiest rank's peak, by cause
+    busiest_pp_rank: int = 0            # the pipeline rank holding the most
+    memory_gib_total: float = 0.0       # the hardware's memory per device
 
     @property
     def v(self) -> int:
@@ -87,7 +91,11 @@ class Estimate:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} microbatch={self.microbatch} virtual={self.virtual}: "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "
                 f"{self.seconds_per_iteration:.2f} s/iteration, {self.memory_gib_per_gpu:.1f} GiB per GPU"
-                f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}")
+                f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}"
+                + (f"; memory (pipeline rank {self.busiest_pp_rank}, recompute={self.recompute}): "
+                   f"{self.memory.explain()}, {'within' if self.fits else 'over'} "
+                   f"{(1 - _RESERVED) * self.memory_gib_total:.1f} GiB usable" if self.memory else ""))
+
 
 
 def _allreduce_seconds(nbytes: float, n: int, link_gb_s: float, hw: Hardware) -> float:
@@ -98,7 +106,8 @@ def _allreduce_seconds(nbytes: float, n: int, link_gb_s: float, hw: Hardware) ->
 
 def _tp_allreduce_seconds(x: LayerShape, hw: Hardware) -> float:
     """One all-reduce of a layer's (b, s, h) output over the tensor-parallel ranks on NVLink."""
-    return _allreduce_seconds(evaluate("tp_allreduce_bytes", b=x.b, s=x.s, h=x.h), x.t, hw.nvlink_gb_s, hw)
+    nbytes = evaluate("tp_allreduce_bytes", b=x.b, s=x.s, h=x.h) * hw.activation_bytes / 2   # formula: 2-byte values
+    return _allreduce_seconds(nbytes, x.t, hw.nvlink_gb_s, hw)
 
 
 def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
@@ -106,15 +115,22 @@ def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, 
     of one layer for one microbatch."""
     gf, gb = layer_gemm_seconds(x, hw)
     ef, eb = layer_elementwise_seconds(x, hw)
-    backward = gb + eb
+    dispatch = hw.layer_overhead_s / 3          # of a layer's fixed cost: a third forward, two backward
+    backward = gb + eb + 2 * dispatch
     passes = 4                                  # two all-reduces forward, two backward
     if recompute == "full":
-        backward += gf + ef
+        backward += gf + ef + dispatch
         passes += 2
     elif recompute == "selective":
         backward += layer_gemm_seconds(x, hw, attention_core_only=True)[0]
         backward += layer_elementwise_seconds(x, hw, attention_core_only=True)[0]
-    return gf + ef, backward, passes * _tp_allreduce_seconds(x, hw)
+    # sequence parallelism: each all-reduce becomes an all-gather and a reduce-scatter (the same
+    # bytes, two start-up costs), and the norms' weights and the row-parallel biases, read through f,
+    # get their gradients summed: six small all-reduces per layer in backward
+    sp = x.sp and x.t > 1
+    per_pass = _tp_allreduce_seconds(x, hw) + (hw.latency_us * 1e-6 if sp else 0.0)
+    synced = 6 * _allreduce_seconds(x.h * hw.grad_bytes_per_param, x.t, hw.nvlink_gb_s, hw) if sp else 0.0
+    return gf + ef + dispatch, backward, passes * per_pass + synced
 
 
 def _ends_seconds(x: LayerShape, vocab: int, hw: Hardware) -> tuple[float, float, float]:
@@ -126,7 +142,10 @@ def _ends_seconds(x: LayerShape, vocab: int, hw: Hardware) -> tuple[float, float
             + gemm_seconds(x.h, vocab // x.t, rows, hw)
             + bytes_seconds(14 * logits + 10 * tokens, hw))    # fp32 cross-entropy both ways, final norm
     embed = bytes_seconds(8 * tokens, hw)                      # lookup and gradient scatter
-    return embed, head, _tp_allreduce_seconds(x, hw)          # the vocab-parallel embedding's sum
+    # the vocab-parallel embedding's sum; the vocab-parallel loss's three small all-reduces (max,
+    # sum of exponentials, target logit)
+    loss_comm = 3 * _allreduce_seconds(4 * x.b * x.s, x.t, hw.nvlink_gb_s, hw)
+    return embed, head, _tp_allreduce_seconds(x, hw) + loss_comm
 
 
 def candidates(*, layers: int, pp: int, dp: int, global_batch: int, microbatch: int | None = None,
@@ -144,9 +163,12 @@ def candidates(*, layers: int, pp: int, dp: int, global_batch: int, microbatch: 
 def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int, dp: int,
              global_batch: int, microbatch: int | None = None, virtual: int | None = None,
              hardware: str | Hardware = "a100-80gb", recompute: str = "full",
-             sequence_parallel: bool = False, overlap_grad_reduce: bool = False, v: int | None = None) -> Estimate:
+             sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
+             v: int | None = None) -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
+    gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
+    `gather_output=True` for a model that returns them; Megatron keeps them sharded).
     overlap_grad_reduce: the data-parallel gradient all-reduce runs during the backward pass (torch
     DDP, the 2019 Megatron); False is the PTD-P paper's Megatron, which reduces after the backward.
 
@@ -185,7 +207,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
                          f"replica divisible by pp={pp} (interleaved schedule)")
     shape = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                  global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
-                 overlap_grad_reduce=overlap_grad_reduce)
+                 overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits)
     results = [_one(hw, microbatch=mb, v=vv, **shape) for mb, vv in pairs]
     fitting = [e for e in results if e.fits]
     if fitting:
@@ -194,18 +216,26 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
 
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
-         recompute, sequence_parallel, overlap_grad_reduce) -> Estimate:
+         recompute, sequence_parallel, overlap_grad_reduce, gather_logits) -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
     x = LayerShape(microbatch, seq, hidden, heads, tp, sequence_parallel)
     m = global_batch // (dp * microbatch)
     layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute)
+    # ranks sharing fewer CPU cores than there are ranks run in turns: compute, and every message,
+    # which waits for its peer's turn
+    share = max(1.0, tp * pp * dp / hw.cores) if hw.cores else 1.0
+    layer_forward, layer_backward = share * layer_forward, share * layer_backward
     layer_compute = layer_forward + layer_backward
     embed, head, embed_comm = _ends_seconds(x, vocab, hw)
+    embed, head = share * embed, share * head
     per_rank = math.ceil(layers / pp)
     ends = embed + head if pp == 1 else max(embed, head)
     work_compute = per_rank * layer_compute + ends
     work_comm = per_rank * layer_comm + embed_comm
+    if gather_logits:       # an all-gather moves half an all-reduce's bytes
+        work_comm += _allreduce_seconds(2 * microbatch * seq * vocab, tp, hw.nvlink_gb_s, hw) / 2 * (tp > 1)
+    work_comm *= share
     work = work_compute + work_comm
     node = hw.gpus_per_node
     one_node = tp * pp * dp <= node
@@ -214,45 +244,38 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     tied = 0.0
     if pp > 1:
         link = hw.nvlink_gb_s if one_node else hw.network_gb_s
-        hop = (hw.latency_us * 1e-6 + evaluate("p2p_bytes_per_gpu", **sym) / (link * 1e9 * hw.network_efficiency)
+        sent = evaluate("p2p_bytes_per_gpu", **sym) * hw.activation_bytes / 2
+        hop = (hw.latency_us * 1e-6 + sent / (link * 1e9 * hw.network_efficiency)
                + _tp_allreduce_seconds(x, hw) / 2)          # the all-gather: half an all-reduce
-        breakdown["p2p"] = 2 * v * m * hop
+        breakdown["p2p"] = 2 * v * m * hop * share
         # GPT's tied embedding: the first and last stage add their gradients.
         tied = _allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
-    grads = evaluate("dp_allreduce_bytes", **sym)
+    grads = evaluate("dp_allreduce_bytes", **sym) * hw.grad_bytes_per_param / 2    # formula: fp16 gradients
     dp_link = hw.nvlink_gb_s if tp * dp <= node else hw.network_gb_s
     grad_reduce = _allreduce_seconds(grads, dp, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
         grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
-    breakdown["dp_comm"] = tied + grad_reduce
-    breakdown["optimizer"] = bytes_seconds(_ADAM_BYTES * evaluate("parameters_per_gpu", **sym), hw)
+    breakdown["dp_comm"] = (tied + grad_reduce) * share
+    params = evaluate("parameters_per_gpu", **sym)
+    tensors = 12 * per_rank + 4        # GPT: 12 per layer; embeddings and the final norm's 2
+    breakdown["optimizer"] = share * (params * hw.optimizer_s_per_param + tensors * hw.optimizer_s_per_tensor
+                                      if hw.optimizer_s_per_param else bytes_seconds(_ADAM_BYTES * params, hw))
+    if hw.step_overhead_s:
+        breakdown["fixed"] = share * hw.step_overhead_s
     seconds = sum(breakdown.values())
 
     flops = evaluate({"full": "flops_full_recompute", "selective": "flops_selective_recompute",
                       "none": "flops_no_recompute"}[recompute], **sym)
     model_flops = evaluate("flops_no_recompute", **sym)
     gpus = tp * pp * dp
-    memory = _memory_bytes(sym, m, per_rank, recompute, sequence_parallel)
+    busiest, held = busiest_rank(hw, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
+                                 microbatch=microbatch, microbatches=m, virtual=v, recompute=recompute,
+                                 sequence_parallel=sequence_parallel)
+    memory = held.peak
     return Estimate(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                     global_batch=global_batch, microbatch=microbatch, virtual=v, hardware=hw.name, recompute=recompute,
                     sequence_parallel=sequence_parallel, seconds_per_iteration=seconds,
                     tflops_per_gpu=flops / seconds / gpus / 1e12,
                     model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
-                    memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - _RESERVED) * hw.memory_gib * 2**30,
-                    peak_tflops=hw.peak_tflops, breakdown=breakdown)
-
-
-def _memory_bytes(sym: dict, m: int, per_rank: int, recompute: str, sp: bool) -> float:
-    """Peak bytes on the busiest rank: weights and optimizer, stored activations of the microbatches
-    in flight, one layer's full activations (being recomputed or back-propagated), the logits."""
-    inflight = evaluate("inflight_layers_1f1b" if sym["v"] == 1 else "inflight_layers_interleaved", **sym)
-    inflight = min(inflight, per_rank * m)      # a short step never fills the pipeline
-    suffix = "_sp" if sp else ""
-    stored = {"full": "checkpoint_bytes", "selective": "activation_bytes_selective",
-              "none": "activation_bytes_no_recompute"}[recompute] + suffix
-    # One layer's full activations while it is recomputed or back-propagated (already counted when
-    # nothing is recomputed).
-    working = 0.0 if recompute == "none" else evaluate("activation_bytes_no_recompute" + suffix, **sym)
-    logits = 8 * sym["b"] * sym["s"] * sym["V"] / sym["t"]      # fp16 logits, fp32 softmax and its gradient
-    return evaluate("weight_and_optimizer_bytes", **sym) + inflight * evaluate(stored, **sym) + working + logits
-
+                    memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - _RESERVED) * hw.memory_gib * 2**30,
+                    peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest)

@@ -19,8 +19,6 @@ from autoshard.planning.hardware import Hardware
 __all__ = ["LayerShape", "gemm_seconds", "bytes_seconds", "GEMMS", "ELEMENTWISE", "layer_gemm_seconds",
            "layer_elementwise_seconds"]
 
-_TILE_M, _TILE_N = 256, 128
-
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -35,11 +33,14 @@ class LayerShape:
 
 def gemm_seconds(m: int, n: int, k: int, hw: Hardware, batch: int = 1) -> float:
     """Time of `batch` independent (m x k) @ (k x n) products in fp16/bf16."""
-    tiles = math.ceil(m / _TILE_M) * math.ceil(n / _TILE_N) * batch
+    tile_m, tile_n = hw.tile
+    tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n) * batch
     waves = math.ceil(tiles / hw.sms)
-    padded_flops = 2 * waves * hw.sms * _TILE_M * _TILE_N * k     # every wave pays for full tiles
+    padded_flops = 2 * waves * hw.sms * tile_m * tile_n * k     # every wave pays for full tiles
     compute = padded_flops / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
-    traffic = 2 * batch * (m * k + k * n + m * n)
+    if not hw.gemm_traffic:      # a rate measured on these shapes already includes the operands' traffic
+        return compute
+    traffic = hw.activation_bytes * batch * (m * k + k * n + m * n)
     return max(compute, bytes_seconds(traffic, hw))
 
 
@@ -94,10 +95,11 @@ def layer_gemm_seconds(x: LayerShape, hw: Hardware, *, attention_core_only: bool
 def layer_elementwise_seconds(x: LayerShape, hw: Hardware, *,
                               attention_core_only: bool = False) -> tuple[float, float]:
     fwd = bwd = 0.0
+    scale = hw.activation_bytes / 2          # the table counts 2-byte values
     for _, count, f, bw, core in ELEMENTWISE:
         if attention_core_only and not core:
             continue
-        n = _COUNTS[count](x)
+        n = _COUNTS[count](x) * scale
         fwd += bytes_seconds(f * n, hw)
         bwd += bytes_seconds(bw * n, hw)
     return fwd, bwd

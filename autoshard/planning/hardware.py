@@ -26,6 +26,19 @@ class Hardware:
     memory_efficiency: float    # fraction of HBM bandwidth a streaming kernel reaches
     network_efficiency: float   # collective bus bandwidth / link rate
     latency_us: float = 10.0    # start-up cost of one collective or point-to-point message
+    # How the runtime stores things on this hardware (GPUs: Megatron's mixed precision; the `cpu`
+    # profile: fp32 everywhere, AdamW's state in fp32, dropout masks in the input's dtype).
+    activation_bytes: int = 2           # per activation element
+    mask_bytes: int = 1                 # per dropout-mask element
+    state_bytes_per_param: float = 18   # weights, gradients and optimizer state together
+    grad_bytes_per_param: float = 2     # of those, the gradients (allocated in the first backward)
+    tile: tuple[int, int] = (256, 128)  # GEMM output tile (one per SM at a time); (1, 1): no padding
+    layer_overhead_s: float = 0.0       # fixed cost of one layer's forward + backward (op dispatch)
+    step_overhead_s: float = 0.0        # fixed cost of a step outside the layers
+    cores: int = 0                      # CPU cores shared by the ranks (0: one device per rank)
+    gemm_traffic: bool = True           # a GEMM takes at least its operands' bytes at hbm_gb_s
+    optimizer_s_per_param: float = 0.0  # measured optimizer step (0: 28 bytes per parameter at hbm_gb_s)
+    optimizer_s_per_tensor: float = 0.0  # and its fixed cost per parameter tensor (GPT: 12 per layer)
 
     def __post_init__(self):
         for name in ("peak_tflops", "hbm_gb_s", "memory_gib", "nvlink_gb_s", "network_gb_s"):

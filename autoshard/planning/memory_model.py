@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ActivationShape", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
+__all__ = ["ActivationShape", "RankMemory", "busiest_rank", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
 
 
@@ -105,11 +105,13 @@ def inflight_microbatches(schedule: str, pp: int, rank: int, microbatches: int, 
     """Microbatches whose activations pipeline rank `rank` holds at once, at its peak (in chunks of
     l/(p v) layers when virtual > 1, else of l/p layers): GPipe all m; 1F1B min(p - rank, m);
     interleaved 1F1B Megatron's warm-up, (p - rank - 1) * 2 + (v - 1) * p chunk forwards, plus the
-    one that starts the steady state, at most m v."""
+    one that starts the steady state, at most m v (all of them when m = p: every forward runs first)."""
     if schedule == "gpipe":
         return microbatches * virtual
     if virtual == 1:
         return min(pp - rank, microbatches)
+    if microbatches == pp:
+        return microbatches * virtual
     warmup = (pp - rank - 1) * 2 + (virtual - 1) * pp
     return min(warmup + 1, microbatches * virtual)
 
@@ -117,3 +119,76 @@ def inflight_microbatches(schedule: str, pp: int, rank: int, microbatches: int, 
 def inflight_layers(schedule: str, pp: int, rank: int, microbatches: int, layers_here: int, virtual: int = 1) -> float:
     """Layer-microbatches of activations rank `rank` holds at its peak (`layers_here`: its layers, all chunks)."""
     return inflight_microbatches(schedule, pp, rank, microbatches, virtual) * layers_here / virtual
+
+
+def gpt_params_on_rank(*, h: int, layers_here: int, vocab: int, positions: int, t: int, first: bool, last: bool,
+                       padded_vocab: int | None = None) -> int:
+    """Parameters a GPT rank holds (GPT-2 / nanoGPT layout: biases everywhere, learned positions,
+    tied embedding): per layer 12h^2/t + 7h/t (split weights and biases) + 6h (two norms, the two
+    row-parallel biases); the first stage the embedding's vocabulary shard and the position table;
+    the last the final norm and, unless it is also the first, its copy of the tied embedding."""
+    per_layer = 12 * h * h // t + 7 * h // t + 6 * h
+    rows = (padded_vocab or vocab) // t
+    return layers_here * per_layer + (rows * h + positions * h if first else 0) + \
+        ((2 * h + (0 if first else rows * h)) if last else 0)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted peak bytes of one rank, by cause (see `rank_memory`)."""
+    state: float            # weights and optimizer state, live all step
+    gradients: float        # allocated in the rank's first backward, kept to the optimizer step
+    activations: float      # saved for backward by the microbatches in flight at the peak
+    working: float          # one layer recomputed, gradients in flight, the loss's logits
+    peak: float
+
+    def explain(self) -> str:
+        mib = 2 ** 20
+        return (f"{self.peak / mib:.1f} MiB = state {self.state / mib:.1f} + gradients {self.gradients / mib:.1f} + "
+                f"activations {self.activations / mib:.1f} + working {self.working / mib:.1f}")
+
+
+def rank_memory(x: ActivationShape, *, params: int, state_bytes_per_param: float, grad_bytes_per_param: float,
+                recompute: str, layers_here: int, inflight: float, chunk_microbatches: int, virtual: int = 1,
+                vocab_here: int = 0) -> RankMemory:
+    """Peak bytes of one rank during a training step.
+
+    The peak is at the start of a backward: the in-flight microbatches' saved activations (each
+    `layers_here / virtual` layers' worth), plus what that backward needs at once (one layer's full
+    activations when recomputing, two FFN-sized gradients, and on the last stage the loss's logits,
+    their softmax and gradient: 3 x 4 bytes x b s V/t). Gradients are allocated by the rank's first
+    backward and kept; they add to the peak of a later backward when more chunk-microbatches than
+    `inflight` run (else the first backward is the peak, and its own freed activations make room
+    for them: at most one chunk fewer in flight with the gradients)."""
+    chunk = layers_here / virtual * layer_activation_bytes(x, recompute)
+    working = 2 * x.ffn * x.e * x.s * x.b * x.h / x.t + 12 * x.b * x.s * vocab_here
+    if recompute != "none":      # what the recomputation makes again, for one layer
+        working += layer_activation_bytes(x, "none") - layer_activation_bytes(x, recompute)
+    grads = grad_bytes_per_param * params
+    state = (state_bytes_per_param - grad_bytes_per_param) * params
+    later = inflight * chunk + grads if chunk_microbatches > inflight else max(0.0, inflight - 1) * chunk + grads
+    acts = inflight * chunk
+    peak = state + working + max(acts, later)
+    return RankMemory(state, grads, acts, working, peak)
+
+
+def busiest_rank(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int,
+                 microbatch: int, microbatches: int, virtual: int, recompute: str,
+                 sequence_parallel: bool) -> tuple[int, RankMemory]:
+    """The pipeline rank with the most memory and its peak, for a GPT of these shapes on `hw`
+    (its activation, mask and state bytes) under 1F1B (interleaved when virtual > 1)."""
+    x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
+                        e=hw.activation_bytes, m=hw.mask_bytes)
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    found = []
+    here = -(-layers // pp)
+    for r in range(pp):
+        first, last = r == 0, r == pp - 1
+        params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp,
+                                    first=first, last=last)
+        found.append((r, rank_memory(x, params=params, state_bytes_per_param=hw.state_bytes_per_param,
+                                     grad_bytes_per_param=hw.grad_bytes_per_param, recompute=recompute,
+                                     layers_here=here, inflight=inflight_microbatches(schedule, pp, r, microbatches, virtual),
+                                     chunk_microbatches=microbatches * virtual, virtual=virtual,
+                                     vocab_here=-(-vocab // tp) if last else 0)))
+    return max(found, key=lambda f: f[1].peak)

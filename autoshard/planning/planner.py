@@ -7,9 +7,12 @@
     (8, 4)
 
 The planner enumerates every legal split of the GPUs (tensor-parallel inside a node and dividing
-the heads, pipeline no deeper than the layers, data-parallel dividing the batch), lets
-`costmodel.estimate` pick each split's microbatch and interleaving, drops what does not fit in
-memory, and ranks the rest by predicted iteration time.
+the heads, pipeline no deeper than the layers, data-parallel dividing the batch) and every
+activation-recompute mode the runtime has (none, selective, full; or the one asked for), lets
+`costmodel.estimate` pick each one's microbatch and interleaving, drops what does not fit in
+memory, and ranks the rest by predicted iteration time. `Estimate.explain()` says why a plan fits
+(its busiest rank's memory by cause). `hardware` may be a preset's name or a `Hardware`, such as
+the measured `cpu` profile (autoshard.cpu_profile.measure_cpu).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from autoshard.errors import require_positive_int
-from autoshard.planning.costmodel import Estimate, estimate
+from autoshard.planning.costmodel import RECOMPUTE, Estimate, estimate
 from autoshard.planning.hardware import Hardware, get_hardware
 
 __all__ = ["ModelShape", "shape_of", "plan", "explain"]
@@ -73,17 +76,19 @@ def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware):
 
 
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
-         hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str = "full",
+         hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str | None = None,
          sequence_parallel: bool = False, top: int | None = None) -> list[Estimate]:
-    """Configurations that fit memory, fastest first (at most `top` of them)."""
+    """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
+    ("none", "selective", "full"), or None to search all three."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
     hw = get_hardware(hardware)
+    modes = RECOMPUTE if recompute is None else (recompute,)
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
                       seq=seq or shape.seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
-                      recompute=recompute, sequence_parallel=sequence_parallel)
-             for tp, pp, dp in _splits(shape, gpus, global_batch, hw)]
+                      recompute=mode, sequence_parallel=sequence_parallel)
+             for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for mode in modes]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:
         least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)

@@ -85,7 +85,7 @@ def _estimated_seconds(opts: TrainOptions, source, split: dict) -> float | None:
         return estimate(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                         vocab=cfg.vocab_size, seq=opts.seq_len, tp=split["tp"], pp=split["pp"], dp=split["dp"],
                         global_batch=opts.batch, microbatch=opts.batch // (split["dp"] * split["microbatches"]),
-                        virtual=split["virtual"], hardware=opts.hardware, recompute="none",
+                        virtual=split["virtual"], hardware=opts.hardware, recompute=split.get("recompute", "none"),
                         sequence_parallel=opts.sequence_parallel).seconds_per_iteration
     except (AttributeError, ValueError, TypeError):     # not a transformer config the cost model reads
         return None
@@ -95,9 +95,10 @@ def _compile(opts: TrainOptions, source, world: int):
     example = torch.zeros((2, opts.seq_len), dtype=torch.long)     # 2: a size 1 would be specialized
     if opts.plan:
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=opts.hardware,
-                         sequence_parallel=opts.sequence_parallel, fuse=opts.fuse,
+                         sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
                          example_kwargs={source.input_name: example, source.label_name: example})
-        split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, virtual=prog.virtual, microbatches=prog.microbatches)
+        split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, virtual=prog.virtual, microbatches=prog.microbatches,
+                     recompute=prog.recompute)
         if opts.batch % (split["dp"] * split["microbatches"]):
             raise TrainError(f"the planner's dp={split['dp']} x microbatches={split['microbatches']} does not divide "
                              f"--batch {opts.batch}")
@@ -106,8 +107,9 @@ def _compile(opts: TrainOptions, source, world: int):
     micro_batch = opts.batch // (split["dp"] * split["microbatches"])
     example = torch.zeros((micro_batch, opts.seq_len), dtype=torch.long)
     prog = autoshard(source.model, **split, sequence_parallel=opts.sequence_parallel, fuse=opts.fuse,
+                     recompute=opts.recompute or "none",
                      example_kwargs={source.input_name: example, source.label_name: example})
-    return prog, split
+    return prog, {**split, "recompute": prog.recompute}
 
 
 def _resume(opts: TrainOptions, ckdir: str, prog, rt, optimizer, run_info: dict) -> int:
@@ -168,7 +170,8 @@ def run(opts: TrainOptions) -> int:
     est = _estimated_seconds(opts, source, split)
     if rank == 0:
         print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
-              f"virtual={split['virtual']} microbatches={split['microbatches']}, {batches.sequences} sequences of "
+              f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
+              f"{batches.sequences} sequences of "
               f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else
                                              f"all {opts.steps} steps already done"), flush=True)
     saving = None

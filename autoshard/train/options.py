@@ -35,6 +35,7 @@ class TrainOptions:
     plan: bool
     sequence_parallel: bool
     fuse: bool
+    recompute: str | None
     seq_len: int
     batch: int
     steps: int
@@ -85,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--fuse", action="store_true", help="fused ops (CUDA kernels on a GPU)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                   help="activation recomputation (default: none; with --plan, the planner's choice)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="launch torchrun with this many processes")
     o = ap.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=100)

@@ -1,0 +1,195 @@
+"""A `cpu` hardware profile, measured here by short micro-benchmarks, so the cost model and planner
+predict autoshard's own CPU gloo runs (one thread per rank, as torchrun sets it).
+
+    from autoshard.cpu_profile import measure_cpu
+    hw = measure_cpu(hidden=256, heads=8, seq=128, microbatch=2)      # ~10 s
+    autoshard.plan(model, gpus=2, global_batch=8, hardware=hw)
+
+What is measured, each on the shapes given (fp32, denormals flushed as the runs do):
+- GEMM rate: the layer's GEMMs (gemm_timing.GEMMS), forward and both backward products;
+- fixed costs: a tiny GPT's step (forward, backward, AdamW) with 2 and 4 layers through
+  autoshard: half the difference is one layer's dispatch cost, the rest the step's;
+- element-wise rate: the same GPT at the given shapes, one layer's forward and backward less its
+  GEMMs and dispatch, against the bytes gemm_timing.ELEMENTWISE counts for that layer (fp32): an
+  effective rate for the unfused CPU ops;
+- AdamW seconds per parameter (a few million) and per parameter tensor (64 tiny ones);
+- gloo: all-reduce latency and bandwidth between 2 processes on this machine, fitted through a
+  layer's activation message and a larger one, each measured between rounds of GEMM work, as
+  collectives run in a step.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autoshard.planning.gemm_timing import ELEMENTWISE, GEMMS, LayerShape
+from autoshard.planning.hardware import Hardware
+
+__all__ = ["measure_cpu", "CPU_DEFAULTS"]
+
+CPU_DEFAULTS = dict(sms=1, tile=(1, 1), matmul_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
+                    activation_bytes=4, mask_bytes=4, state_bytes_per_param=16, grad_bytes_per_param=4,
+                    gemm_traffic=False)
+
+
+def _timed(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gemm_rate(x: LayerShape) -> float:
+    """FLOP/s of the layer's GEMMs, forward and backward, in the layouts a linear layer uses: y = x W^T
+    (W stored [out, in]), dx = dy W, dW = dy^T x."""
+    flops, seconds = 0.0, 0.0
+    for _, shape, _ in GEMMS:
+        m, n, k, batch = shape(x)
+        xs, w, dy = torch.randn(batch, m, k), torch.randn(batch, n, k), torch.randn(batch, m, n)
+        for a, b in ((xs, w.transpose(1, 2)), (dy, w), (dy.transpose(1, 2), xs)):
+            seconds += _timed(lambda: torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0]))
+        flops += 3 * 2 * batch * m * n * k
+    return flops / seconds
+
+
+def _layer_seconds(x: LayerShape, layers: int, *, dropout: float = 0.1, with_optimizer: bool = False) -> float:
+    """Median seconds of a step (forward and backward, and AdamW if asked) of an autoshard-compiled
+    GPT of `layers` layers with x's shapes (vocabulary 64)."""
+    from autoshard import autoshard
+    from autoshard.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=layers, n_head=x.a, n_embd=x.h, vocab_size=64, block_size=x.s, dropout=dropout))
+    ids = torch.randint(0, 64, (x.b, x.s))
+    rank = autoshard(model, example_inputs=(ids, ids)).rank(0)
+    opt = torch.optim.AdamW(rank.parameters())
+
+    def step():
+        rank(ids, ids)[1].backward()
+        if with_optimizer:
+            opt.step()
+            opt.zero_grad()
+    return _timed(step, repeat=9)
+
+
+def _per_layer(x: LayerShape, **kw) -> tuple[float, float]:
+    """(one layer's seconds, the rest's): a 4-layer step against a 2-layer one."""
+    two, four = _layer_seconds(x, 2, **kw), _layer_seconds(x, 4, **kw)
+    layer = max(0.0, (four - two) / 2)
+    return layer, max(0.0, two - 2 * layer)
+
+
+def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> float:
+    """Bytes per second: ELEMENTWISE's bytes for one layer (fp32) / the layer's measured time less its
+    GEMMs (at the measured rate) and its dispatch cost. Unfused on the CPU, a layer moves more than
+    the table's fused kernels count (copies for the attention's batched products, separate bias,
+    scale and mask ops): the rate is an effective one, for these shapes."""
+    layer, _ = _per_layer(x)
+    flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
+    rest = max(layer - flops / gemm_rate - dispatch, 1e-6)
+    counts = {"tokens": x.b * x.s * x.h, "tokens_tp": x.b * x.s * x.h, "mlp": 4 * x.b * x.s * x.h,
+              "scores": x.b * x.a * x.s * x.s}
+    return sum((f + bw) * counts[c] for _, c, f, bw, _ in ELEMENTWISE) * 2 / rest    # the table counts 2-byte values
+
+
+def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
+    """(seconds per parameter, seconds per parameter tensor) of AdamW.step."""
+    def seconds(count: int, size: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(size)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return _timed(torch.optim.AdamW(params).step)
+    per_tensor = seconds(small, 16) / small
+    return max((seconds(8, n // 8) - 8 * per_tensor) / n, 0.0), per_tensor
+
+
+def _gloo_worker(rank: int, port: int, message: int, out) -> None:
+    """Each collective's cost under load: rounds of a little GEMM work and one all-reduce, timed
+    against the same rounds without it. The ranks' gloo threads share the cores with the compute,
+    which makes a collective in a training step cost several times its idle ping (RESULTS.md)."""
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    a, b = torch.randn(256, 256), torch.randn(256, 768)
+
+    def rounds(buf: torch.Tensor | None, n: int = 30) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for _ in range(3):
+                a @ b
+            if buf is not None:
+                dist.all_reduce(buf)
+        return (time.perf_counter() - t0) / n
+    small, big = torch.ones(message), torch.ones(max(2**20, 8 * message))      # a layer's message, and a big one
+    costs = []
+    for buf in (small, big):
+        rounds(buf, 3)
+        costs.append(statistics.median([rounds(buf) - rounds(None) for _ in range(3)]))
+    if rank == 0:
+        out.put((max(costs[0], 1e-6), max(costs[1], 1e-6), small.numel() * 4, big.numel() * 4))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _local_worker(x: LayerShape, out) -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    tiny = LayerShape(1, 8, 16, 2, 1)
+    dispatch, step = _per_layer(tiny, with_optimizer=True)
+    gemm = _gemm_rate(x)
+    dispatch_fb, _ = _per_layer(tiny)        # forward and backward only
+    out.put((gemm, _elementwise_rate(x, gemm, dispatch_fb), dispatch, step, *_adam_costs()))
+
+
+def _spawned(target, args: tuple, n: int) -> tuple:
+    """Run `target(rank?, *args, queue)` in `n` fresh processes (this process's threads, denormal mode
+    and process group untouched); rank 0's result. A spawned child re-imports the caller's main
+    module: a script calling this needs the `if __name__ == "__main__":` guard."""
+    import queue
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=((r,) if n > 1 else ()) + args + (out,)) for r in range(n)]
+    for p in procs:
+        p.start()
+    while True:
+        try:
+            got = out.get(timeout=1)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"the measurement's processes failed (exit codes {[p.exitcode for p in procs]})") from None
+    for p in procs:
+        p.join()
+    return got
+
+
+def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gib: float | None = None,
+                name: str = "cpu") -> Hardware:
+    """The profile of this machine for a model of these shapes (see the module docstring); measured
+    in spawned processes, one thread each."""
+    x = LayerShape(microbatch, seq, hidden, heads, 1)
+    gemm, elementwise, layer, step, adam, adam_tensor = _spawned(_local_worker, (x,), 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    small, bulk, small_bytes, nbytes = _spawned(_gloo_worker, (port, microbatch * seq * hidden), 2)
+    # latency + bytes / link through the two sizes measured (a ring all-reduce of 2 ranks moves the
+    # buffer through each link once)
+    link = (nbytes - small_bytes) / max(bulk - small, 1e-9)
+    lat = max(small - small_bytes / link, 1e-6)
+    if memory_gib is None:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return Hardware(name, peak_tflops=gemm / 1e12, hbm_gb_s=elementwise / 1e9, memory_gib=memory_gib,
+                    gpus_per_node=os.cpu_count() or 1, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9,
+                    latency_us=lat * 1e6, layer_overhead_s=layer, step_overhead_s=step,
+                    cores=os.cpu_count() or 1, optimizer_s_per_param=adam,
+                    optimizer_s_per_tensor=adam_tensor, **CPU_DEFAULTS)

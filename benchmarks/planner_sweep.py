@@ -1,0 +1,120 @@
+"""The planner's memory and step-time predictions against our own CPU gloo runs.
+
+    python benchmarks/planner_sweep.py [--append]
+
+First measures the `cpu` profile (autoshard.cpu_profile.measure_cpu) for the sweep's GPT
+(hidden 256, 8 heads, 4 layers, vocabulary 512, sequence 128, 2 sequences per microbatch, dropout
+0.1), then runs each configuration with torchrun (benchmarks/sweep_worker.py: AdamW, denormals
+flushed) and compares, per rank, the measured peak bytes (parameters, gradients, optimizer state
+and activations; autoshard.testing.memory.PeakBytes) with `memory_model.rank_memory`, and the
+median step time with `costmodel.estimate(..., hardware=profile)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from autoshard.cpu_profile import measure_cpu  # noqa: E402
+from autoshard.planning.costmodel import estimate  # noqa: E402
+from autoshard.planning.memory_model import (  # noqa: E402
+    ActivationShape,
+    gpt_params_on_rank,
+    inflight_microbatches,
+    rank_memory,
+)
+from benchmarks.sweep_worker import MICRO, SHAPE  # noqa: E402
+
+# (tp, pp, dp, virtual, microbatches, recompute, sequence parallel)
+CONFIGS = [
+    (1, 1, 1, 1, 1, "none", False), (1, 1, 1, 1, 2, "full", False), (2, 1, 1, 1, 1, "none", False),
+    (2, 1, 1, 1, 2, "selective", False), (2, 1, 1, 1, 1, "full", True), (1, 2, 1, 1, 4, "none", False),
+    (1, 2, 1, 1, 4, "selective", False), (1, 2, 1, 2, 4, "full", False), (1, 1, 2, 1, 2, "none", False),
+    (2, 2, 1, 1, 4, "none", False),
+]
+
+
+def run(config) -> list[dict]:
+    tp, pp, dp, v, m, rc, sp = config
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
+           str(ROOT / "benchmarks" / "sweep_worker.py"), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+           "--virtual-pipeline", str(v), "--microbatches", str(m), "--recompute", rc] + (["--sp"] if sp else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"{config} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def predicted_memory(config, pp_rank: int, hw) -> float:
+    tp, pp, dp, v, m, rc, sp = config
+    h, layers, vocab, seq = SHAPE["n_embd"], SHAPE["n_layer"], SHAPE["vocab_size"], SHAPE["block_size"]
+    x = ActivationShape(s=seq, b=MICRO, h=h, a=SHAPE["n_head"], t=tp, sp=sp, e=hw.activation_bytes,
+                        m=hw.mask_bytes, resid_dropouts=1)
+    here = layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    params = gpt_params_on_rank(h=h, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
+    schedule = "interleaved" if v > 1 else "1f1b"
+    return rank_memory(x, params=params, state_bytes_per_param=hw.state_bytes_per_param,
+                       grad_bytes_per_param=hw.grad_bytes_per_param, recompute=rc, layers_here=here,
+                       inflight=inflight_microbatches(schedule, pp, pp_rank, m, v), chunk_microbatches=m * v,
+                       virtual=v, vocab_here=vocab // tp if last else 0)
+
+
+def predicted_seconds(config, hw) -> float:
+    tp, pp, dp, v, m, rc, sp = config
+    return estimate(hidden=SHAPE["n_embd"], layers=SHAPE["n_layer"], heads=SHAPE["n_head"], vocab=SHAPE["vocab_size"],
+                    seq=SHAPE["block_size"], tp=tp, pp=pp, dp=dp, global_batch=dp * m * MICRO, microbatch=MICRO,
+                    virtual=v, hardware=hw, recompute=rc, sequence_parallel=sp,
+                    gather_logits=True).seconds_per_iteration       # the GPT returns its logits, gathered
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--append", action="store_true", help="record the table in benchmarks/RESULTS.md")
+    ap.add_argument("--configs", type=int, nargs="+", default=None, help="indices into CONFIGS (default: all)")
+    args = ap.parse_args()
+    configs = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
+    hw = measure_cpu(hidden=SHAPE["n_embd"], heads=SHAPE["n_head"], seq=SHAPE["block_size"], microbatch=MICRO)
+    lines = [f"profile: GEMM {hw.peak_tflops * 1e3:.1f} GFLOP/s, element-wise {hw.hbm_gb_s:.2f} GB/s, "
+             f"layer dispatch {hw.layer_overhead_s * 1e3:.2f} ms, step fixed {hw.step_overhead_s * 1e3:.2f} ms, "
+             f"AdamW {hw.optimizer_s_per_param * 1e9:.2f} ns/param, gloo {hw.latency_us:.0f} us + "
+             f"{hw.network_gb_s:.2f} GB/s, {hw.cores} cores", "",
+             "| tp | pp | dp | v | m | recompute | sp | rank | peak MiB | model MiB | error | step s | model s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    worst_mem = worst_time = 0.0
+    for config in configs:
+        ranks = run(config)
+        want_s = predicted_seconds(config, hw)
+        step = max(r["step_s"] for r in ranks)
+        t_err = (want_s - step) / step
+        worst_time = max(worst_time, abs(t_err))
+        for r in sorted(ranks, key=lambda r: r["rank"]):
+            if r["tp_rank"] or r["dp_rank"]:
+                continue         # tensor- and data-parallel peers hold what their pipeline rank holds
+            want = predicted_memory(config, r["pp_rank"], hw).peak
+            err = (want - r["peak_bytes"]) / r["peak_bytes"]
+            worst_mem = max(worst_mem, abs(err))
+            tp, pp, dp, v, m, rc, sp = config
+            lines.append(f"| {tp} | {pp} | {dp} | {v} | {m} | {rc} | {sp} | {r['rank']} | "
+                         f"{r['peak_bytes'] / 2**20:.1f} | {want / 2**20:.1f} | {100 * err:+.1f}% | {step:.3f} | "
+                         f"{want_s:.3f} | {100 * t_err:+.1f}% |")
+        print(lines[-1], flush=True)
+    lines += ["", f"worst memory error {100 * worst_mem:.1f}%, worst step-time error {100 * worst_time:.1f}% "
+              f"over {len(configs)} configurations"]
+    print("\n".join(lines))
+    if args.append:
+        import datetime
+        import platform
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as fh:
+            fh.write(f"\n### Planner predictions vs our CPU gloo runs, {datetime.date.today()}, {platform.node()} "
+                     f"({platform.machine()}, {os.cpu_count()} cores)\n\n`python benchmarks/planner_sweep.py --append`\n\n"
+                     + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""One configuration of benchmarks/planner_sweep.py, under torchrun: measured peak bytes and step time per rank.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/sweep_worker.py --tp 2 --microbatches 2 --recompute full
+
+Trains the sweep's GPT with AdamW through `MeshRuntime.train_step`: two warm-up steps, then one step
+under `autoshard.testing.memory.PeakBytes` (on top of the parameters and optimizer state already
+live) and `--steps` timed steps, each fenced by barriers. Rank 0 prints one JSON line per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from autoshard import autoshard
+from autoshard.models import GPT, GPTConfig
+from autoshard.testing.memory import PeakBytes, state_bytes
+
+SHAPE = dict(n_layer=4, n_head=8, n_embd=256, vocab_size=512, block_size=128)
+MICRO = 2          # sequences per microbatch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("tp", "pp", "dp", "microbatches"):
+        ap.add_argument(f"--{name}", type=int, default=1)
+    # not --virtual: torchrun reads any prefix of its --virtual-local-rank as its own
+    ap.add_argument("--virtual-pipeline", dest="virtual", type=int, default=1)
+    ap.add_argument("--recompute", default="none")
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_flush_denormal(True)    # tiny gradients made denormal products 30x slower (RESULTS.md)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE, dropout=0.1)).train()
+    seq = SHAPE["block_size"]
+    rows = args.dp * args.microbatches * MICRO
+    gen = torch.Generator().manual_seed(0)
+    batch = lambda: (torch.randint(0, SHAPE["vocab_size"], (rows, seq), generator=gen),) * 2  # noqa: E731
+    ids, _ = batch()
+    prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual, microbatches=args.microbatches,
+                     recompute=args.recompute, sequence_parallel=args.sp,
+                     example_inputs=(ids[:MICRO], ids[:MICRO]))
+    rt = prog.distributed(mesh=True)
+    del model
+    opt = torch.optim.AdamW(rt.parameters(), lr=1e-4)
+
+    def step():
+        x, y = batch()
+        rt.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+    for _ in range(2):
+        step()
+    params = list(rt.parameters())
+    base = state_bytes(params + [t for s in opt.state.values() for t in s.values()])
+    with PeakBytes(base=base) as peak:
+        step()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    mine = {"rank": dist.get_rank(), "tp_rank": rt.tp_rank, "pp_rank": rt.pp_rank, "dp_rank": rt.dp_rank,
+            "params": sum(p.numel() for p in params), "state_bytes": base, "peak_bytes": peak.peak,
+            "step_s": statistics.median(times)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        print("\n".join(json.dumps(r) for r in everyone), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

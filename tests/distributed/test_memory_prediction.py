@@ -1,0 +1,46 @@
+"""The planner's memory prediction against measured peaks of real gloo runs (benchmarks/planner_sweep.py
+runs the whole sweep, with step times)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from autoshard.cpu_profile import CPU_DEFAULTS  # noqa: E402
+from autoshard.planning.hardware import Hardware  # noqa: E402
+from benchmarks.planner_sweep import predicted_memory, run  # noqa: E402
+
+# the byte counts are all the memory model reads of a profile; the rates are not used
+CPU = Hardware("cpu", peak_tflops=0.1, hbm_gb_s=1, memory_gib=24, gpus_per_node=2, nvlink_gb_s=1,
+               network_gb_s=1, **CPU_DEFAULTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [(2, 1, 1, 1, 1, "none", False), (1, 2, 1, 1, 4, "selective", False)],
+                         ids=["tp2-none", "pp2-m4-selective"])
+def test_predicted_peak_memory_within_15_percent_of_measured(config):
+    ranks = run(config)
+    assert len(ranks) == 2
+    for r in ranks:
+        want = predicted_memory(config, r["pp_rank"], CPU).peak
+        assert abs(want - r["peak_bytes"]) <= 0.15 * r["peak_bytes"], (r, want)
+
+
+def test_measured_cpu_profile_plans_our_runs():
+    """The profile is measured in spawned processes (this process's threads and denormal mode left
+    alone) and plans like any hardware, searching recompute modes."""
+    import torch
+
+    from autoshard import plan
+    from autoshard.cpu_profile import measure_cpu
+    from autoshard.planning.planner import ModelShape
+    threads = torch.get_num_threads()
+    hw = measure_cpu(hidden=64, heads=4, seq=32, microbatch=2)
+    assert torch.get_num_threads() == threads
+    for name in ("peak_tflops", "hbm_gb_s", "network_gb_s", "latency_us", "optimizer_s_per_param"):
+        assert getattr(hw, name) > 0, (name, hw)
+    assert hw.activation_bytes == 4 and hw.tile == (1, 1) and hw.cores >= 1
+    found = plan(ModelShape(hidden=64, layers=4, heads=4, vocab=128, seq=32), gpus=2, global_batch=8, hardware=hw)
+    assert found and {e.recompute for e in found} == {"none", "selective", "full"}
+    assert found[0].recompute == "none"                   # it fits: recomputing costs time for nothing
+    assert "memory (pipeline rank" in found[0].explain()
