@@ -73,16 +73,16 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
+    if recompute is not None and recompute not in RECOMPUTE_MODES:
+        raise ShardingError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     chosen = None
-    if world_size is not None:      # the planner picks the split
-        chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel,
+    if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
+        chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatches=microbatches))
         tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
-        recompute = chosen.recompute if recompute is None else recompute
+        recompute = chosen.recompute
     recompute = "none" if recompute is None else recompute
-    if recompute not in RECOMPUTE_MODES:
-        raise ShardingError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual", virtual), ("microbatches", microbatches)):
         require_positive_int(name, x)
@@ -115,7 +115,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
-                   sequence_parallel: bool, given: dict[str, int | None]) -> Estimate:
+                   sequence_parallel: bool, recompute: str | None, given: dict[str, int | None]) -> Estimate:
     """The planner's fastest split of `world_size` GPUs; refused when the caller also fixed one."""
     fixed = {k: x for k, x in given.items() if x is not None}
     if fixed:
@@ -123,7 +123,7 @@ def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, 
                             f"microbatches; drop {', '.join(f'{k}={x}' for k, x in fixed.items())} or world_size")
     try:
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
-                    sequence_parallel=sequence_parallel)[0]
+                    sequence_parallel=sequence_parallel, recompute=recompute)[0]
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
                             "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"

@@ -126,8 +126,8 @@ def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path, name):
         assert ((out - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-RECOMPUTE_MESHES = {"tp2-pp2": ["--tp", "2", "--pp", "2"], "pp2-v2": ["--pp", "2", "--virtual-pipeline", "2"],
-                    "tp2-sp": ["--tp", "2", "--sp"]}
+RECOMPUTE_MESHES = {"tp2": ["--tp", "2"], "tp2-pp2": ["--tp", "2", "--pp", "2"],
+                    "pp2-v2": ["--pp", "2", "--virtual-pipeline", "2"], "tp2-sp": ["--tp", "2", "--sp"]}
 
 
 @pytest.mark.slow

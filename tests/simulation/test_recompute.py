@@ -102,6 +102,34 @@ def test_eval_mode_and_a_new_signature_are_recomputed_too():
     assert sum("recompute_" in n for n, _ in prog.rank(0).named_children()) == 4   # 2 per signature
 
 
+def test_fused_dropout_inside_a_region_draws_its_seed_again():
+    """The fused bias + dropout + residual op takes a seed drawn from its region's generator; inside a
+    recomputed layer the replayed tracker gives it the same seed (the bitwise check above covers the
+    values; this checks the op is there)."""
+    prog, _ = _prog("full", fuse=True)
+    body = prog.rank(0).recompute_h_0.body
+    fused = [n.target for n in body.graph.nodes if n.op == "call_module" and "rng_fused" in n.target]
+    assert fused, body.code
+
+
+def test_a_planned_program_compiles_the_planners_recompute_mode():
+    """autoshard(world_size=...) runs the plan's recompute mode (the planner assumes what it picks)."""
+    from autoshard.planning.costmodel import estimate
+    from autoshard.planning.hardware import get_hardware
+    model = build_model("nanogpt", layers=4, hidden=64, heads=4)
+    size = dict(hidden=64, layers=4, heads=4, vocab=128, seq=64, tp=1, pp=1, dp=1, global_batch=1, microbatch=1)
+    selective, full = (estimate(**size, recompute=r).memory_gib_per_gpu for r in ("selective", "full"))
+    assert full < selective
+    hw = get_hardware("a100-80gb", memory_gib=(selective + full) / 2 / 0.9)      # only full fits
+    prog = autoshard(model, world_size=1, global_batch=1, hardware=hw)
+    assert prog.planned.recompute == "full" and prog.recompute == "full"
+    assert "self.recompute_h_0(" in prog.rank(0).code
+    with pytest.raises(ShardingError, match="world_size=1: no split of 1 GPUs fits"):
+        autoshard(model, world_size=1, global_batch=1, hardware=hw, recompute="none")     # planned as asked
+    roomy = autoshard(model, world_size=1, global_batch=1, recompute="selective")
+    assert roomy.planned.recompute == "selective" and roomy.recompute == "selective"
+
+
 def test_unknown_mode_is_refused():
     model = build_model("nanogpt", layers=2)
     with pytest.raises(ShardingError, match="recompute must be one of 'none', 'selective', 'full', got 'some'"):
