@@ -165,8 +165,9 @@ def _spawned(target, args: tuple, n: int) -> tuple:
             got = out.get(timeout=1)
             break
         except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError(f"the measurement's processes failed (exit codes {[p.exitcode for p in procs]})") from None
+            codes = [p.exitcode for p in procs]
+            if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+                raise RuntimeError(f"the measurement's processes ended without a result (exit codes {codes})") from None
     for p in procs:
         p.join()
     return got

@@ -1,4 +1,4 @@
-"""Every benchmark of issue 6 in one go; each appends its dated table to benchmarks/RESULTS.md.
+"""Every benchmark in one go; each appends its dated table to benchmarks/RESULTS.md.
 
     ./run bench                 # or: .venv/bin/python benchmarks/run_all.py [--quick] [--no-append]
 
@@ -8,7 +8,9 @@
    (tp=4); the 1T shape (hidden 25600, 160 heads) from 16 to 128 layers at tp=8, pp=8, v=2 and at
    128 layers with pp=64, v=2; GPT-3 175B (96 layers, hidden 12288, 96 heads) at tp=8, pp=8, v=2.
 3. The kernels' first-use self-check cost (on the CPU executor without a GPU).
-4. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
+4. The planner's memory and step-time predictions against our CPU gloo runs (planner_sweep.py),
+   and the activation bytes one layer saves per recompute mode (activation_memory.py, printed).
+5. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
    (benchmarks/kernels.py) and the single-GPU MFU run (benchmarks/mfu.py).
 
 `--quick` runs tiny sizes (a smoke test of the scripts, not a measurement) and never appends.
@@ -51,6 +53,10 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
     for cfg in COMPILE_TINY if quick else COMPILE_CONFIGS:
         out.append([py, str(HERE / "compile_scaling.py"), *cfg, *extra])
     out.append([py, str(HERE / "self_check_cost.py"), *extra])
+    # the planner against our own runs (quick: two configurations), activation bytes per recompute mode
+    out.append([py, str(HERE / "planner_sweep.py"), *(["--configs", "0", "2"] if quick else []), *extra])
+    if not quick:
+        out.append([py, str(HERE / "activation_memory.py")])
     if _has_cuda():
         out.append([py, str(HERE / "kernels.py"), *(["--quick"] if quick else []), *extra])
         out.append([py, str(HERE / "mfu.py"), *(["--quick"] if quick else []), *extra])
