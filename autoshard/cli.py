@@ -24,6 +24,7 @@ import torch
 from autoshard.api import autoshard
 from autoshard.errors import CaptureError
 from autoshard.factory import load_factory, one_line_errors
+from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.planning.hardware import PRESETS
 from autoshard.planning.planner import ModelShape, explain, plan
 from autoshard.runtime.schedules import SCHEDULES, bubble_fraction, check, make_schedule
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
     pl.add_argument("--hardware", choices=sorted(PRESETS), default="a100-80gb")
-    pl.add_argument("--recompute", choices=("full", "selective", "none"), default=None,
+    pl.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                     help="activation recomputation (default: the planner tries all three)")
     pl.add_argument("--sequence-parallel", action="store_true")
     pl.add_argument("--top", type=int, default=5)

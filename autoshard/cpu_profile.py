@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autoshard.planning.gemm_timing import ELEMENTWISE, GEMMS, LayerShape
+from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
@@ -95,9 +95,7 @@ def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> float
     layer, _ = _per_layer(x)
     flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
     rest = max(layer - flops / gemm_rate - dispatch, 1e-6)
-    counts = {"tokens": x.b * x.s * x.h, "tokens_tp": x.b * x.s * x.h, "mlp": 4 * x.b * x.s * x.h,
-              "scores": x.b * x.a * x.s * x.s}
-    return sum((f + bw) * counts[c] for _, c, f, bw, _ in ELEMENTWISE) * 2 / rest    # the table counts 2-byte values
+    return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest
 
 
 def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:

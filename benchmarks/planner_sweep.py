@@ -22,12 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from autoshard.cpu_profile import measure_cpu  # noqa: E402
 from autoshard.planning.costmodel import estimate  # noqa: E402
-from autoshard.planning.memory_model import (  # noqa: E402
-    ActivationShape,
-    gpt_params_on_rank,
-    inflight_microbatches,
-    rank_memory,
-)
+from autoshard.planning.memory_model import RankMemory, gpt_rank_memory  # noqa: E402
 from benchmarks.sweep_worker import MICRO, SHAPE  # noqa: E402
 
 # (tp, pp, dp, virtual, microbatches, recompute, sequence parallel)
@@ -50,19 +45,12 @@ def run(config) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def predicted_memory(config, pp_rank: int, hw) -> float:
+def predicted_memory(config, pp_rank: int, hw) -> RankMemory:
     tp, pp, dp, v, m, rc, sp = config
-    h, layers, vocab, seq = SHAPE["n_embd"], SHAPE["n_layer"], SHAPE["vocab_size"], SHAPE["block_size"]
-    x = ActivationShape(s=seq, b=MICRO, h=h, a=SHAPE["n_head"], t=tp, sp=sp, e=hw.activation_bytes,
-                        m=hw.mask_bytes, resid_dropouts=1)
-    here = layers // pp
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    params = gpt_params_on_rank(h=h, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
-    schedule = "interleaved" if v > 1 else "1f1b"
-    return rank_memory(x, params=params, state_bytes_per_param=hw.state_bytes_per_param,
-                       grad_bytes_per_param=hw.grad_bytes_per_param, recompute=rc, layers_here=here,
-                       inflight=inflight_microbatches(schedule, pp, pp_rank, m, v), chunk_microbatches=m * v,
-                       virtual=v, vocab_here=vocab // tp if last else 0)
+    return gpt_rank_memory(hw, hidden=SHAPE["n_embd"], layers=SHAPE["n_layer"], heads=SHAPE["n_head"],
+                           vocab=SHAPE["vocab_size"], seq=SHAPE["block_size"], tp=tp, pp=pp, pp_rank=pp_rank,
+                           microbatch=MICRO, microbatches=m, virtual=v, recompute=rc, sequence_parallel=sp,
+                           resid_dropouts=1)      # nanoGPT: dropout after the MLP only
 
 
 def predicted_seconds(config, hw) -> float:

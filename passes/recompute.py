@@ -6,10 +6,10 @@ A region is a set of nodes that runs again inside backward instead of keeping wh
 
 - full: each repeated layer (passes/stages.py's `find_layers`), which then keeps only its inputs
   (the layer's input activation, parameters, masks and rotary tables the model computed outside);
-- selective: the attention core of each layer, the part whose saved values grow as s^2: nodes whose
-  value ends in two dims of equal size (scores, masked scores, probabilities, the dropout mask; s x s
-  for self-attention) and that depend on an activation, plus the ops reading them (the product with
-  v), or a `scaled_dot_product_attention` call (what it saves depends on the kernel: the math kernel
+- selective: the attention core of each layer, the part whose saved values grow as s^2: a product of
+  two activations with a square result (q k^T), the nodes after it whose values keep that shape
+  (scale, mask, softmax, dropout and its mask), and the first ops reading them (the product with
+  v); or a `scaled_dot_product_attention` call (what it saves depends on the kernel: the math kernel
   that runs dropout keeps the s x s probabilities and mask; flash kernels keep only a log-sum-exp).
 
 Each region becomes one `call_module` node `recompute_<layer path>` (`recompute_attention_...` for
@@ -50,7 +50,6 @@ class RecomputeRegion:
     graph: fx.Graph
     layer: str
     mode: str
-    nodes: int
 
 
 def _between(graph: fx.Graph, seeds: set[fx.Node]) -> set[fx.Node]:
@@ -209,7 +208,7 @@ def _outline(graph: fx.Graph, region: set[fx.Node], name: str, layer: str, mode:
         cursor = item
     for n in reversed(ordered):
         graph.erase_node(n)
-    return RecomputeRegion(name, body, layer, mode, len(ordered))
+    return RecomputeRegion(name, body, layer, mode)
 
 
 def _layer_stack(nodes: list[fx.Node], layer: str) -> dict:

@@ -17,7 +17,7 @@ from typing import Callable
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["LayerShape", "gemm_seconds", "bytes_seconds", "GEMMS", "ELEMENTWISE", "layer_gemm_seconds",
-           "layer_elementwise_seconds"]
+           "layer_elementwise_seconds", "layer_elementwise_bytes"]
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,21 @@ def layer_gemm_seconds(x: LayerShape, hw: Hardware, *, attention_core_only: bool
     return fwd, bwd
 
 
-def layer_elementwise_seconds(x: LayerShape, hw: Hardware, *,
-                              attention_core_only: bool = False) -> tuple[float, float]:
+def layer_elementwise_bytes(x: LayerShape, activation_bytes: int = 2, *,
+                            attention_core_only: bool = False) -> tuple[float, float]:
+    """(forward, backward) bytes the ELEMENTWISE table moves for one layer and microbatch."""
     fwd = bwd = 0.0
-    scale = hw.activation_bytes / 2          # the table counts 2-byte values
+    scale = activation_bytes / 2          # the table counts 2-byte values
     for _, count, f, bw, core in ELEMENTWISE:
         if attention_core_only and not core:
             continue
         n = _COUNTS[count](x) * scale
-        fwd += bytes_seconds(f * n, hw)
-        bwd += bytes_seconds(bw * n, hw)
+        fwd += f * n
+        bwd += bw * n
     return fwd, bwd
+
+
+def layer_elementwise_seconds(x: LayerShape, hw: Hardware, *,
+                              attention_core_only: bool = False) -> tuple[float, float]:
+    fwd, bwd = layer_elementwise_bytes(x, hw.activation_bytes, attention_core_only=attention_core_only)
+    return bytes_seconds(fwd, hw), bytes_seconds(bwd, hw)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ActivationShape", "RankMemory", "busiest_rank", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
+__all__ = ["ActivationShape", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
 
 
@@ -172,23 +172,24 @@ def rank_memory(x: ActivationShape, *, params: int, state_bytes_per_param: float
     return RankMemory(state, grads, acts, working, peak)
 
 
-def busiest_rank(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int,
-                 microbatch: int, microbatches: int, virtual: int, recompute: str,
-                 sequence_parallel: bool) -> tuple[int, RankMemory]:
-    """The pipeline rank with the most memory and its peak, for a GPT of these shapes on `hw`
-    (its activation, mask and state bytes) under 1F1B (interleaved when virtual > 1)."""
+def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int,
+                    pp_rank: int, microbatch: int, microbatches: int, virtual: int, recompute: str,
+                    sequence_parallel: bool, resid_dropouts: int = 2) -> RankMemory:
+    """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask and
+    state bytes) under 1F1B (interleaved when virtual > 1)."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
-                        e=hw.activation_bytes, m=hw.mask_bytes)
+                        e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts)
     schedule = "interleaved" if virtual > 1 else "1f1b"
-    found = []
     here = -(-layers // pp)
-    for r in range(pp):
-        first, last = r == 0, r == pp - 1
-        params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp,
-                                    first=first, last=last)
-        found.append((r, rank_memory(x, params=params, state_bytes_per_param=hw.state_bytes_per_param,
-                                     grad_bytes_per_param=hw.grad_bytes_per_param, recompute=recompute,
-                                     layers_here=here, inflight=inflight_microbatches(schedule, pp, r, microbatches, virtual),
-                                     chunk_microbatches=microbatches * virtual, virtual=virtual,
-                                     vocab_here=-(-vocab // tp) if last else 0)))
-    return max(found, key=lambda f: f[1].peak)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
+    return rank_memory(x, params=params, state_bytes_per_param=hw.state_bytes_per_param,
+                       grad_bytes_per_param=hw.grad_bytes_per_param, recompute=recompute, layers_here=here,
+                       inflight=inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual),
+                       chunk_microbatches=microbatches * virtual, virtual=virtual,
+                       vocab_here=-(-vocab // tp) if last else 0)
+
+
+def busiest_rank(hw, *, pp: int, **shape) -> tuple[int, RankMemory]:
+    """The pipeline rank with the most memory and its peak (`gpt_rank_memory`'s arguments)."""
+    return max(((r, gpt_rank_memory(hw, pp=pp, pp_rank=r, **shape)) for r in range(pp)), key=lambda f: f[1].peak)

@@ -5,6 +5,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.planning.hardware import PRESETS
 
 __all__ = ["TrainError", "TrainOptions", "parser", "parse"]
@@ -86,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--fuse", action="store_true", help="fused ops (CUDA kernels on a GPU)")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                    help="activation recomputation (default: none; with --plan, the planner's choice)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="launch torchrun with this many processes")
     o = ap.add_argument_group("optimization")
