@@ -13,7 +13,7 @@ import torch.fx as fx
 from autoshard.passes.fusion.pattern import Test
 
 __all__ = [
-    "captured_value", "equals", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
+    "captured_value", "equals", "is_constant_table", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
     "is_input_dtype", "is_int", "is_last_dim", "is_last_dim_only", "is_like_input", "is_neg_inf",
     "is_no_draw_or_region", "is_no_grad_table", "is_none", "is_number", "is_one_plus_weight",
     "is_scores_length", "is_slice_start", "is_to_end", "is_to_fp32", "is_true", "is_vector_param",
@@ -85,10 +85,37 @@ def is_no_grad_table(v: object) -> bool:
             and block.args[0] is False)
 
 
+def is_constant_table(v: object, lookup) -> bool:
+    """A node computed from buffers, integer inputs and constants alone (no trainable parameter,
+    no floating-point input upstream), so no gradient is owed to it: how Hugging Face builds its
+    rotary cos and sin tables since it stopped wrapping them in torch.no_grad (transformers 5.24)."""
+    if not isinstance(v, fx.Node):
+        return False
+    seen, todo = set(), [v]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            t = lookup(n.target)
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                return False
+        elif n.op == "placeholder":
+            val = n.meta.get("val", captured_value(n, lookup))
+            if not isinstance(val, torch.Tensor) or val.is_floating_point():
+                return False                   # a floating input, or one whose value is unknown here
+        elif n.op != "call_function":
+            return False                       # a module (a collective, a random op) or an output
+        elif n.target != aten.sym_size.int:    # a size carries no gradient: its tensor is not read
+            todo.extend(n.all_input_nodes)
+    return True
+
+
 def is_heads_unsqueezed_table(v, lookup, env) -> bool:
-    """table.unsqueeze(1), [b, s, d] -> [b, 1, s, d], of a no-grad rotary table."""
+    """table.unsqueeze(1), [b, s, d] -> [b, 1, s, d], of a rotary table no gradient is owed to."""
     return (isinstance(v, fx.Node) and v.op == "call_function" and v.target == aten.unsqueeze.default
-            and v.args[1] == 1 and is_no_grad_table(v.args[0]))
+            and v.args[1] == 1 and (is_no_grad_table(v.args[0]) or is_constant_table(v.args[0], lookup)))
 
 
 def is_dim_3(v, lookup, env) -> bool:
