@@ -140,6 +140,8 @@ def save(folder: str, prog: ShardedProgram, module: nn.Module, optimizer: torch.
         _start_over(folder)
     if distributed:
         dist.barrier()          # nobody writes a file while an old index still describes the folder
+    if hasattr(optimizer, "checkpoint_view"):      # a DistributedOptimizer: its state whole per parameter
+        optimizer = optimizer.checkpoint_view()
     manifest = _write_rank(folder, prog, module, optimizer)
     if distributed:
         everyone = all_gather_json(manifest)
@@ -189,6 +191,11 @@ def load(folder: str, prog: ShardedProgram, module: nn.Module, optimizer: torch.
     Returns {"step": ..., "extra": ...}. Nothing is changed unless everything reads and checks out."""
     index = read_index(folder, verify=False)
     try:
+        if hasattr(optimizer, "load_checkpoint_view"):     # a DistributedOptimizer takes its pieces
+            view = optimizer.empty_view()
+            result = _load(folder, index, prog, module, view)
+            optimizer.load_checkpoint_view(view)
+            return result
         return _load(folder, index, prog, module, optimizer)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{os.path.join(folder, INDEX)} is malformed ({type(e).__name__}: {e}); "

@@ -27,7 +27,7 @@ from autoshard.runtime.loss_tokens import loss_tokens
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
 from autoshard.runtime.schedules import Action, stage_index, stage_owner
-from autoshard.runtime.trace import ActionRecord
+from autoshard.runtime.trace import REDUCE, ActionRecord
 
 __all__ = ["MeshRuntime", "ProgramView", "RankView"]
 
@@ -77,6 +77,8 @@ class MeshRuntime(nn.Module):
         self.actions = schedule[self.pp_rank]
         self.records: list[ActionRecord] = []
         self.last_grad_norm: torch.Tensor | None = None
+        self.grad_buffer = None       # set by a DistributedOptimizer (runtime/distributed_optimizer.py)
+        self._origin = 0.0            # when the current step began (time.time()): records count from it
         program = prog.rank(self.tp_rank).bind(groups.tp)
         self._prog = prog
         # not a submodule: this runtime registers the tensors its chunks read itself (below)
@@ -173,9 +175,17 @@ class MeshRuntime(nn.Module):
             flats.append(flat)
         scales, per_token = self._loss_scales(gm, flats, goals, loss_fn, loss_reduction, ignore_index)
         chunks = self._chunks_for(gm)
+        self._origin = time.time()
+        if self.grad_buffer is not None:        # a DistributedOptimizer's buffer: reduced as backward ends
+            self.grad_buffer.begin(self.microbatches, 1.0 if per_token else 1.0 / self.dims.dp, self._origin)
         losses = self._run(chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
-        self._sync_grads(max_norm, 1.0 if per_token else 1.0 / self.dims.dp)
+        if self.grad_buffer is not None:
+            self.last_grad_norm = self.grad_buffer.finish(max_norm)
+            self.records += [ActionRecord(self.global_rank, self.pp_rank, -1, Action(REDUCE, 0, r.bucket),
+                                          r.launched, r.done) for r in self.grad_buffer.reduce_records()]
+        else:
+            self._sync_grads(max_norm, 1.0 if per_token else 1.0 / self.dims.dp)
         total = torch.zeros((), device=self.device)
         if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
             total = torch.stack(losses).sum() / (1 if per_token else self.dims.dp)
@@ -214,7 +224,7 @@ class MeshRuntime(nn.Module):
         scale is 0 (no token counted: its mean is 0/0) adds nothing and back-propagates nothing."""
         last = self.n_stages - 1
         saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        losses, origin = [], time.time()
+        losses, origin = [], self._origin
         self.records = []
         for a in self.actions:
             stage, i = a.stage(self.pp_rank, self.dims.pp), a.microbatch

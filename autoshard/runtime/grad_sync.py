@@ -39,10 +39,13 @@ def all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | Non
     return calls
 
 
-def global_grad_norm(weighted: list[tuple[torch.Tensor, torch.Tensor | float]], dims: ParallelDims) -> torch.Tensor:
+def global_grad_norm(weighted: list[tuple[torch.Tensor, torch.Tensor | float]], dims: ParallelDims,
+                     replicas: int | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient. `weighted` pairs each local gradient with the share
     of it this rank counts: 1 / (number of ranks holding it) per element or row, broadcastable.
-    Data-parallel replicas hold equal gradients after the all-reduce, so the world sum is divided by dp."""
+    Data-parallel replicas hold equal gradients after the all-reduce, so the world sum is divided by
+    `replicas` (default dp; 1 when each dp rank holds a disjoint shard, as the distributed optimizer's)."""
+    replicas = dims.dp if replicas is None else replicas
     device = weighted[0][0].device if weighted else None
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g, w in weighted:
@@ -50,7 +53,7 @@ def global_grad_norm(weighted: list[tuple[torch.Tensor, torch.Tensor | float]], 
         total += (g.detach().double().pow(2) * w).sum()
     if dist.is_initialized():
         dist.all_reduce(total)
-    return (total / dims.dp).sqrt()
+    return (total / replicas).sqrt()
 
 
 def clip_grads(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

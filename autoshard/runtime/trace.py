@@ -3,8 +3,9 @@
 Both take `ActionRecord`s: the executor's measured ones (`MeshRuntime.records`, gathered from
 every rank by `export_trace`) or a schedule's unit-cost run (`records_of(check(...))`). The PNG has
 one row per pipeline rank, time to the right; forwards are blue, backwards green, a darker shade
-for each later chunk, and each box is labelled with its microbatch number. It is drawn with the
-standard library alone (autoshard/png.py), so no plotting package is needed.
+for each later chunk, and each box is labelled with its microbatch number; a data-parallel gradient
+reduction (a DistributedOptimizer's bucket, action kind "R") is a thin orange bar along the bottom of
+its row, so its overlap with backward shows. It is drawn with the standard library alone (autoshard/png.py), so no plotting package is needed.
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from autoshard import png
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.schedules import Action, Timeline
 
-__all__ = ["ActionRecord", "records_of", "chrome_trace", "write_png", "text_timeline", "export_trace"]
+__all__ = ["REDUCE", "ActionRecord", "records_of", "chrome_trace", "write_png", "text_timeline", "export_trace"]
+
+REDUCE = "R"          # an ActionRecord's kind for a gradient bucket's reduction (its microbatch: the bucket)
+REDUCE_TID = 1000     # the Chrome-trace thread the reductions are drawn on
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,11 @@ def chrome_trace(records: list[ActionRecord]) -> dict:
     events = [{"name": f"{r.action.kind} mb{r.action.microbatch}", "cat": "forward" if r.action.kind == "F" else "backward",
                "ph": "X", "pid": r.rank, "tid": r.row, "ts": (r.start - t0) * 1e6, "dur": (r.end - r.start) * 1e6,
                "args": {"stage": r.stage, "chunk": r.action.chunk, "microbatch": r.action.microbatch}}
-              for r in records]
+              for r in records if r.action.kind != REDUCE]
+    # gradient buckets' data-parallel reductions, on a thread of their own under the rank
+    events += [{"name": f"reduce bucket {r.action.microbatch}", "cat": "grad-reduce", "ph": "X", "pid": r.rank,
+                "tid": REDUCE_TID, "ts": (r.start - t0) * 1e6, "dur": (r.end - r.start) * 1e6,
+                "args": {"bucket": r.action.microbatch}} for r in records if r.action.kind == REDUCE]
     events += [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
                for rank in sorted({r.rank for r in records})]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -67,8 +75,13 @@ def write_png(records: list[ActionRecord], path: str, width: int = 1200, row_hei
     height = row_height * len(rows) + 8
     img = png.blank(width, height)
     scale = (width - 8) / max(t1 - t0, 1e-12)
-    for r in shown:
+    for r in sorted(shown, key=lambda r: r.action.kind == REDUCE):     # reductions over the boxes
         y0 = 4 + rows.index(r.row) * row_height
+        if r.action.kind == REDUCE:       # a thin orange bar along the bottom of the row
+            x0, x1 = 4 + int((r.start - t0) * scale), 4 + max(int((r.end - t0) * scale), int((r.start - t0) * scale) + 1)
+            for y in range(y0 + row_height - 6, y0 + row_height - 2):
+                img[y][x0:x1] = [(244, 160, 0)] * (x1 - x0)
+            continue
         x0, x1 = 4 + int((r.start - t0) * scale), 4 + max(int((r.end - t0) * scale) - 1, int((r.start - t0) * scale) + 1)
         for y in range(y0 + 2, y0 + row_height - 2):
             img[y][x0:x1] = [_shade(r.action.kind, r.action.chunk, chunks)] * (x1 - x0)

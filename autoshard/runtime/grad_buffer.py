@@ -1,0 +1,193 @@
+"""Gradients in one flat fp32 buffer, reduced over data-parallel ranks bucket by bucket as backward
+finishes them (Megatron's main_grad and its overlapped reduction; DDP's buckets).
+
+Layout (`plan_layout`): the parameters are laid out in reverse order (backward finishes the last
+layers first), packed into buckets of at most `bucket_numel` elements (a larger parameter is a
+bucket of its own; a parameter tied across pipeline stages too, reduced last). Each bucket is padded
+to a multiple of `shards`; shard rank r owns the r-th 1/shards of every bucket. With shards = 1
+every rank owns everything (plain data parallelism: buckets are all-reduced); with shards = dp the
+buckets are reduce-scattered and each rank's optimizer steps only what it owns (ZeRO-1).
+
+`GradBuffer` keeps the buffer: a hook on each parameter adds its gradient (in any dtype) into the
+parameter's fp32 slice after autograd accumulates it and frees the parameter's own `.grad`, so
+gradients accumulate in fp32 across microbatches. With `overlap`, a bucket's reduction starts (async)
+as soon as each of its parameters has had its last microbatch's gradient; `finish()` starts the rest
+and waits for all. Each launch and completion time is recorded (`records`) for the trace.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Bucket", "FlatLayout", "GradBuffer", "ReduceRecord", "plan_layout"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int                 # its range in the flat buffer; (stop - start) is a multiple of the shards
+    stop: int
+    params: tuple[int, ...]    # indices of the parameters laid out in it
+    tied: bool = False         # a parameter tied across pipeline stages: summed over those first, reduced last
+
+    def owned(self, shard_rank: int, shards: int) -> tuple[int, int]:
+        size = (self.stop - self.start) // shards
+        return self.start + shard_rank * size, self.start + (shard_rank + 1) * size
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    offsets: tuple[int, ...]   # each parameter's first element in the flat buffer
+    numels: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    shards: int
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1].stop if self.buckets else 0
+
+    def bucket_of(self, i: int) -> Bucket:
+        return next(b for b in self.buckets if i in b.params)
+
+    def owned_piece(self, i: int, shard_rank: int) -> tuple[int, int] | None:
+        """The part [lo, hi) of parameter i's flat range that shard rank `shard_rank` owns, or None."""
+        a, b = self.bucket_of(i).owned(shard_rank, self.shards)
+        lo, hi = max(a, self.offsets[i]), min(b, self.offsets[i] + self.numels[i])
+        return (lo, hi) if lo < hi else None
+
+
+def plan_layout(numels: list[int], shards: int, bucket_numel: int, tied: set[int] = frozenset()) -> FlatLayout:
+    offsets, buckets, pos = [0] * len(numels), [], 0
+    current: list[int] = []
+
+    def close(members: list[int], is_tied: bool = False) -> None:
+        nonlocal pos
+        start = pos
+        for i in members:
+            offsets[i], pos = pos, pos + numels[i]
+        pos = start + -(-(pos - start) // shards) * shards          # pad to a multiple of the shards
+        buckets.append(Bucket(start, pos, tuple(members), is_tied))
+
+    for i in reversed(range(len(numels))):
+        if i in tied:
+            continue
+        if current and sum(numels[j] for j in current) + numels[i] > bucket_numel:
+            close(current)
+            current = []
+        current.append(i)
+    if current:
+        close(current)
+    for i in sorted(tied, reverse=True):
+        close([i], True)
+    return FlatLayout(tuple(offsets), tuple(numels), tuple(buckets), shards)
+
+
+@dataclass
+class ReduceRecord:
+    bucket: int
+    launched: float            # seconds since the step began
+    done: float | None = None
+
+
+@dataclass
+class _Pending:
+    work: object
+    bucket: int
+    out: torch.Tensor | None = field(default=None)
+
+
+class GradBuffer:
+    """fp32 gradients of `params` laid out by `layout`, reduced over `group` (see the module doc)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: dist.ProcessGroup | None,
+                 shard_rank: int, dp: int, tied_groups: dict[int, dist.ProcessGroup] | None = None,
+                 overlap: bool = True):
+        self.params, self.layout, self.group, self.dp = params, layout, group, dp
+        self.shard_rank, self.overlap, self.tied_groups = shard_rank, overlap, tied_groups or {}
+        device = params[0].device if params else None
+        self.data = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self.records: list[ReduceRecord] = []
+        self.reduced = False          # finish() ran and zero() did not since: the data is a reduced step's
+        self._seen = [0] * len(params)
+        self._expected, self._scale, self._origin = 0, 1.0, 0.0
+        self._launched: set[int] = set()
+        self._pending: list[_Pending] = []
+        self._bucket_index = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+
+    def view(self, i: int) -> torch.Tensor:
+        o, n = self.layout.offsets[i], self.layout.numels[i]
+        return self.data[o: o + n].view(self.params[i].shape)
+
+    def _hook(self, i: int):
+        def add(p: torch.nn.Parameter) -> None:
+            self.view(i).add_(p.grad)
+            p.grad = None
+            self._poll()
+            self._seen[i] += 1
+            k = self._bucket_index[i]
+            bucket = self.layout.buckets[k]
+            if (self.overlap and self._expected and not bucket.tied and k not in self._launched
+                    and all(self._seen[j] >= self._expected for j in bucket.params)):
+                self._launch(k)
+        return add
+
+    def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float) -> None:
+        """A step starts (at time.time() = `origin`, what the records count from): each parameter's
+        gradient is final after `microbatches` backward passes; reduced gradients are multiplied by `scale`."""
+        self._seen = [0] * len(self.params)
+        self._expected, self._scale, self._origin = microbatches, scale, origin
+        self._launched, self._pending, self.records = set(), [], []
+
+    def _launch(self, k: int) -> None:
+        self._launched.add(k)
+        self.records.append(ReduceRecord(k, time.time() - self._origin))
+        if self.dp == 1:
+            self.records[-1].done = self.records[-1].launched
+            return
+        b = self.layout.buckets[k]
+        if self.layout.shards == 1:
+            work, out = dist.all_reduce(self.data[b.start: b.stop], group=self.group, async_op=True), None
+        else:
+            out = torch.empty((b.stop - b.start) // self.layout.shards, dtype=self.data.dtype, device=self.data.device)
+            work = dist.reduce_scatter_tensor(out, self.data[b.start: b.stop], group=self.group, async_op=True)
+        self._pending.append(_Pending(work, k, out))
+
+    def _poll(self) -> None:
+        """Note the completion of reductions seen finished (gloo's reduce-scatter has no future to
+        call back: a completion time is the first time it is seen done, an upper bound)."""
+        for p in self._pending:
+            record = self.records[[r.bucket for r in self.records].index(p.bucket)]
+            if record.done is None and p.work.is_completed():
+                record.done = time.time() - self._origin
+
+    def finish(self) -> None:
+        """Sum tied parameters over their pipeline ranks, start every reduction not started yet, wait
+        for all and scale: afterwards this rank's owned ranges hold the data-parallel result."""
+        for i, group in self.tied_groups.items():
+            dist.all_reduce(self.view(i), group=group)
+        for k in range(len(self.layout.buckets)):
+            if k not in self._launched:
+                self._launch(k)
+        self._poll()
+        for p in self._pending:
+            p.work.wait()
+            self._poll()
+            if p.out is not None:
+                a, b = self.layout.buckets[p.bucket].owned(self.shard_rank, self.layout.shards)
+                self.data[a:b].copy_(p.out)
+        self._pending = []
+        self.data.mul_(self._scale)
+        self.reduced = True
+
+    def zero(self) -> None:
+        self.reduced = False
+        self.data.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
