@@ -34,7 +34,7 @@ from autoshard.planning.hardware import Hardware
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
 
 CPU_DEFAULTS = dict(sms=1, tile=(1, 1), matmul_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
-                    activation_bytes=4, mask_bytes=4, state_bytes_per_param=16, grad_bytes_per_param=4,
+                    activation_bytes=4, mask_bytes=4, weight_bytes=4, grad_bytes=4, reduce_bytes=4,
                     gemm_traffic=False)
 
 

@@ -129,7 +129,7 @@ def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, 
     # get their gradients summed: six small all-reduces per layer in backward
     sp = x.sp and x.t > 1
     per_pass = _tp_allreduce_seconds(x, hw) + (hw.latency_us * 1e-6 if sp else 0.0)
-    synced = 6 * _allreduce_seconds(x.h * hw.grad_bytes_per_param, x.t, hw.nvlink_gb_s, hw) if sp else 0.0
+    synced = 6 * _allreduce_seconds(x.h * hw.reduce_bytes, x.t, hw.nvlink_gb_s, hw) if sp else 0.0
     return gf + ef + dispatch, backward, passes * per_pass + synced
 
 
@@ -164,13 +164,16 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              global_batch: int, microbatch: int | None = None, virtual: int | None = None,
              hardware: str | Hardware = "a100-80gb", recompute: str = "full",
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
-             v: int | None = None) -> Estimate:
+             v: int | None = None, distributed_optimizer: bool = False) -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
     gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
     `gather_output=True` for a model that returns them; Megatron keeps them sharded).
     overlap_grad_reduce: the data-parallel gradient all-reduce runs during the backward pass (torch
-    DDP, the 2019 Megatron); False is the PTD-P paper's Megatron, which reduces after the backward.
+    DDP, the 2019 Megatron, autoshard's DistributedOptimizer); False is the PTD-P paper's Megatron,
+    which reduces after the backward.
+    distributed_optimizer: main parameters and AdamW's moments divided over dp (memory_model.param_bytes;
+    the reduce-scatter and all-gather move what the all-reduce does, so time is unchanged).
 
     `microbatch=None` or `virtual=None` (pipeline chunks per rank, the paper's v) choose the fastest
     legal value that fits memory (if none fits, the configuration with the least memory, marked
@@ -207,7 +210,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
                          f"replica divisible by pp={pp} (interleaved schedule)")
     shape = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                  global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
-                 overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits)
+                 overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits,
+                 distributed_optimizer=distributed_optimizer)
     results = [_one(hw, microbatch=mb, v=vv, **shape) for mb, vv in pairs]
     fitting = [e for e in results if e.fits]
     if fitting:
@@ -216,7 +220,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
 
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
-         recompute, sequence_parallel, overlap_grad_reduce, gather_logits) -> Estimate:
+         recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer) -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
     x = LayerShape(microbatch, seq, hidden, heads, tp, sequence_parallel)
@@ -250,7 +254,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
         breakdown["p2p"] = 2 * v * m * hop * share
         # GPT's tied embedding: the first and last stage add their gradients.
         tied = _allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
-    grads = evaluate("dp_allreduce_bytes", **sym) * hw.grad_bytes_per_param / 2    # formula: fp16 gradients
+    grads = evaluate("dp_allreduce_bytes", **sym) * hw.reduce_bytes / 2    # formula: fp16 gradients
     dp_link = hw.nvlink_gb_s if tp * dp <= node else hw.network_gb_s
     grad_reduce = _allreduce_seconds(grads, dp, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
@@ -270,7 +274,8 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     gpus = tp * pp * dp
     busiest, held = busiest_rank(hw, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
                                  microbatch=microbatch, microbatches=m, virtual=v, recompute=recompute,
-                                 sequence_parallel=sequence_parallel)
+                                 sequence_parallel=sequence_parallel, dp=dp,
+                                 distributed_optimizer=distributed_optimizer)
     memory = held.peak
     return Estimate(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                     global_batch=global_batch, microbatch=microbatch, virtual=v, hardware=hw.name, recompute=recompute,

@@ -30,8 +30,9 @@ class Hardware:
     # profile: fp32 everywhere, AdamW's state in fp32, dropout masks in the input's dtype).
     activation_bytes: int = 2           # per activation element
     mask_bytes: int = 1                 # per dropout-mask element
-    state_bytes_per_param: float = 18   # weights, gradients and optimizer state together
-    grad_bytes_per_param: float = 2     # of those, the gradients (allocated in the first backward)
+    weight_bytes: int = 2               # per parameter in the compute dtype (the optimizer's: memory_model.param_bytes)
+    grad_bytes: int = 4                 # per gradient element held (Megatron's fp32 main_grad)
+    reduce_bytes: int = 2               # per gradient element on the wire (fp16, as the PTD-P runs reduced)
     tile: tuple[int, int] = (256, 128)  # GEMM output tile (one per SM at a time); (1, 1): no padding
     layer_overhead_s: float = 0.0       # fixed cost of one layer's forward + backward (op dispatch)
     step_overhead_s: float = 0.0        # fixed cost of a step outside the layers

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ActivationShape", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
+__all__ = ["ActivationShape", "ParamBytes", "param_bytes", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
 
 
@@ -134,6 +134,30 @@ def gpt_params_on_rank(*, h: int, layers_here: int, vocab: int, positions: int, 
 
 
 @dataclass(frozen=True)
+class ParamBytes:
+    """Bytes a rank holds per parameter, by what: Megatron's accounting (and the runtime's, checked
+    in benchmarks/distributed_optimizer.py). bf16 weights with AdamW: 2 + 4 + 4 + 8 = 18, and with
+    the distributed optimizer 2 + 4 + (4 + 8) / dp = 6 + 12/dp; fp32 (the CPU runs here): 16, and
+    8 + 8/dp, the fp32 weights being their own main copy."""
+    weights: float      # the parameters in the compute dtype
+    grads: float        # the gradients as held (the distributed optimizer's fp32 buffer)
+    main: float         # fp32 main parameters apart from the weights (0 when the weights are fp32)
+    moments: float      # the optimizer's state
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.main + self.moments
+
+
+def param_bytes(weight_bytes: int, grad_bytes: int, *, dp: int = 1, distributed_optimizer: bool = False,
+                moments: int = 2) -> ParamBytes:
+    """`moments` fp32 tensors of optimizer state per parameter (AdamW: 2); the main parameters and
+    moments are divided over the dp ranks by the distributed optimizer."""
+    shards = dp if distributed_optimizer else 1
+    return ParamBytes(weight_bytes, grad_bytes, (0 if weight_bytes == 4 else 4) / shards, 4 * moments / shards)
+
+
+@dataclass(frozen=True)
 class RankMemory:
     """Predicted peak bytes of one rank, by cause (see `rank_memory`)."""
     state: float            # weights and optimizer state, live all step
@@ -148,8 +172,7 @@ class RankMemory:
                 f"activations {self.activations / mib:.1f} + working {self.working / mib:.1f}")
 
 
-def rank_memory(x: ActivationShape, *, params: int, state_bytes_per_param: float, grad_bytes_per_param: float,
-                recompute: str, layers_here: int, inflight: float, chunk_microbatches: int, virtual: int = 1,
+def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recompute: str, layers_here: int, inflight: float, chunk_microbatches: int, virtual: int = 1,
                 vocab_here: int = 0) -> RankMemory:
     """Peak bytes of one rank during a training step.
 
@@ -164,8 +187,8 @@ def rank_memory(x: ActivationShape, *, params: int, state_bytes_per_param: float
     working = 2 * x.ffn * x.e * x.s * x.b * x.h / x.t + 12 * x.b * x.s * vocab_here
     if recompute != "none":      # what the recomputation makes again, for one layer
         working += layer_activation_bytes(x, "none") - layer_activation_bytes(x, recompute)
-    grads = grad_bytes_per_param * params
-    state = (state_bytes_per_param - grad_bytes_per_param) * params
+    grads = per_param.grads * params
+    state = (per_param.total - per_param.grads) * params
     later = inflight * chunk + grads if chunk_microbatches > inflight else max(0.0, inflight - 1) * chunk + grads
     acts = inflight * chunk
     peak = state + working + max(acts, later)
@@ -174,17 +197,19 @@ def rank_memory(x: ActivationShape, *, params: int, state_bytes_per_param: float
 
 def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int,
                     pp_rank: int, microbatch: int, microbatches: int, virtual: int, recompute: str,
-                    sequence_parallel: bool, resid_dropouts: int = 2) -> RankMemory:
-    """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask and
-    state bytes) under 1F1B (interleaved when virtual > 1)."""
+                    sequence_parallel: bool, resid_dropouts: int = 2, dp: int = 1,
+                    distributed_optimizer: bool = False) -> RankMemory:
+    """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask,
+    weight and gradient bytes) under 1F1B (interleaved when virtual > 1), with AdamW's state whole or
+    divided over `dp` ranks (`distributed_optimizer`)."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
                         e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts)
     schedule = "interleaved" if virtual > 1 else "1f1b"
     here = -(-layers // pp)
     first, last = pp_rank == 0, pp_rank == pp - 1
     params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
-    return rank_memory(x, params=params, state_bytes_per_param=hw.state_bytes_per_param,
-                       grad_bytes_per_param=hw.grad_bytes_per_param, recompute=recompute, layers_here=here,
+    per_param = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp, distributed_optimizer=distributed_optimizer)
+    return rank_memory(x, params=params, per_param=per_param, recompute=recompute, layers_here=here,
                        inflight=inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual),
                        chunk_microbatches=microbatches * virtual, virtual=virtual,
                        vocab_here=-(-vocab // tp) if last else 0)

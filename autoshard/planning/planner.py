@@ -77,9 +77,11 @@ def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware):
 
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
          hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str | None = None,
-         sequence_parallel: bool = False, top: int | None = None) -> list[Estimate]:
+         sequence_parallel: bool = False, top: int | None = None,
+         distributed_optimizer: bool = False) -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
-    ("none", "selective", "full"), or None to search all three."""
+    ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
+    and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
@@ -87,7 +89,8 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     modes = RECOMPUTE if recompute is None else (recompute,)
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
                       seq=seq or shape.seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
-                      recompute=mode, sequence_parallel=sequence_parallel)
+                      recompute=mode, sequence_parallel=sequence_parallel,
+                      distributed_optimizer=distributed_optimizer)
              for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for mode in modes]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:

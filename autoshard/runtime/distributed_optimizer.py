@@ -16,6 +16,11 @@ AdamW, Adam, SGD) sees only the owned pieces, one flat tensor per parameter piec
 into the parameters' own storage: they are views of one flat buffer laid out like the gradients.
 With fp32 parameters the main parameters are those owned ranges themselves (no extra copy).
 
+`overlap` (default: on, except on gloo): start each bucket's reduction inside backward. On NCCL the
+reduction runs beside the compute; on gloo it runs on the CPU cores the ranks' backward also uses,
+and measured side by side it made steps 2-4% slower here (2 cores, dp=2; benchmarks/RESULTS.md),
+so gloo reduces after backward unless asked.
+
 `shard=False` keeps everything on every rank (buckets all-reduced; the same numbers, 16 bytes a
 parameter): the baseline the sharded one is checked against. Clipping by the global norm counts
 each element once over tp x pp x dp. Checkpoints (autoshard/checkpoint) save the state whole per
@@ -40,7 +45,7 @@ class DistributedOptimizer:
     """`optimizer_class(**defaults)` over this rank's owned shard of `runtime`'s parameters."""
 
     def __init__(self, runtime, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 shard: bool = True, overlap: bool = True, bucket_bytes: int = 25 * 2 ** 20, **defaults):
+                 shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20, **defaults):
         named = list(runtime.named_parameters())
         if not named:
             raise ShardingError("DistributedOptimizer: the runtime holds no parameters")
@@ -64,6 +69,8 @@ class DistributedOptimizer:
                 o = self.layout.offsets[i]
                 self.flat[o: o + p.numel()].copy_(p.reshape(-1))
                 p.data = self.flat[o: o + p.numel()].view(p.shape)
+        if overlap is None:       # see the module doc: on gloo the reduction costs the cores backward runs on
+            overlap = dims.dp > 1 and dist.get_backend(runtime.groups.dp) != "gloo"
         self.grads = GradBuffer(self.params, self.layout, runtime.groups.dp, self.shard_rank, dims.dp, tied, overlap)
         runtime.grad_buffer = self
         # the owned pieces: fp32 main parameters (views of the flat storage when that is fp32), fp32 grads

@@ -94,7 +94,7 @@ class ReduceRecord:
 @dataclass
 class _Pending:
     work: object
-    bucket: int
+    record: ReduceRecord
     out: torch.Tensor | None = field(default=None)
 
 
@@ -153,15 +153,14 @@ class GradBuffer:
         else:
             out = torch.empty((b.stop - b.start) // self.layout.shards, dtype=self.data.dtype, device=self.data.device)
             work = dist.reduce_scatter_tensor(out, self.data[b.start: b.stop], group=self.group, async_op=True)
-        self._pending.append(_Pending(work, k, out))
+        self._pending.append(_Pending(work, self.records[-1], out))
 
     def _poll(self) -> None:
         """Note the completion of reductions seen finished (gloo's reduce-scatter has no future to
         call back: a completion time is the first time it is seen done, an upper bound)."""
         for p in self._pending:
-            record = self.records[[r.bucket for r in self.records].index(p.bucket)]
-            if record.done is None and p.work.is_completed():
-                record.done = time.time() - self._origin
+            if p.record.done is None and p.work.is_completed():
+                p.record.done = time.time() - self._origin
 
     def finish(self) -> None:
         """Sum tied parameters over their pipeline ranks, start every reduction not started yet, wait
@@ -175,8 +174,10 @@ class GradBuffer:
         for p in self._pending:
             p.work.wait()
             self._poll()
+            if p.record.done is None:          # is_completed() may lag wait() (gloo): done by now
+                p.record.done = time.time() - self._origin
             if p.out is not None:
-                a, b = self.layout.buckets[p.bucket].owned(self.shard_rank, self.layout.shards)
+                a, b = self.layout.buckets[p.record.bucket].owned(self.shard_rank, self.layout.shards)
                 self.data[a:b].copy_(p.out)
         self._pending = []
         self.data.mul_(self._scale)

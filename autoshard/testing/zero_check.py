@@ -91,7 +91,7 @@ def compare(name: str, args: argparse.Namespace) -> dict:
     grads: dict[str, torch.Tensor] = {}
     plain_losses = _train(plain_rt, plain, batches, args.max_norm, grads)
     _, rt = _runtime(name, args)
-    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, bucket_bytes=args.bucket_kib * 1024)
+    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, bucket_bytes=args.bucket_kib * 1024, overlap=True)
     losses = _train(rt, opt, batches, args.max_norm)
     masks = _noise_masks(grads)
     want, mine = _split(plain_rt.named_parameters(), masks, False), _split(rt.named_parameters(), masks, False)

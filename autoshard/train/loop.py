@@ -17,6 +17,7 @@ from autoshard.checkpoint.convert import consolidate, load_from_file
 from autoshard.checkpoint.index import INDEX
 from autoshard.checkpoint.materialize import materialize
 from autoshard.planning.costmodel import estimate
+from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.train import model_source
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
@@ -158,7 +159,9 @@ def run(opts: TrainOptions) -> int:
     if source.weights is not None:
         materialize(prog, rt, seed=opts.seed)
         load_from_file(source.weights, prog, rt)
-    optimizer = torch.optim.AdamW(rt.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+    adamw = dict(lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, **adamw) if opts.distributed_optimizer
+                 else torch.optim.AdamW(rt.parameters(), **adamw))
     token_file = _on_rank0(lambda: prepare_tokens(opts.data, tokenizer, opts.text_field, os.path.join(opts.out, "data")))
     batches = Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=split["dp"],
                            dp_rank=rt.dp_rank, seed=opts.seed, extra=int(source.shifted))
@@ -171,6 +174,7 @@ def run(opts: TrainOptions) -> int:
     if rank == 0:
         print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
               f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
+              + (f"AdamW state sharded over dp={split['dp']}, " if opts.distributed_optimizer else "") +
               f"{batches.sequences} sequences of "
               f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else
                                              f"all {opts.steps} steps already done"), flush=True)

@@ -37,6 +37,7 @@ class TrainOptions:
     sequence_parallel: bool
     fuse: bool
     recompute: str | None
+    distributed_optimizer: bool
     seq_len: int
     batch: int
     steps: int
@@ -98,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--clip", type=float, default=1.0, help="gradient clipping by global norm (0: off)")
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--distributed-optimizer", action="store_true",
+                   help="AdamW's state and fp32 gradients' reduction sharded over data-parallel ranks (ZeRO-1)")
     r = ap.add_argument_group("output")
     r.add_argument("--out", required=True, help="the run's folder: checkpoints/, metrics.csv, loss.png")
     r.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")

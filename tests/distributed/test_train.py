@@ -1,7 +1,8 @@
 """`autoshard train` end to end on gloo processes: a 4-layer Llama at tp=2 x pp=2 trains 50 steps
 on the README as text and its loss falls; a run stopped at step 30 (as a crash would) and resumed
 gives the uninterrupted run's losses exactly; its checkpoint resumes at another split; the exported
-folder loads with from_pretrained and gives the trained program's logits; the planner's dp=2; GPT-2
+folder loads with from_pretrained and gives the trained program's logits; the planner's dp=2; the
+distributed optimizer's losses are plain AdamW's; GPT-2
 with dropout resumes exactly too; Ctrl-C leaves no partial checkpoint."""
 import csv
 import os
@@ -81,6 +82,16 @@ def test_train_with_the_planner_choosing_dp2(tmp_path):
     assert "tp=1 pp=1 dp=2" in out
     losses = [float(r["loss"]) for r in _rows(tmp_path)]
     assert len(losses) == 50 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+
+
+@pytest.mark.slow
+def test_train_with_the_distributed_optimizer_gives_plain_adamws_losses(tmp_path):
+    args = [*LLAMA, "--dp", "2", "--steps", "20", "--save-every", "10"]
+    _train(tmp_path / "plain", *args, nproc=2)
+    out = _train(tmp_path / "zero", *args, "--distributed-optimizer", nproc=2).stdout
+    assert "AdamW state sharded over dp=2" in out
+    plain, zero = ([float(r["loss"]) for r in _rows(tmp_path / k)] for k in ("plain", "zero"))
+    assert len(zero) == 20 and max(abs(a - b) / abs(b) for a, b in zip(zero, plain)) < 1e-5, (zero, plain)
 
 
 @pytest.mark.slow

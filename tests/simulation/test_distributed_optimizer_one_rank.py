@@ -25,7 +25,7 @@ def test_equals_plain_adamw_and_single_device_losses_with_clipping(one_process_g
     model, plain_model, ref = (build_model("llama", layers=2) for _ in range(3))
     rt = autoshard(model, microbatches=2, example_kwargs=_batch(0)).distributed(mesh=True)
     plain_rt = autoshard(plain_model, microbatches=2, example_kwargs=_batch(0)).distributed(mesh=True)
-    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, bucket_bytes=32 * 1024)
+    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, bucket_bytes=32 * 1024, overlap=True)
     plain = torch.optim.AdamW(plain_rt.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(4):

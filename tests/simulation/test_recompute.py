@@ -117,15 +117,18 @@ def test_a_planned_program_compiles_the_planners_recompute_mode():
     from autoshard.planning.costmodel import estimate
     from autoshard.planning.hardware import get_hardware
     model = build_model("nanogpt", layers=4, hidden=64, heads=4)
-    size = dict(hidden=64, layers=4, heads=4, vocab=128, seq=64, tp=1, pp=1, dp=1, global_batch=1, microbatch=1)
-    selective, full = (estimate(**size, recompute=r).memory_gib_per_gpu for r in ("selective", "full"))
+    # 8 samples a step: activations outweigh the gradients (at 1, full's recomputed layer would not pay)
+    size = dict(hidden=64, layers=4, heads=4, vocab=128, seq=64, tp=1, pp=1, dp=1, global_batch=8)
+    least = {r: min(estimate(**size, microbatch=mb, recompute=r).memory_gib_per_gpu for mb in (1, 2, 4, 8))
+             for r in ("selective", "full")}
+    selective, full = least["selective"], least["full"]
     assert full < selective
     hw = get_hardware("a100-80gb", memory_gib=(selective + full) / 2 / 0.9)      # only full fits
-    prog = autoshard(model, world_size=1, global_batch=1, hardware=hw)
+    prog = autoshard(model, world_size=1, global_batch=8, hardware=hw)
     assert prog.planned.recompute == "full" and prog.recompute == "full"
     assert "self.recompute_h_0(" in prog.rank(0).code
     with pytest.raises(ShardingError, match="world_size=1: no split of 1 GPUs fits"):
-        autoshard(model, world_size=1, global_batch=1, hardware=hw, recompute="none")     # planned as asked
+        autoshard(model, world_size=1, global_batch=8, hardware=hw, recompute="none")     # planned as asked
     roomy = autoshard(model, world_size=1, global_batch=1, recompute="selective")
     assert roomy.planned.recompute == "selective" and roomy.recompute == "selective"
 

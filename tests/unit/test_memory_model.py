@@ -9,6 +9,7 @@ from autoshard.planning.memory_model import (
     activation_terms,
     inflight_microbatches,
     layer_activation_bytes,
+    param_bytes,
     rank_memory,
 )
 from autoshard.planning.planner import ModelShape, plan
@@ -66,9 +67,9 @@ def test_inflight_counts_are_those_of_our_schedules(pp, v, m):
 
 def test_gradients_add_to_a_later_peak_only_when_more_microbatches_follow():
     x = ActivationShape(s=128, b=2, h=256, a=8, e=4, m=4)
-    one = rank_memory(x, params=10**6, state_bytes_per_param=16, grad_bytes_per_param=4, recompute="none",
+    one = rank_memory(x, params=10**6, per_param=param_bytes(4, 4), recompute="none",
                       layers_here=4, inflight=1, chunk_microbatches=1)
-    two = rank_memory(x, params=10**6, state_bytes_per_param=16, grad_bytes_per_param=4, recompute="none",
+    two = rank_memory(x, params=10**6, per_param=param_bytes(4, 4), recompute="none",
                       layers_here=4, inflight=1, chunk_microbatches=2)
     assert one.peak == one.state + one.working + max(one.activations, one.gradients)
     assert two.peak == two.state + two.working + two.activations + two.gradients
@@ -107,3 +108,23 @@ def test_peak_bytes_sees_allocations_and_frees():
         c = torch.zeros(500)                 # 2000, after both were freed
     assert peak.peak == 100 + 8000 and peak.live == 2000
     del c
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_bytes_per_parameter_follow_megatrons_accounting(dp):
+    """bf16 weights + fp32 grads + fp32 main + 2 fp32 moments = 18; the distributed optimizer
+    divides main and moments over dp: 6 + 12/dp. fp32 weights are their own main copy: 16, 8 + 8/dp."""
+    assert param_bytes(2, 4, dp=dp).total == 18
+    assert param_bytes(2, 4, dp=dp, distributed_optimizer=True).total == 6 + 12 / dp
+    assert param_bytes(4, 4, dp=dp).total == 16
+    assert param_bytes(4, 4, dp=dp, distributed_optimizer=True).total == 8 + 8 / dp
+
+
+def test_the_distributed_optimizer_lowers_the_planned_memory_by_the_state_it_divides():
+    from autoshard.planning.costmodel import estimate
+    size = dict(hidden=4096, layers=32, heads=32, vocab=51200, seq=2048, tp=2, pp=2, dp=8, global_batch=64,
+                microbatch=1, virtual=1)
+    plain, zero = (estimate(**size, distributed_optimizer=z) for z in (False, True))
+    saved = plain.memory.state - zero.memory.state
+    params = plain.memory.gradients / 4               # fp32 gradients: 4 bytes a parameter
+    assert saved == pytest.approx(params * 12 * (1 - 1 / 8))
