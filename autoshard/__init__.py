@@ -4,7 +4,7 @@ The layout (docs/ARCHITECTURE.md tells the data flow):
   api.py        autoshard(): the compile as a straight line of passes
   compile/      capture, the compiler's passes per signature and rank, ShardedProgram, RankProgram, simulator
   parallel/     the collectives: autograd functions, modules, simulated forms, the specs the rewrite emits
-  runtime/      one process of a job: mesh, executor, schedules, p2p, gradient sync, traces
+  runtime/      one process of a job: mesh, executor, schedules, p2p, gradient sync, distributed optimizer, traces
   planning/     cost model, formulas, GEMM timing, hardware, planner
   checkpoint/   sharded safetensors checkpoints, consolidation, materialization
   passes/       (installed as autoshard.passes) sharding analysis, rank rewrite, stages, fusion
@@ -17,9 +17,10 @@ from autoshard.compile.rank import RankProgram
 from autoshard.errors import AutoshardError, CaptureError, ShardingError
 from autoshard.planning.costmodel import estimate
 from autoshard.planning.planner import ModelShape, plan
+from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.executor import MeshRuntime
 
-__all__ = ["autoshard", "plan", "estimate", "ModelShape", "ShardedProgram", "RankProgram", "MeshRuntime",
+__all__ = ["autoshard", "plan", "estimate", "ModelShape", "ShardedProgram", "RankProgram", "MeshRuntime", "DistributedOptimizer",
            "AutoshardError", "CaptureError", "ShardingError"]
 __version__ = "0.1.0"
 
