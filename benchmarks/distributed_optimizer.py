@@ -3,11 +3,12 @@ and step time with the gradient reduction overlapped with backward against reduc
 
     torchrun --standalone --nproc-per-node 2 benchmarks/distributed_optimizer.py --dp 2 [--append]
 
-Memory (measured from the tensors each rank holds after a step): plain AdamW over `rt.parameters()`
-(parameters + `.grad` + AdamW's moments) and `DistributedOptimizer` (flat parameters + fp32
-gradient buffer + its 1/dp of the moments, padding included), each divided by the parameters the
-rank holds, beside `planning.memory_model.param_bytes` (what the cost model uses): fp32 weights,
-so 16 and 8 + 8/dp.
+Memory (measured from the tensors each rank holds after a step): `DistributedOptimizer` with
+`shard=False` (every rank keeps everything) and sharded (flat parameters + fp32 gradient buffer +
+fp32 main parameters unless the weights are fp32 + AdamW's moments, its 1/dp of the last two,
+padding included), each divided by the parameters the rank holds, beside
+`planning.memory_model.param_bytes` (what the cost model uses): Megatron's 18 and 6 + 12/dp with
+`--dtype bfloat16`, 16 and 8 + 8/dp with fp32.
 
 Time: one DistributedOptimizer, its buckets' reductions started inside backward (overlap) or after
 it, alternating step by step on the same runtime (side by side on this shared machine); the median
@@ -42,7 +43,7 @@ def _bytes(tensors) -> int:
 
 
 def _runtime(args):
-    model = build_model("gpt2", layers=args.layers, hidden=args.hidden, heads=args.heads)
+    model = build_model("gpt2", layers=args.layers, hidden=args.hidden, heads=args.heads).to(getattr(torch, args.dtype))
     prog = autoshard(model, dp=args.dp, microbatches=args.microbatches,
                      example_kwargs={k: v[:2] for k, v in _batch(2, args.seq, 0).items()})
     return prog.distributed(mesh=True)
@@ -52,12 +53,12 @@ def main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rows = args.dp * args.microbatches * args.rows
     plain_rt = _runtime(args)
-    plain = torch.optim.AdamW(plain_rt.parameters(), lr=1e-4)
+    plain = DistributedOptimizer(plain_rt, torch.optim.AdamW, lr=1e-4, shard=False)
     plain_rt.train_step(**_batch(rows, args.seq, 1))
     plain.step()
     n = sum(p.numel() for p in plain_rt.parameters())
-    plain_bytes = (_bytes(plain_rt.parameters()) + _bytes(p.grad for p in plain_rt.parameters())
-                   + _bytes(v for s in plain.state.values() for v in s.values() if v.dim() > 0))
+    plain_sizes = plain.state_bytes()
+    plain_bytes = sum(plain_sizes.values())
     del plain_rt, plain
     rt = _runtime(args)
     opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-4, bucket_bytes=args.bucket_mib * 2 ** 20)
@@ -78,13 +79,15 @@ def main(args: argparse.Namespace) -> None:
     zero_bytes = sum(sizes.values())
     med = {k: statistics.median(v) for k, v in times.items()}
     if dist.get_rank() == 0:
-        plain_acc, zero_acc = (param_bytes(4, 4, dp=args.dp, distributed_optimizer=z).total for z in (False, True))
+        weight = torch.finfo(getattr(torch, args.dtype)).bits // 8
+        plain_acc, zero_acc = (param_bytes(weight, 4, dp=args.dp, distributed_optimizer=z).total for z in (False, True))
         table = "\n".join([
-            "| dp | params/rank | plain AdamW B/param (accounting) | DistributedOptimizer B/param (accounting) "
-            "| optimizer state B/rank plain -> sharded | step s, reduce after backward | step s, overlapped | ratio |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| {args.dp} | {n} | {plain_bytes / n:.3f} ({plain_acc:g}) | {zero_bytes / n:.3f} ({zero_acc:g}) "
-            f"| {8 * n} -> {sizes['optimizer_state']} | {med[False]:.3f} | {med[True]:.3f} "
+            "| dp | weights | params/rank | not sharded B/param (accounting) | sharded B/param (accounting) "
+            "| state + main B/rank not sharded -> sharded | step s, reduce after backward | step s, overlapped | ratio |",
+            "|---|---|---|---|---|---|---|---|---|",
+            f"| {args.dp} | {args.dtype} | {n} | {plain_bytes / n:.3f} ({plain_acc:g}) | {zero_bytes / n:.3f} ({zero_acc:g}) "
+            f"| {plain_sizes['optimizer_state'] + plain_sizes['main_params']} -> "
+            f"{sizes['optimizer_state'] + sizes['main_params']} | {med[False]:.3f} | {med[True]:.3f} "
             f"| {med[True] / med[False]:.3f} |"])
         summary = (f"GPT-2 {args.layers} layers, hidden {args.hidden}, seq {args.seq}, {rows} rows a step, "
                    f"{args.microbatches} microbatches, buckets of {args.bucket_mib} MiB ({len(opt.layout.buckets)}); "
@@ -95,7 +98,7 @@ def main(args: argparse.Namespace) -> None:
             from results import append_result
             append_result("Distributed optimizer: bytes per parameter and overlapped gradient reduction",
                           "torchrun --standalone --nproc-per-node " f"{args.dp} benchmarks/distributed_optimizer.py "
-                          f"--dp {args.dp}", "CPU gloo, OMP_NUM_THREADS=1", f"{table}\n\n{summary}")
+                          f"--dp {args.dp} --dtype {args.dtype}", "CPU gloo, OMP_NUM_THREADS=1", f"{table}\n\n{summary}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -112,5 +115,6 @@ if __name__ == "__main__":
     ap.add_argument("--bucket-mib", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--append", action="store_true")
     main(ap.parse_args())

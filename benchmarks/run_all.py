@@ -10,8 +10,8 @@
 3. The kernels' first-use self-check cost (on the CPU executor without a GPU).
 4. The planner's memory and step-time predictions against our CPU gloo runs (planner_sweep.py),
    and the activation bytes one layer saves per recompute mode (activation_memory.py, printed).
-5. The distributed optimizer at dp=2 and 4: bytes per parameter per rank against the cost model's
-   accounting, and step time with the gradient reduction overlapped or after backward.
+5. The distributed optimizer at dp=2 and 4, fp32 and bf16 weights: bytes per parameter per rank
+   against the cost model's accounting, and step time with the gradient reduction overlapped or after backward.
 6. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
    (benchmarks/kernels.py) and the single-GPU MFU run (benchmarks/mfu.py).
 
@@ -60,9 +60,9 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
     if not quick:
         out.append([py, str(HERE / "activation_memory.py")])
     # the distributed optimizer: bytes per parameter against the accounting, overlap on and off
-    for dp in (2,) if quick else (2, 4):
+    for dp, dtype in [(2, "float32")] if quick else [(d, t) for d in (2, 4) for t in ("float32", "bfloat16")]:
         out.append([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}",
-                    str(HERE / "distributed_optimizer.py"), "--dp", str(dp),
+                    str(HERE / "distributed_optimizer.py"), "--dp", str(dp), "--dtype", dtype,
                     *(["--layers", "2", "--hidden", "64", "--rounds", "2", "--warmup", "0"] if quick else ["--rounds", "15"]),
                     *extra])
     if _has_cuda():

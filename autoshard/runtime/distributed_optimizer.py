@@ -16,6 +16,15 @@ AdamW, Adam, SGD) sees only the owned pieces, one flat tensor per parameter piec
 into the parameters' own storage: they are views of one flat buffer laid out like the gradients.
 With fp32 parameters the main parameters are those owned ranges themselves (no extra copy).
 
+Mixed precision, as Megatron does it: cast the model before compiling (`model.to(torch.bfloat16)`
+or `.half()`; the graph then computes in that dtype, with the fp32 upcasts the model writes itself:
+norms, softmax, Hugging Face's loss). The optimizer keeps fp32 main parameters (its pieces, made
+from the half-precision weights), accumulates and reduces gradients in fp32 and copies the updated
+main parameters back into the half-precision weights before the all-gather. fp16 adds dynamic loss
+scaling (runtime/loss_scale.py's LossScaler, default for fp16 parameters): the runtime multiplies
+the loss by the scale before backward, the reduced gradients are divided by it, and an inf or NaN
+on any rank skips the step on every rank and halves the scale.
+
 `overlap` (default: on, except on gloo): start each bucket's reduction inside backward. On NCCL the
 reduction runs beside the compute; on gloo it runs on the CPU cores the ranks' backward also uses,
 and measured side by side it made steps 2-4% slower here (2 cores, dp=2; benchmarks/RESULTS.md),
@@ -24,7 +33,9 @@ so gloo reduces after backward unless asked.
 `shard=False` keeps everything on every rank (buckets all-reduced; the same numbers, 16 bytes a
 parameter): the baseline the sharded one is checked against. Clipping by the global norm counts
 each element once over tp x pp x dp. Checkpoints (autoshard/checkpoint) save the state whole per
-parameter, gathered over dp, so they load at any other dp, tp or pp.
+parameter, gathered over dp, so they load at any other dp, tp or pp; with half-precision weights
+the fp32 main parameters are saved too (state "main"), and the loss scaler's state in the
+parameter groups.
 """
 from __future__ import annotations
 
@@ -37,6 +48,8 @@ import torch.distributed as dist
 from autoshard.errors import ShardingError
 from autoshard.runtime.grad_buffer import GradBuffer, plan_layout
 from autoshard.runtime.grad_sync import global_grad_norm
+from autoshard.runtime.json_gather import all_gather_json
+from autoshard.runtime.loss_scale import LossScaler
 
 __all__ = ["DistributedOptimizer"]
 
@@ -45,7 +58,8 @@ class DistributedOptimizer:
     """`optimizer_class(**defaults)` over this rank's owned shard of `runtime`'s parameters."""
 
     def __init__(self, runtime, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20, **defaults):
+                 shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20,
+                 loss_scaler: LossScaler | None = None, **defaults):
         named = list(runtime.named_parameters())
         if not named:
             raise ShardingError("DistributedOptimizer: the runtime holds no parameters")
@@ -84,9 +98,19 @@ class DistributedOptimizer:
                 main.grad = self.grads.data[lo:hi]
                 self.pieces[i] = (lo, hi, main)
         self.optimizer = optimizer_class([m for _, _, m in self.pieces.values()], **defaults)
+        # fp16: dynamic loss scaling unless a scaler is given; bf16 and fp32 need none
+        self.scaler = loss_scaler if loss_scaler is not None else (LossScaler() if dtype == torch.float16 else None)
+        self._skip = False
 
     # ---- what the runtime calls ----------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """What the runtime multiplies the loss by before backward (1 without a loss scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float) -> None:
+        """A step starts: gradients are multiplied by `scale` once reduced (the runtime's loss
+        normalisation over the loss scale)."""
         if self.grads.reduced:
             raise ShardingError("DistributedOptimizer: the gradient buffer still holds the last step's reduced "
                                 "gradients; call opt.step() and opt.zero_grad() before the next train_step "
@@ -104,8 +128,15 @@ class DistributedOptimizer:
         return self.grads.records
 
     def finish(self, max_norm: float | None) -> torch.Tensor | None:
-        """Reduce the step's gradients; clip by the global norm if `max_norm`; return the norm."""
+        """Reduce the step's gradients; with a loss scaler, skip the step on every rank if any
+        gradient is inf or NaN (the norm is then inf); clip by the global norm if `max_norm`; return
+        the norm."""
         self.grads.finish()
+        if self.scaler is not None:
+            self._skip = self.scaler.found_inf([m.grad for _, _, m in self.pieces.values()])
+            self.scaler.update(self._skip)
+            if self._skip:
+                return torch.tensor(float("inf"))
         if max_norm is None:
             return None
         weighted = []
@@ -128,6 +159,11 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """The wrapped optimizer's step on this rank's pieces, then the parameters all-gathered;
+        nothing when the loss scaler found an inf or NaN gradient in this step."""
+        if self._skip:
+            self._skip = False
+            return
         self.optimizer.step()
         for lo, hi, main in self.pieces.values():
             if main.data_ptr() != self.flat[lo:hi].data_ptr():
@@ -151,40 +187,64 @@ class DistributedOptimizer:
                 "params": self.flat.numel() * self.flat.element_size()}
 
     # ---- checkpoints: the state whole per parameter ----------------------------------------------
+    def _separate_main(self) -> bool:
+        return any(m.data_ptr() != self.flat[lo:hi].data_ptr() for lo, hi, m in self.pieces.values())
+
+    def _whole(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A flat fp32 tensor over the layout holding `value_of(piece)` at every owned piece, summed
+        over dp (the owned ranges are disjoint, so that is a gather)."""
+        full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.flat.device)
+        for lo, hi, main in self.pieces.values():
+            full[lo:hi] = value_of(main)
+        if self.shards > 1:
+            dist.all_reduce(full, group=self.runtime.groups.dp)
+        return full
+
     def checkpoint_view(self) -> SimpleNamespace:
         """An optimizer-like view (`state` by parameter, `param_groups`) with each tensor state whole
-        and scalar state as this rank's pieces have it; every dp rank must call it (it all-reduces)."""
-        keys = sorted({k for s in self.optimizer.state.values() for k in s})
+        per parameter, the fp32 main parameters as state "main" when they are not the parameters
+        themselves (bf16, fp16), and the loss scaler's state in the parameter groups. Every dp rank
+        must call it (it all-reduces)."""
+        mine = {k: isinstance(v, torch.Tensor) and v.dim() > 0 for s in self.optimizer.state.values() for k, v in s.items()}
+        kinds: dict[str, bool] = {}
+        for part in (all_gather_json(mine, self.runtime.groups.dp) if self.shards > 1 else [mine]):
+            kinds.update(part)          # a rank may own no piece: every rank takes every key
         state: dict = {p: {} for p in self.params}
-        for k in keys:
-            sample = next(s[k] for s in self.optimizer.state.values() if k in s)
-            if isinstance(sample, torch.Tensor) and sample.dim() > 0:
-                full = torch.zeros(self.layout.numel, dtype=sample.dtype, device=self.flat.device)
-                for i, (lo, hi, main) in self.pieces.items():
-                    full[lo:hi] = self.optimizer.state[main][k]
-                if self.shards > 1:
-                    dist.all_reduce(full, group=self.runtime.groups.dp)   # owned ranges are disjoint
-                for i, p in enumerate(self.params):
-                    o = self.layout.offsets[i]
-                    state[p][k] = full[o: o + p.numel()].view(p.shape)
-            else:
-                value = torch.tensor(float(sample), dtype=torch.float64, device=self.flat.device)
-                if self.shards > 1:
-                    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.runtime.groups.dp)
-                for p in self.params:
-                    state[p][k] = value.to(sample.dtype) if isinstance(sample, torch.Tensor) else float(value)
+        wholes = {k: self._whole(lambda m, k=k: self.optimizer.state[m][k]) for k in sorted(kinds) if kinds[k]}
+        if self._separate_main():
+            wholes["main"] = self._whole(lambda m: m)
+        for k, full in wholes.items():
+            for i, p in enumerate(self.params):
+                o = self.layout.offsets[i]
+                state[p][k] = full[o: o + p.numel()].view(p.shape)
+        for k in sorted(k for k in kinds if not kinds[k]):        # scalars (AdamW's step): the same on every piece
+            sample = next((s[k] for s in self.optimizer.state.values() if k in s), 0.0)
+            value = torch.tensor(float(sample), dtype=torch.float64, device=self.flat.device)
+            if self.shards > 1:
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.runtime.groups.dp)
+            for p in self.params:
+                state[p][k] = value.float() if isinstance(sample, torch.Tensor) else float(value)
+        if self.scaler is not None:
+            for group in self.optimizer.param_groups:
+                group.update(self.scaler.state())
         return SimpleNamespace(state=state, param_groups=self.optimizer.param_groups)
 
     def empty_view(self) -> SimpleNamespace:
         return SimpleNamespace(state={}, param_groups=self.optimizer.param_groups)
 
+    @torch.no_grad()
     def load_checkpoint_view(self, view: SimpleNamespace) -> None:
-        """Take the owned pieces of a whole-per-parameter state (what checkpoint.load filled in)."""
+        """Take the owned pieces of a whole-per-parameter state (what checkpoint.load filled in): the
+        optimizer's state, the fp32 main parameters (saved ones, else the loaded parameters), the
+        loss scaler's state."""
         for i, (lo, hi, main) in self.pieces.items():
             p, o = self.params[i], self.layout.offsets[i]
-            whole = view.state.get(p, {})
+            whole = dict(view.state.get(p, {}))
+            saved_main = whole.pop("main", None)
             self.optimizer.state[main] = {
                 k: (v.reshape(-1)[lo - o: hi - o].clone().to(main.dtype)
                     if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in whole.items()}
             if main.data_ptr() != self.flat[lo:hi].data_ptr():
-                main.copy_(self.flat[lo:hi])
+                main.copy_(self.flat[lo:hi] if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
+        if self.scaler is not None:
+            self.scaler.load(self.optimizer.param_groups[0])

@@ -175,9 +175,11 @@ class MeshRuntime(nn.Module):
             flats.append(flat)
         scales, per_token = self._loss_scales(gm, flats, goals, loss_fn, loss_reduction, ignore_index)
         chunks = self._chunks_for(gm)
-        self._origin = time.time()
+        self._origin, gain = time.time(), 1.0
         if self.grad_buffer is not None:        # a DistributedOptimizer's buffer: reduced as backward ends
-            self.grad_buffer.begin(self.microbatches, 1.0 if per_token else 1.0 / self.dims.dp, self._origin)
+            gain = self.grad_buffer.loss_scale                   # fp16: the loss is scaled for backward
+            scales = [s * gain for s in scales]
+            self.grad_buffer.begin(self.microbatches, (1.0 if per_token else 1.0 / self.dims.dp) / gain, self._origin)
         losses = self._run(chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
         if self.grad_buffer is not None:
@@ -188,7 +190,7 @@ class MeshRuntime(nn.Module):
             self._sync_grads(max_norm, 1.0 if per_token else 1.0 / self.dims.dp)
         total = torch.zeros((), device=self.device)
         if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
-            total = torch.stack(losses).sum() / (1 if per_token else self.dims.dp)
+            total = torch.stack(losses).sum() / (1 if per_token else self.dims.dp) / gain
         dist.all_reduce(total)          # the last stages' parts, on every rank
         return total
 

@@ -48,7 +48,8 @@ def _batches(name: str, n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 def _runtime(name: str, args: argparse.Namespace):
     example = {k: v[:2] for k, v in _batches(name, 1, 0)[0].items()}
-    prog = autoshard(build_model(name, layers=args.layers), tp=args.tp, pp=args.pp, dp=args.dp,
+    model = build_model(name, layers=args.layers).to(getattr(torch, args.dtype))
+    prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp,
                      microbatches=args.microbatches, example_kwargs=example)
     return prog, prog.distributed(mesh=True)
 
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--more", type=int, default=3)
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--bucket-kib", type=int, default=64, help="gradient bucket size (small: several buckets)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype (half: fp32 main weights in the optimizer, saved in checkpoints)")
     ap.add_argument("--save")
     ap.add_argument("--load")
     ap.add_argument("--tol", type=float, default=1e-6)
