@@ -5,7 +5,8 @@ main weights, against the fp32 run and against a one-process reference with the 
 
 For each model and precision every rank:
 1. trains the fp32 model and the half-precision model (`model.to(dtype)`, as Megatron casts it)
-   `--steps` AdamW steps on the same batches and reports the worst relative loss difference;
+   `--steps` AdamW steps on the same batches, gradients clipped to norm 1 (computed in fp32 over
+   all ranks), and reports the worst relative loss difference;
 2. compares its fp32 main weights after step 1 with a reference that makes the same casts in one
    process: the same program simulated (all tp ranks in lockstep, so the same bf16 partial sums)
    on each data-parallel rank's microbatches in turn, each microbatch's half-precision gradient
@@ -33,7 +34,7 @@ from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import norm_rel
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 
-LR, SEQ = 3e-3, 16
+LR, SEQ, MAX_NORM = 3e-3, 16, 1.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,6 +71,7 @@ def _reference_main(name: str, dtype: torch.dtype, batch: dict, args) -> dict[st
     main = {k: p.detach().float().clone().requires_grad_() for k, p in model.named_parameters()}
     for k, p in main.items():
         p.grad = grads[k] / scale
+    torch.nn.utils.clip_grad_norm_(list(main.values()), MAX_NORM)      # the norm of the fp32 gradients
     torch.optim.AdamW(list(main.values()), lr=LR).step()
     return {k: p.detach() for k, p in main.items()}
 
@@ -95,7 +97,7 @@ def check(name: str, precision: str, args) -> dict:
         opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=LR)
         losses = []
         for step, b in enumerate(batches):
-            losses.append(float(rt.train_step(**b)))
+            losses.append(float(rt.train_step(**b, max_norm=MAX_NORM)))
             opt.step()
             opt.zero_grad()
             if step == 0 and dt != torch.float32:
