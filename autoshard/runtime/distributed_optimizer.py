@@ -11,8 +11,9 @@ sharded over the data-parallel group.
 Gradients live in one flat fp32 buffer (runtime/grad_buffer.py): they accumulate there in fp32
 across microbatches and are reduce-scattered over dp bucket by bucket, overlapped with backward.
 Each dp rank owns 1/dp of every bucket; the wrapped optimizer (any element-wise torch.optim class:
-AdamW, Adam, SGD) sees only the owned pieces, one flat tensor per parameter piece, so its state is
-1/dp of the unsharded optimizer's. After its step the parameters' owned ranges are all-gathered,
+AdamW, Adam, SGD: `ELEMENTWISE`; others are refused) sees only the owned pieces, one flat tensor per
+parameter piece, so its state is 1/dp of the unsharded optimizer's. An lr scheduler takes
+`opt.optimizer` (the wrapped torch optimizer; its param_groups are this one's). After its step the parameters' owned ranges are all-gathered,
 into the parameters' own storage: they are views of one flat buffer laid out like the gradients.
 With fp32 parameters the main parameters are those owned ranges themselves (no extra copy).
 
@@ -51,7 +52,13 @@ from autoshard.runtime.grad_sync import global_grad_norm
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.loss_scale import LossScaler
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "ELEMENTWISE"]
+
+# Optimizers whose update of an element reads only that element's gradient and state: stepping a
+# flat 1-D piece of a parameter is then the same as stepping the parameter. Others (Adafactor's
+# factored moments, LBFGS, sparse ones) would be silently different and are refused.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
 
 
 class DistributedOptimizer:
@@ -60,6 +67,10 @@ class DistributedOptimizer:
     def __init__(self, runtime, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, *,
                  shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20,
                  loss_scaler: LossScaler | None = None, **defaults):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
+            raise ShardingError(f"DistributedOptimizer steps flat pieces of parameters, which only an element-wise "
+                                f"optimizer does exactly; got {getattr(optimizer_class, '__name__', optimizer_class)!r}, "
+                                f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)} (or a subclass)")
         named = list(runtime.named_parameters())
         if not named:
             raise ShardingError("DistributedOptimizer: the runtime holds no parameters")

@@ -11,8 +11,9 @@ For each model and precision every rank:
    process: the same program simulated (all tp ranks in lockstep, so the same bf16 partial sums)
    on each data-parallel rank's microbatches in turn, each microbatch's half-precision gradient
    added in fp32, fp32 AdamW on float(weights). With tp = 1 that is the single-device model. A
-   weight tied across pipeline stages is compared apart (looser: its stages' gradients are summed
-   in fp32 here, in half precision by autograd in one process);
+   weight tied across pipeline stages is compared apart, to 1e-3: its stages' gradients are summed
+   in fp32 here but in half precision by autograd in one process (fp16's unit roundoff is 2^-11),
+   and Adam's first step g / (|g| + eps) passes that difference on where |g| is small;
 3. fp16 only: an inf put into one gradient on the last rank at step 2 skips that step on every
    rank (parameters unchanged everywhere) and halves the loss scale.
 Rank 0 prints one JSON line per model and precision.
@@ -165,7 +166,7 @@ def main() -> None:
             for precision in args.precisions:
                 r = check(name, precision, args)
                 good = (r["loss_rel_vs_fp32"] <= args.loss_tol and r["main_rel_step1"] <= args.main_tol
-                        and r["tied_main_rel_step1"] <= 1e-4)
+                        and r["tied_main_rel_step1"] <= 1e-3)
                 if precision == "fp16":
                     good &= not r["inf_step_changed_params"] and r["inf_step_skipped"] and r["scale_halved"]
                 if not good:

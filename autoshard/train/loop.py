@@ -154,13 +154,16 @@ def run(opts: TrainOptions) -> int:
     tokenizer = tokenizer_for(opts.model)
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
     _check_fit(opts, source, tokenizer)
+    if opts.precision != "fp32":        # compiled as cast (Megatron's way); fp32 main weights in the optimizer
+        source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
     prog, split = _compile(opts, source, world)
     rt = prog.distributed(mesh=True)
     if source.weights is not None:
         materialize(prog, rt, seed=opts.seed)
         load_from_file(source.weights, prog, rt)
     adamw = dict(lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
-    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, **adamw) if opts.distributed_optimizer
+    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=opts.distributed_optimizer, **adamw)
+                 if opts.distributed_optimizer or opts.precision != "fp32"
                  else torch.optim.AdamW(rt.parameters(), **adamw))
     token_file = _on_rank0(lambda: prepare_tokens(opts.data, tokenizer, opts.text_field, os.path.join(opts.out, "data")))
     batches = Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=split["dp"],
@@ -174,7 +177,8 @@ def run(opts: TrainOptions) -> int:
     if rank == 0:
         print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
               f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
-              + (f"AdamW state sharded over dp={split['dp']}, " if opts.distributed_optimizer else "") +
+              + (f"AdamW state sharded over dp={split['dp']}, " if opts.distributed_optimizer else "")
+              + (f"{opts.precision} with fp32 main weights, " if opts.precision != "fp32" else "") +
               f"{batches.sequences} sequences of "
               f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else
                                              f"all {opts.steps} steps already done"), flush=True)

@@ -38,6 +38,7 @@ class TrainOptions:
     fuse: bool
     recompute: str | None
     distributed_optimizer: bool
+    precision: str
     seq_len: int
     batch: int
     steps: int
@@ -101,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--distributed-optimizer", action="store_true",
                    help="AdamW's state and fp32 gradients' reduction sharded over data-parallel ranks (ZeRO-1)")
+    o.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="compute dtype; bf16/fp16 keep fp32 main weights and gradients in the optimizer "
+                        "(fp16: dynamic loss scaling)")
     r = ap.add_argument_group("output")
     r.add_argument("--out", required=True, help="the run's folder: checkpoints/, metrics.csv, loss.png")
     r.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")

@@ -85,13 +85,17 @@ def test_train_with_the_planner_choosing_dp2(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_with_the_distributed_optimizer_gives_plain_adamws_losses(tmp_path):
+def test_train_with_the_distributed_optimizer_gives_plain_adamws_losses_and_bf16_tracks_them(tmp_path):
     args = [*LLAMA, "--dp", "2", "--steps", "20", "--save-every", "10"]
     _train(tmp_path / "plain", *args, nproc=2)
     out = _train(tmp_path / "zero", *args, "--distributed-optimizer", nproc=2).stdout
     assert "AdamW state sharded over dp=2" in out
     plain, zero = ([float(r["loss"]) for r in _rows(tmp_path / k)] for k in ("plain", "zero"))
     assert len(zero) == 20 and max(abs(a - b) / abs(b) for a, b in zip(zero, plain)) < 1e-5, (zero, plain)
+    out = _train(tmp_path / "bf16", *args, "--distributed-optimizer", "--precision", "bf16", nproc=2).stdout
+    assert "bf16 with fp32 main weights" in out
+    half = [float(r["loss"]) for r in _rows(tmp_path / "bf16")]
+    assert max(abs(a - b) / abs(b) for a, b in zip(half, plain)) < 2e-2, (half, plain)     # bf16's rounding
 
 
 @pytest.mark.slow

@@ -69,3 +69,5 @@ def test_misuse_is_refused(one_process_group):
     first.data = first.data.double()
     with pytest.raises(ShardingError, match="needs one parameter dtype; this rank holds"):
         DistributedOptimizer(mixed, torch.optim.AdamW)
+    with pytest.raises(ShardingError, match="only an element-wise optimizer does exactly; got 'LBFGS'"):
+        DistributedOptimizer(mixed, torch.optim.LBFGS)       # it would step flat pieces, silently otherwise
