@@ -114,7 +114,10 @@ def test_ctrl_c_stops_the_run_and_leaves_no_partial_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "autoshard.train", "--data", os.path.join(ROOT, "README.md"), "--out", str(tmp_path),
            "--model", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--batch", "4",
            "--steps", "100000", "--save-every", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # a child of a background job inherits SIGINT ignored (POSIX shells ignore it for `cmd &`), and then
+    # Python installs no KeyboardInterrupt handler: start it as a terminal's foreground job would be
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline and not (os.path.isfile(tmp_path / "metrics.csv") and len(_rows(tmp_path)) >= 3):
         time.sleep(0.2)
