@@ -4,6 +4,8 @@
 
 1. Step time, autoshard against the hand-parallel baseline (gloo, torchrun, one thread per
    process): tp=2, pp=2 and tp=2 x pp=2 (1F1B, 4 microbatches) on the same nanoGPT.
+   Then pipeline overhead against torch.distributed.pipelining (pipeline_overhead.py): autoshard's
+   1F1B and interleaved schedules and torch's Schedule1F1B / ScheduleInterleaved1F1B on one HF Llama.
 2. Compile time against bare torch.export on meta-device models: GPT-2 width from 8 to 128 layers
    (tp=4); the 1T shape (hidden 25600, 160 heads) from 16 to 128 layers at tp=8, pp=8, v=2 and at
    128 layers with pp=64, v=2; GPT-3 175B (96 layers, hidden 12288, 96 heads) at tp=8, pp=8, v=2.
@@ -52,6 +54,9 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
     for cfg in STEP_CONFIGS:
         out.append([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={_world(cfg)}",
                     str(HERE / "step_time.py"), *cfg, *(TINY if quick else MODEL + ["--rounds", "20"]), *extra])
+    out.append([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "pipeline_overhead.py"),
+                *(["--layers", "4", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "2", "--warmup", "0"]
+                  if quick else ["--rounds", "20"]), *extra])
     for cfg in COMPILE_TINY if quick else COMPILE_CONFIGS:
         out.append([py, str(HERE / "compile_scaling.py"), *cfg, *extra])
     out.append([py, str(HERE / "self_check_cost.py"), *extra])

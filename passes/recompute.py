@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path, op_name
+from autoshard.passes.outline import outline, stable_toposort
 from autoshard.passes.stages import find_layers, layer_of
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeRegion", "outline_recompute"]
@@ -170,44 +171,15 @@ def outline_recompute(graph: fx.Graph, mode: str, captured_of: Callable[[fx.Node
         prefix = "recompute_attention_" if mode == "selective" else "recompute_"
         name = prefix + re.sub(r"\W", "_", f"{stack.path}.{i}") + suffix
         regions.append(_outline(graph, region, name, f"{stack.path}.{i}", mode))
-    _stable_toposort(graph)
+    stable_toposort(graph, "recompute")
     graph.lint()
     return regions
 
 
 def _outline(graph: fx.Graph, region: set[fx.Node], name: str, layer: str, mode: str) -> RecomputeRegion:
     ordered = [n for n in graph.nodes if n in region]
-    inputs: list[fx.Node] = []
-    for n in ordered:
-        for a in n.all_input_nodes:
-            if a not in region and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in ordered if any(u not in region for u in n.users)]
-    body = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for a in inputs:
-        env[a] = body.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for n in ordered:
-        env[n] = body.node_copy(n, lambda a: env[a])
-    body.output(tuple(env[n] for n in outputs))
-    body.lint()
-    last = ordered[-1]
-    stack = _layer_stack(ordered, layer)
-    for n in outputs:                      # the getitems take the names the values had
-        n._rename(f"{n.name}_outlined")
-    with graph.inserting_after(last):
-        call = graph.call_module(name, tuple(inputs))
-    call.meta = {"nn_module_stack": stack, "recompute": mode}
-    cursor = call
-    for k, n in enumerate(outputs):
-        with graph.inserting_after(cursor):
-            item = graph.create_node("call_function", operator.getitem, (call, k), name=n.name.removesuffix("_outlined"))
-        item.meta = dict(n.meta)
-        n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in region)
-        cursor = item
-    for n in reversed(ordered):
-        graph.erase_node(n)
+    meta = {"nn_module_stack": _layer_stack(ordered, layer), "recompute": mode}
+    _, body = outline(graph, region, name, after=ordered[-1], meta=meta)
     return RecomputeRegion(name, body, layer, mode)
 
 
@@ -220,29 +192,3 @@ def _layer_stack(nodes: list[fx.Node], layer: str) -> dict:
             if path == layer:
                 return dict(items[: k + 1])
     return {}
-
-
-def _stable_toposort(graph: fx.Graph) -> None:
-    """Reorder so every node follows its inputs, moving as little as possible (a reader of a region's
-    value that sat before the region's last node moves after the region's call)."""
-    placed: set[fx.Node] = set()
-    pending: list[fx.Node] = []
-    order: list[fx.Node] = []
-    for n in graph.nodes:
-        pending.append(n)
-        progress = True
-        while progress:
-            progress = False
-            for m in list(pending):
-                if all(a in placed for a in m.all_input_nodes):
-                    pending.remove(m)
-                    placed.add(m)
-                    order.append(m)
-                    progress = True
-    if pending:
-        raise ShardingError(f"recompute: cannot order node {pending[0].name} after its inputs")
-    prev = None
-    for n in order:
-        if prev is not None and prev.next is not n:
-            prev.append(n)
-        prev = n

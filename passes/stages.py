@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path
+from autoshard.passes.tables import TABLES
 
 __all__ = ["LayerStack", "StageGraph", "find_layers", "layer_of", "layers_per_stage", "split_stages"]
 
@@ -101,8 +102,9 @@ def _kinds(graph: fx.Graph, param_names: dict[str, str]) -> dict[fx.Node, str]:
             kinds[n] = _INPUT
         elif n.op == "get_attr":
             kinds[n] = _PARAM if n.target in param_names else _INPUT
-        elif n.op == "call_function" and all(kinds[a] == _INPUT for a in n.all_input_nodes):
-            kinds[n] = _INPUT          # collectives and random ops are modules: never recomputed
+        elif (n.op == "call_function" or n.meta.get(TABLES)) and all(kinds[a] == _INPUT for a in n.all_input_nodes):
+            kinds[n] = _INPUT          # collectives and random ops are modules: never recomputed; the
+            # cached tables (passes/tables.py) are a module that each stage calls, computed once
         elif n.op != "output":
             kinds[n] = _ACT
     return kinds

@@ -5,6 +5,8 @@ signature (or mode, or autocast state) a call brings:
 
     compile_signature: capture (torch.export) -> annotate (sharding analysis, writes node.meta)
     rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
+                       -> tables (size-only values outlined into one cached call)
+                       -> causal attention (SDPA with a causal table mask takes SDPA's causal path)
                        -> recompute (optional: regions outlined into checkpointed calls)
 
 Annotation comes before any rewrite so that every rank is cut from one decision; the rewrite is per
@@ -15,17 +17,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.fx as fx
+
 from autoshard.compile.capture import Captured, capture
 from autoshard.compile.new_signature import new_plan_refusal, sharding_clash
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
+from autoshard.passes.causal_attention import specialize_attention
 from autoshard.passes.fusion.fuse import fuse
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
 from autoshard.passes.rewrite.retarget import retarget_device
 from autoshard.passes.sharding.annotate import ShardingPlan, annotate
 from autoshard.passes.sharding.options import ShardOptions
+from autoshard.passes.tables import outline_tables
 
 __all__ = ["Compiled", "Compiler"]
 
@@ -67,14 +73,26 @@ class Compiler:
         return entry
 
     def rank_graph(self, entry: Compiled, r: int) -> RankGraph:
-        """rewrite -> fuse -> recompute: rank r's graph of one compiled signature."""
+        """rewrite -> fuse -> tables -> causal attention -> recompute: rank r's graph of one compiled signature."""
         cap = entry.captured
         suffix = f"_s{entry.index}" if entry.index else ""
         rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, suffix)
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
-        if self.recompute != "none":
-            by_name = {n.name: n for n in cap.gm.graph.nodes}
+        by_name = {n.name: n for n in cap.gm.graph.nodes}
+        attr = lambda target: rg.restrict_buffers[target] if target in rg.restrict_buffers \
+            else fetch_attr(cap.gm, target)   # noqa: E731
+        rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))
+        specialize_attention(rg.graph, rg.tables)
+        if self.recompute != "none":       # last: a recomputed region runs the same ops as the plain graph
             rg.regions = outline_recompute(rg.graph, self.recompute, lambda n: by_name.get(n.meta.get("captured")),
                                            suffix)
         return rg
+
+
+def _example_value(n: fx.Node, captured: dict[str, fx.Node]) -> object:
+    """A rank node's example value: its own, else the captured node's it was made from; `...` if unknown."""
+    if "val" in n.meta:
+        return n.meta["val"]
+    src = captured.get(n.meta.get("captured", n.name if n.op == "placeholder" else None))
+    return src.meta.get("val", ...) if src is not None else ...

@@ -134,7 +134,7 @@ class ShardedProgram:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
                 obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
-        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, rg.regions)
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, rg.regions, rg.tables)
 
     # ---- ranks -------------------------------------------------------------------------------
     def rank(self, r: int) -> RankProgram:

@@ -15,6 +15,7 @@ from torch import nn
 
 from autoshard.compile.capture import Signature, autocast_state
 from autoshard.compile.recompute import Recompute
+from autoshard.compile.tables import TableCache
 from autoshard.errors import warn_renamed
 from autoshard.module_paths import assign_attr, has_attr
 from autoshard.parallel.comm import CommHandle, Communicator, ProcessGroupComm
@@ -22,6 +23,7 @@ from autoshard.parallel.registry import ModuleSpec, build_module
 from autoshard.parallel.rng import RNGTracker
 from autoshard.parallel.tensor_parallel import CopyToTensorParallelRegion, ReduceFromTensorParallelRegion
 from autoshard.passes.recompute import RecomputeRegion
+from autoshard.passes.tables import TableRegion
 
 __all__ = ["RankProgram", "slice_layout"]
 
@@ -76,7 +78,7 @@ class RankProgram(nn.Module):
 
     # ---- graphs ------------------------------------------------------------------------------
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec,
-                  regions: list[RecomputeRegion] = ()) -> fx.GraphModule:
+                  regions: list[RecomputeRegion] = (), tables: TableRegion | None = None) -> fx.GraphModule:
         for name, value in attrs.items():
             if not has_attr(self, name):
                 assign_attr(self, name, value)
@@ -86,6 +88,8 @@ class RankProgram(nn.Module):
         for region in regions:      # after the modules its body calls
             body = fx.GraphModule(self, region.graph, class_name="RecomputedRegion")
             self.add_module(region.name, Recompute(body, self.rng, region.layer, region.mode))
+        if tables is not None:
+            self.add_module(tables.name, TableCache(fx.GraphModule(self, tables.graph, class_name="Tables")))
         gm = fx.GraphModule(self, graph, class_name=f"Rank{self.rank}Program")
         self._graphs.append((sig, gm, out_spec))
         return gm

@@ -48,6 +48,7 @@ class RankGraph:
     modules: list[ModuleSpec]
     restrict_buffers: dict[str, torch.Tensor]
     regions: list = field(default_factory=list)     # passes/recompute.py's RecomputeRegion, once outlined
+    tables: object = None                           # passes/tables.py's TableRegion, once outlined
 
 
 def _set(container, edit_item, value):

@@ -45,3 +45,18 @@ def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "checkout_ab.py"), str(tmp_path), ROOT,
                            "--quick"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode != 0 and f"{tmp_path}: imported autoshard from" in proc.stderr
+
+
+def test_pipeline_overhead_benchmark_runs_all_four_programs_on_the_same_losses():
+    """autoshard's 1F1B and interleaved against torch.distributed.pipelining's, tiny sizes: the four
+    programs agree on the losses before anything is timed, and each step's ops and sends are counted."""
+    import json
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           os.path.join(ROOT, "benchmarks", "pipeline_overhead.py"), "--layers", "4", "--hidden", "64",
+                           "--vocab", "256", "--seq", "32", "--rounds", "2", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert result["all_ranks_ok"] and result["loss_rel"] <= 1e-5
+    names = ("autoshard 1f1b", "autoshard interleaved", "torch 1f1b", "torch interleaved")
+    assert all(result["ops"][n] > 0 and result["sends"][n] > 0 and result["cpu_ms"][n] > 0 for n in names)
