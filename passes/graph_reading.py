@@ -22,17 +22,25 @@ def op_name(target: object) -> str:
 
 
 def param_read(arg: object, param_names: dict[str, str]) -> tuple[str, bool] | None:
-    """(parameter name, transposed) when `arg` reads a parameter directly or through a 2-D transpose."""
+    """(parameter name, transposed) when `arg` reads a parameter directly or through a transpose of
+    its last two dims (2-D, or a stacked [experts, out, in] weight)."""
     if not isinstance(arg, fx.Node):
         return None
     if arg.op == "get_attr" and arg.target in param_names:
         return param_names[arg.target], False
     name = getattr(arg.target, "__name__", "")
     if arg.op == "call_function" and (name in ("t.default", "numpy_T.default") or
-                                      (name == "transpose.int" and len(arg.meta["val"].shape) == 2)):
+                                      (name == "transpose.int" and _swaps_last_two(arg))):
         inner = param_read(arg.args[0], param_names)
         return (inner[0], not inner[1]) if inner else None
     return None
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """transpose(x, a, b) exchanging x's last two dims (a 2-D transpose, or [experts, out, in] ->
+    [experts, in, out] of a stacked expert weight)."""
+    nd = len(node.meta["val"].shape)
+    return nd >= 2 and sorted(d % nd for d in node.args[1:3]) == [nd - 2, nd - 1]
 
 
 def module_path(node: fx.Node) -> str:

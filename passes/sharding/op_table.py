@@ -8,12 +8,13 @@ import torch.fx as fx
 from autoshard.passes.graph_reading import op_name
 from autoshard.passes.sharding.rules_attention import ATTENTION_RULES
 from autoshard.passes.sharding.rules_compute import COMPUTE_RULES, default
+from autoshard.passes.sharding.rules_experts import EXPERT_RULES
 from autoshard.passes.sharding.rules_shape import PASSTHROUGH, SHAPE_RULES
 from autoshard.passes.sharding.rules_vocab import VOCAB_RULES, output
 
 __all__ = ["RULES", "PADDING_SAFE", "rule_for"]
 
-RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **ATTENTION_RULES, **VOCAB_RULES}
+RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **ATTENTION_RULES, **VOCAB_RULES, **EXPERT_RULES}
 
 # Ops that leave the padded columns of a padded shard (a vocabulary tp does not divide) harmless:
 # they map them to padded columns (unary, same-layout elementwise, 1:1 views), or zero their

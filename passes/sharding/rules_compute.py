@@ -26,7 +26,7 @@ from autoshard.passes.sharding.rule_context import RuleContext
 from autoshard.passes.sharding.rules_attention import activation_matmul
 from autoshard.passes.sharding.rules_shape import moved, norm_dim, sharded_inputs
 
-__all__ = ["COMPUTE_RULES", "row_parallel_error"]
+__all__ = ["COMPUTE_RULES", "param_matmul", "row_parallel_error"]
 
 
 def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None, object]]) -> NodeSharding:
@@ -124,12 +124,19 @@ def row_parallel_error(ctx: RuleContext, node: fx.Node, p: Shard) -> Exception:
         f"by ranks; query heads cannot.")
 
 
-def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out_dim: int,
-                  bias_arg: int | None) -> NodeSharding:
-    """x @ W with W a parameter; `w_out_dim` is W's output-feature dim (0 for linear, 1 for mm)."""
+def param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out_dim: int,
+                 bias_arg: int | None, weight: tuple[str, int, int] | None = None) -> NodeSharding:
+    """x @ W with W a parameter; `w_out_dim` is W's output-feature dim (0 for linear, 1 for mm).
+    `weight` = (parameter, its output-feature dim, its input-feature dim) as stored, for a weight
+    read other than directly or through a 2-D transpose (an expert stack [experts, out, in])."""
     x = node.args[x_arg]
-    w_name, transposed = ctx.param(node.args[w_arg])
-    w_out = w_out_dim ^ int(transposed)   # dim of the stored parameter
+    w_shape = ctx.shape(node.args[w_arg])
+    if weight is None:
+        w_name, transposed = ctx.param(node.args[w_arg])
+        w_out = w_out_dim ^ int(transposed)   # dim of the stored parameter
+        w_in, w_size = 1 - w_out, int(w_shape[1 - w_out_dim])
+    else:
+        (w_name, w_out, w_in), w_size = weight, int(w_shape[-2])    # as passed: [experts, in, out]
     bias = node.args[bias_arg] if bias_arg is not None and len(node.args) > bias_arg else None
     b_name = ctx.param(bias)[0] if bias is not None and ctx.param(bias) is not None else None
     p = ctx.place(x)
@@ -169,27 +176,26 @@ def _param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out
         out_place = Shard(dim, seq.size, seq.layout, seq.roots, None)
     res = NodeSharding(out_place, role="row",
                        edits=[RowParallel(bias_arg if bias is not None else None, scatter=scatter)])
-    w_size = int(ctx.shape(node.args[w_arg])[1 - w_out ^ int(transposed)])
-    res.params.append(ParamUse(w_name, 1 - w_out, p.layout, p.size if p.size != w_size else None))
+    res.params.append(ParamUse(w_name, w_in, p.layout, p.size if p.size != w_size else None))
     return res
 
 
 def linear(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if ctx.param(node.args[1]) is None:
         return _activation_matmul(ctx, node, transposed_b=True)
-    return _param_matmul(ctx, node, 0, 1, 0, 2)
+    return param_matmul(ctx, node, 0, 1, 0, 2)
 
 
 def addmm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if ctx.param(node.args[2]) is None or len(ctx.shape(node.args[0])) != 1:
         return default(ctx, node)
-    return _param_matmul(ctx, node, 1, 2, 1, 0)
+    return param_matmul(ctx, node, 1, 2, 1, 0)
 
 
 def mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     b = node.args[1]
     if ctx.param(b) is not None and len(ctx.shape(b)) == 2:
-        return _param_matmul(ctx, node, 0, 1, 1, None)
+        return param_matmul(ctx, node, 0, 1, 1, None)
     return _activation_matmul(ctx, node, transposed_b=False)
 
 

@@ -1,0 +1,42 @@
+"""Rules for mixture-of-experts matmuls: each expert's projections split over tp like a dense MLP's.
+
+Hugging Face's MoE decoders (transformers 5: Mixtral, Qwen3-MoE, OLMoE, ...) keep all experts'
+weights in one 3-D parameter, [experts, out, in], and run the tokens routed to each expert (sorted
+by expert; `offs` the cumulative counts) through the custom op
+`transformers::grouped_mm_fallback(x [tokens, in], W [experts, in, out], offs)`, W being the
+parameter transposed on its last two dims. Its semantics, per expert e: rows offs[e-1]:offs[e] of
+the output are x[those rows] @ W[e]. So it is a matmul against a parameter in the two feature
+dims, and the rule is the linear one: a replicated input starts a column-parallel region (the
+parameter split on its output-feature dim, every expert alike), an input sharded on its features
+ends one (split on the input-feature dim, the partial sums reduced by g after the op). The experts
+dim and `offs` are untouched: every rank runs every expert on its slice of the features.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.passes.sharding.placement import NodeSharding
+from autoshard.passes.sharding.rule_context import RuleContext
+from autoshard.passes.sharding.rules_compute import default, param_matmul
+
+__all__ = ["EXPERT_RULES", "expert_weight"]
+
+
+def expert_weight(ctx: RuleContext, w: object) -> tuple[str, int, int] | None:
+    """(parameter, output-feature dim, input-feature dim) as stored, when `w` is a 3-D parameter
+    read as [experts, in, out]: directly, or transposed on its last two dims from [experts, out, in]."""
+    read = ctx.param(w)
+    if read is None or len(ctx.shape(w)) != 3:
+        return None
+    name, transposed = read
+    return (name, 1, 2) if transposed else (name, 2, 1)
+
+
+def grouped_mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    weight = expert_weight(ctx, node.args[1])
+    if weight is None or len(ctx.shape(node.args[0])) != 2:
+        return default(ctx, node)
+    return param_matmul(ctx, node, 0, 1, 1, None, weight=weight)
+
+
+EXPERT_RULES = {"grouped_mm_fallback": grouped_mm}
