@@ -59,6 +59,8 @@ def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None,
 
 
 def elementwise(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    if not hasattr(node.meta.get("val"), "shape"):     # torch.where(cond): a tuple of index tensors
+        return default(ctx, node)
     tensors = [(i, None, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node) and "val" in a.meta
                and hasattr(a.meta["val"], "shape")]
     return _align(ctx, node, tensors)

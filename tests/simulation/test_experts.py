@@ -48,3 +48,65 @@ def test_experts_split_over_tensor_parallel_ranks(name, tp):
     ref.loss.backward()
     errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
     assert max(errs.values()) <= 1e-5, errs
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(d, h, bias=False)
+        self.w2 = torch.nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _LoopMoE(torch.nn.Module):
+    """Experts as a loop over modules with data-dependent token selection (torch.where(cond))."""
+
+    def __init__(self, d: int = 32, h: int = 64, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.k, self.norm, self.gate = k, torch.nn.LayerNorm(d), torch.nn.Linear(d, experts, bias=False)
+        self.experts = torch.nn.ModuleList(_Expert(d, h) for _ in range(experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = self.norm(x).reshape(-1, d)                                   # [b * t, d]
+        weights, chosen = torch.softmax(self.gate(flat), dim=-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return x + out.reshape(b, t, d)
+
+
+class _LoopMoEModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+        self.blocks = torch.nn.ModuleList(_LoopMoE() for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_written_as_a_loop_over_linear_modules(tp):
+    # before: AttributeError: 'list' object has no attribute 'shape' inside the analysis (the
+    # elementwise rule took the one-argument torch.where, which returns index tensors, for an
+    # elementwise op)
+    torch.manual_seed(0)
+    model = _LoopMoEModel()
+    ids = torch.randint(0, 64, (2, 8))
+    prog = autoshard(model, tp=tp, example_inputs=(ids,))
+    assert prog.sharding.params["blocks.0.experts.3.w1.weight"].dim == 0
+    assert prog.sharding.params["blocks.0.experts.3.w2.weight"].dim == 1
+    assert "blocks.0.gate.weight" not in prog.sharding.params               # the router: replicated
+    out, ref = prog.simulate(ids), model(ids)
+    assert max_rel(out, ref) <= 1e-5
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
+    assert max(errs.values()) <= 1e-5, errs
