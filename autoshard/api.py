@@ -12,6 +12,7 @@ from torch import nn
 
 from autoshard.compile.capture import infer_example_inputs, normalize_inputs
 from autoshard.compile.compiler import Compiler
+from autoshard.compile.experts import EXPERT_MODULES, expert_modules
 from autoshard.compile.program import ShardedProgram
 from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import WeightSource
@@ -28,7 +29,7 @@ __all__ = ["autoshard"]
 
 
 def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-              virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+              ep: int | None = None, virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool | None = None, recompute: str | None = None,
@@ -38,7 +39,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 
     tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
     layers are cut into pp * virtual stages and rank r runs stages r, r + pp, ... (`virtual` > 1
-    is the interleaved schedule). dp: data-parallel replicas. microbatches: per data-parallel rank
+    is the interleaved schedule). dp: data-parallel replicas. ep: expert parallelism for
+    mixture-of-experts models (Hugging Face's experts modules): each MoE layer's experts divided over
+    ep data-parallel ranks, tokens exchanged with all-to-all (ep divides dp; runtime/mesh.py draws the
+    mesh; `simulate()` runs the program as ep=1). microbatches: per data-parallel rank
     and step. schedule: "1f1b" (default), "gpipe" or "interleaved" (default when virtual > 1;
     needs microbatches divisible by pp). See `ShardedProgram.distributed` for training.
 
@@ -78,14 +82,16 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     chosen = None
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
-                                dict(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatches=microbatches))
+                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches))
         tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
     recompute = "none" if recompute is None else recompute
-    tp, pp, dp, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, virtual, microbatches))
-    for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual", virtual), ("microbatches", microbatches)):
+    tp, pp, dp, ep, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, ep, virtual, microbatches))
+    for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("virtual", virtual),
+                    ("microbatches", microbatches)):
         require_positive_int(name, x)
+    _check_expert_parallel(model, ep, dp, recompute, sequence_parallel)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
@@ -95,7 +101,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
                            sequence_parallel=sequence_parallel)
     named = normalize_inputs(model, args, kwargs)
-    dims = ParallelDims(tp, pp, dp)
+    dims = ParallelDims(tp, pp, dp, ep)
     if virtual > 1 and pp == 1:
         raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
     schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
@@ -103,7 +109,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     check(steps, virtual, microbatches)                     # complete and deadlock-free, or it raises
 
     # The passes, in order.
-    compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute)
+    compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
+                        ep=ep)
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
@@ -112,6 +119,21 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                           microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
     prog.planned = chosen
     return prog
+
+
+def _check_expert_parallel(model: nn.Module, ep: int, dp: int, recompute: str, sequence_parallel: bool) -> None:
+    """ep > 1 needs experts modules, an ep dividing dp, and (for now) no recompute or sequence parallelism."""
+    if ep == 1:
+        return
+    if dp % ep:
+        raise ShardingError(f"ep={ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks "
+                            f"(dp=ep: one group of every replica)")
+    if not expert_modules(model):
+        raise ShardingError(f"ep={ep}: {type(model).__name__} has no experts module expert parallelism knows "
+                            f"(autoshard/compile/experts.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
+    if recompute != "none" or sequence_parallel:
+        raise ShardingError(f"ep={ep} is not built with {'recompute=' + repr(recompute) if recompute != 'none' else 'sequence_parallel=True'} "
+                            "yet (untested: refused rather than risk a wrong result)")
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,

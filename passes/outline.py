@@ -5,8 +5,8 @@
 The body's placeholders are the region's inputs (values made outside it, in graph order), its output
 a tuple of the values read outside it. In the graph, one `call_module` node takes the inputs and
 getitem nodes give back the outputs under the names they had, so later passes (stage splitting,
-printing) see the same names. Used by recomputation (passes/recompute.py) and size-only tables
-(passes/tables.py).
+printing) see the same names. Used by recomputation (passes/recompute.py), size-only tables
+(passes/tables.py) and expert parallelism (passes/experts.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from autoshard.errors import ShardingError
 
-__all__ = ["outline", "stable_toposort", "take_name"]
+__all__ = ["between", "outline", "stable_toposort", "take_name"]
 
 
 def take_name(node: fx.Node, new: str) -> str:
@@ -26,6 +26,21 @@ def take_name(node: fx.Node, new: str) -> str:
     node._rename(new)
     node.graph._graph_namespace._used_names.discard(old)
     return old
+
+
+def between(graph: fx.Graph, seeds: set[fx.Node]) -> set[fx.Node]:
+    """`seeds` plus every node with an ancestor and a descendant among them."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first, last = min(order[n] for n in seeds), max(order[n] for n in seeds)
+    below: set[fx.Node] = set(seeds)
+    for n in graph.nodes:          # descendants of the seeds, in order
+        if first < order[n] <= last and any(a in below for a in n.all_input_nodes):
+            below.add(n)
+    above: set[fx.Node] = set(seeds)
+    for n in reversed(graph.nodes):
+        if first <= order[n] < last and any(u in above for u in n.users):
+            above.add(n)
+    return seeds | (below & above)
 
 
 def outline(graph: fx.Graph, region: set[fx.Node], name: str, *, after: fx.Node,

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path, op_name
-from autoshard.passes.outline import outline, stable_toposort
+from autoshard.passes.outline import between, outline, stable_toposort
 from autoshard.passes.stages import find_layers, layer_of
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeRegion", "outline_recompute"]
@@ -51,21 +51,6 @@ class RecomputeRegion:
     graph: fx.Graph
     layer: str
     mode: str
-
-
-def _between(graph: fx.Graph, seeds: set[fx.Node]) -> set[fx.Node]:
-    """`seeds` plus every node with an ancestor and a descendant among them."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first, last = min(order[n] for n in seeds), max(order[n] for n in seeds)
-    below: set[fx.Node] = set(seeds)
-    for n in graph.nodes:          # descendants of the seeds, in order
-        if first < order[n] <= last and any(a in below for a in n.all_input_nodes):
-            below.add(n)
-    above: set[fx.Node] = set(seeds)
-    for n in reversed(graph.nodes):
-        if first <= order[n] < last and any(u in above for u in n.users):
-            above.add(n)
-    return seeds | (below & above)
 
 
 def _trailing(val: object) -> tuple | None:
@@ -158,7 +143,7 @@ def outline_recompute(graph: fx.Graph, mode: str, captured_of: Callable[[fx.Node
     for i in sorted(by_layer):
         seeds = set(by_layer[i]) if mode == "full" else _attention_core(by_layer[i], captured_of, activation)
         if seeds:
-            region = {n for n in _between(graph, seeds) if n.op not in ("placeholder", "get_attr")}
+            region = {n for n in between(graph, seeds) if n.op not in ("placeholder", "get_attr")}
             plans.append((i, region))
     for i, region in plans:
         others = [n for n in region if layer_of(n, stack.path) not in (None, i)]

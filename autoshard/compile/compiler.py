@@ -7,6 +7,7 @@ signature (or mode, or autocast state) a call brings:
     rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
                        -> tables (size-only values outlined into one cached call)
                        -> causal attention (SDPA with a causal table mask takes SDPA's causal path)
+                       -> experts (ep > 1: each experts call outlined into one expert-parallel call)
                        -> recompute (optional: regions outlined into checkpointed calls)
 
 Annotation comes before any rewrite so that every rank is cut from one decision; the rewrite is per
@@ -20,11 +21,13 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autoshard.compile.capture import Captured, capture
+from autoshard.compile.experts import expert_count, expert_modules, weightless_copy
 from autoshard.compile.new_signature import new_plan_refusal, sharding_clash
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
+from autoshard.passes.experts import outline_experts
 from autoshard.passes.fusion.fuse import fuse
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
@@ -49,9 +52,12 @@ class Compiler:
     """Runs the passes for one model and tp; keeps every signature compiled so far (`compiled`)."""
 
     def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
-                 example_inputs: dict[str, object], recompute: str = "none"):
+                 example_inputs: dict[str, object], recompute: str = "none", ep: int = 1):
         self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
-        self.recompute = recompute
+        self.recompute, self.ep = recompute, ep
+        # experts modules without their weights (their code, for expert parallelism's calls)
+        self.expert_templates = {path: weightless_copy(m) for path, m in expert_modules(source.model).items()} \
+            if ep > 1 else {}
         self.example_inputs = example_inputs       # named in refusals of signatures that shard differently
         self.compiled: list[Compiled] = []
 
@@ -73,7 +79,7 @@ class Compiler:
         return entry
 
     def rank_graph(self, entry: Compiled, r: int) -> RankGraph:
-        """rewrite -> fuse -> tables -> causal attention -> recompute: rank r's graph of one compiled signature."""
+        """rewrite -> fuse -> tables -> causal attention -> experts -> recompute: rank r's graph of one compiled signature."""
         cap = entry.captured
         suffix = f"_s{entry.index}" if entry.index else ""
         rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, suffix)
@@ -84,6 +90,10 @@ class Compiler:
             else fetch_attr(cap.gm, target)   # noqa: E731
         rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))
         specialize_attention(rg.graph, rg.tables)
+        if self.ep > 1:
+            counts = {path: expert_count(m) for path, m in self.expert_templates.items()}
+            value = lambda n: attr(n.target) if n.op == "get_attr" else _example_value(n, by_name)   # noqa: E731
+            rg.experts = outline_experts(rg.graph, counts, value, cap.param_names, self.ep, suffix)
         if self.recompute != "none":       # last: a recomputed region runs the same ops as the plain graph
             rg.regions = outline_recompute(rg.graph, self.recompute, lambda n: by_name.get(n.meta.get("captured")),
                                            suffix)

@@ -10,6 +10,7 @@ from tabulate import tabulate
 from autoshard.passes.sharding.annotate import ShardingPlan
 from autoshard.passes.sharding.index_sets import is_partition
 from autoshard.passes.stages import StageGraph
+from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import Action, bubble_fraction, check, stage_owner
 
 __all__ = ["describe"]
@@ -21,6 +22,7 @@ class Described(Protocol):
     tp: int
     pp: int
     dp: int
+    dims: ParallelDims
     world_size: int
     virtual: int
     microbatches: int
@@ -28,6 +30,7 @@ class Described(Protocol):
     schedule: list[list[Action]]
     param_shapes: dict[str, torch.Size]
     param_holders: dict[str, set[int]]
+    expert_params: set[str]
     sharding: ShardingPlan
     rank0_graph: fx.Graph
 
@@ -39,18 +42,21 @@ def _param_rows(prog: Described) -> list[list[object]]:
     for name, shape in prog.param_shapes.items():
         use = prog.sharding.params.get(name)
         where = [",".join(map(str, sorted(prog.param_holders.get(name, ()))))] if prog.pp > 1 else []
-        if use is None:
-            rows.append([name, tuple(shape), "replicated", tuple(shape), *where])
-            continue
-        local = list(shape)
-        local[use.dim] = sum(b - a for a, b in use.layout[0])
-        kind = "split" if is_partition(use.layout, use.padded or shape[use.dim]) else "shared rows"
-        rows.append([name, tuple(shape), f"{kind} dim {use.dim}", tuple(local), *where])
+        local, kind = list(shape), "replicated"
+        if use is not None:
+            local[use.dim] = sum(b - a for a, b in use.layout[0])
+            kind = f"{'split' if is_partition(use.layout, use.padded or shape[use.dim]) else 'shared rows'} dim {use.dim}"
+        if name in prog.expert_params:
+            local[0] //= prog.dims.ep
+            kind = f"experts over ep={prog.dims.ep}" + ("" if use is None else f", {kind}")
+        rows.append([name, tuple(shape), kind, tuple(local), *where])
     return rows
 
 
 def describe(prog: Described) -> str:
-    head = f"autoshard program: tp={prog.tp} x pp={prog.pp} x dp={prog.dp}, world size {prog.world_size}"
+    ep = prog.dims.ep
+    head = f"autoshard program: tp={prog.tp} x pp={prog.pp} x dp={prog.dp}{f' (ep={ep})' if ep > 1 else ''}, " \
+           f"world size {prog.world_size}"
     headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if prog.pp > 1 else [])
     table = tabulate(_param_rows(prog), headers=headers)
     graph = prog.rank0_graph
@@ -60,6 +66,11 @@ def describe(prog: Described) -> str:
              f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
     notes += [f"fallback (replicated): {', '.join(f.modules)}: {f.reason}" for f in prog.sharding.fallbacks]
     notes += [f"not sharded: {s}" for s in prog.sharding.skipped]
+    experts = [n for n in graph.nodes if n.op == "call_module" and "experts" in n.meta]
+    if experts:
+        notes.append(f"expert parallelism: {len(experts)} experts call(s) (e.g. {experts[0].meta['experts']}), each "
+                     f"rank of an ep group of {ep} data-parallel ranks owning 1/{ep} of the experts; per call, "
+                     f"two all-to-alls forward (tokens out, results back) and two backward")
     if prog.pp * prog.virtual > 1:
         timeline = check(prog.schedule, prog.virtual, prog.microbatches)
         notes.append(f"pipeline: {prog.schedule_name} schedule, {prog.virtual} chunk(s) per rank, "

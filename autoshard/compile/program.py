@@ -56,6 +56,8 @@ class ShardedProgram:
         self._ranks: dict[int, RankProgram] = {}
         self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice
         self.rank0_graph: fx.Graph = rank0.graph
+        # parameters cut on their experts dim over the ep ranks (besides any tp split)
+        self.expert_params: set[str] = {name for region in rank0.experts for name in region.params}
         self._stages = stages
         self._names_with_ties = stages.names_with_ties
         self._simulator = ProgramSimulator(stages)
@@ -134,7 +136,9 @@ class ShardedProgram:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
                 obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
-        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, rg.regions, rg.tables)
+        templates = self._compiler.expert_templates
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, rg.regions, rg.tables,
+                       [(region, templates[region.path]) for region in rg.experts])
 
     # ---- ranks -------------------------------------------------------------------------------
     def rank(self, r: int) -> RankProgram:

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.compile.capture import Signature, autocast_state
+from autoshard.compile.experts import ExpertsCall, weightless_copy
 from autoshard.compile.recompute import Recompute
 from autoshard.compile.tables import TableCache
 from autoshard.errors import warn_renamed
@@ -22,6 +23,7 @@ from autoshard.parallel.comm import CommHandle, Communicator, ProcessGroupComm
 from autoshard.parallel.registry import ModuleSpec, build_module
 from autoshard.parallel.rng import RNGTracker
 from autoshard.parallel.tensor_parallel import CopyToTensorParallelRegion, ReduceFromTensorParallelRegion
+from autoshard.passes.experts import ExpertRegion
 from autoshard.passes.recompute import RecomputeRegion
 from autoshard.passes.tables import TableRegion
 
@@ -68,6 +70,7 @@ class RankProgram(nn.Module):
         self._graphs: list[tuple[Signature, fx.GraphModule, object]] = []
         self._normalize = normalize
         self._compile_for = compile_for     # the program's compile: (named inputs, training) -> new graph
+        self.expert_group = None            # expert parallelism's group, once bound (bind_experts)
 
     @property
     def world_size(self) -> int:
@@ -78,13 +81,20 @@ class RankProgram(nn.Module):
 
     # ---- graphs ------------------------------------------------------------------------------
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec,
-                  regions: list[RecomputeRegion] = (), tables: TableRegion | None = None) -> fx.GraphModule:
+                  regions: list[RecomputeRegion] = (), tables: TableRegion | None = None,
+                  experts: list[tuple[ExpertRegion, nn.Module]] = ()) -> fx.GraphModule:
         for name, value in attrs.items():
             if not has_attr(self, name):
                 assign_attr(self, name, value)
         for spec in specs:
             if not hasattr(self, spec.module):
                 self.add_module(spec.module, build_module(spec, self))
+        for region, template in experts:
+            body = fx.GraphModule(self, region.graph, class_name="ExpertsRegion")
+            call = ExpertsCall(body, region, weightless_copy(template), self.f, self.g)
+            if self.expert_group is not None:
+                call.bind(self.expert_group)
+            self.add_module(region.name, call)
         for region in regions:      # after the modules its body calls
             body = fx.GraphModule(self, region.graph, class_name="RecomputedRegion")
             self.add_module(region.name, Recompute(body, self.rng, region.layer, region.mode))
@@ -137,6 +147,16 @@ class RankProgram(nn.Module):
         """Run collectives on `comm` (a Communicator, or a torch.distributed group; None: WORLD)."""
         self.handle.comm = comm if hasattr(comm, "all_reduce") else ProcessGroupComm(comm)
         return self
+
+    def expert_calls(self) -> list[ExpertsCall]:
+        return [m for m in self.modules() if isinstance(m, ExpertsCall)]
+
+    def bind_experts(self, group) -> None:
+        """Run every experts call (and those of graphs compiled later) expert-parallel on `group`
+        (autoshard.parallel.expert_parallel.ExpertGroup); the caller cuts the parameters."""
+        self.expert_group = group
+        for call in self.expert_calls():
+            call.bind(group)
 
     def forward(self, *args, **kwargs):
         gm, flat, out_spec = self.graph_for(args, kwargs)

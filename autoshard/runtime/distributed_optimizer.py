@@ -71,6 +71,10 @@ class DistributedOptimizer:
             raise ShardingError(f"DistributedOptimizer steps flat pieces of parameters, which only an element-wise "
                                 f"optimizer does exactly; got {getattr(optimizer_class, '__name__', optimizer_class)!r}, "
                                 f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)} (or a subclass)")
+        if getattr(runtime.dims, "ep", 1) > 1:
+            raise ShardingError(f"DistributedOptimizer with ep={runtime.dims.ep} is not built yet (expert gradients "
+                                "reduce over other ranks than the rest); use a torch.optim optimizer on "
+                                "runtime.parameters()")
         named = list(runtime.named_parameters())
         if not named:
             raise ShardingError("DistributedOptimizer: the runtime holds no parameters")

@@ -22,7 +22,8 @@ from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, pick_loss, split_batch
-from autoshard.runtime.grad_sync import all_reduce_buckets, clip_grads, global_grad_norm
+from autoshard.runtime.experts import cut_experts
+from autoshard.runtime.grad_sync import clip_grads, global_grad_norm, sync_grads
 from autoshard.runtime.loss_tokens import loss_tokens
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
@@ -42,6 +43,9 @@ class RankView(Protocol):
     def graph_for(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list, object]: ...
     def graph_modules(self) -> list[fx.GraphModule]: ...
     def set_tensors(self, values: dict[str, torch.Tensor]) -> None: ...
+    def expert_calls(self) -> list: ...
+    def bind_experts(self, group: object) -> None: ...
+    def named_parameters(self): ...
     def train(self, mode: bool = True) -> nn.Module: ...
 
 
@@ -81,6 +85,8 @@ class MeshRuntime(nn.Module):
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         program = prog.rank(self.tp_rank).bind(groups.tp)
         self._prog = prog
+        self.expert_params = cut_experts(program, self.dims, self.dp_rank, groups.ep)
+        self.expert_group = program.expert_group      # ep > 1: its group, experts per rank, bytes sent
         # not a submodule: this runtime registers the tensors its chunks read itself (below)
         object.__setattr__(self, "_program", program)
         self._chunks: dict[int, list[tuple[StageGraph, fx.GraphModule]]] = {}   # id(rank graph) -> chunks
@@ -93,6 +99,7 @@ class MeshRuntime(nn.Module):
                 if isinstance(value, torch.Tensor) and not has_attr(self, n.target):
                     assign_attr(self, n.target, value)
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
+        self.expert_params &= {name for name, _ in self.named_parameters()}     # those of this rank's stages
         self.transfer = Transfer(self.n_stages, self.device)
 
     def train(self, mode: bool = True) -> "MeshRuntime":
@@ -118,6 +125,11 @@ class MeshRuntime(nn.Module):
 
     def graph_modules(self) -> list[fx.GraphModule]:
         return self._chunk_modules() + self._program.graph_modules()
+
+    def expert_calls(self) -> list:
+        """The expert-parallel calls this rank's stages run (compile/experts.py's ExpertsCall)."""
+        mine = dict(self.named_parameters())
+        return [c for c in self._program.expert_calls() if set(c.region.params) <= set(mine)]
 
     def set_tensors(self, values: dict[str, torch.Tensor]) -> None:
         """Replace parameters or buffers by name in this runtime, its chunks and its rank program."""
@@ -242,7 +254,8 @@ class MeshRuntime(nn.Module):
                 if stage == last:
                     loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
                     scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
-                    empty = isinstance(scale, torch.Tensor) and not bool(scale)
+                    # with expert parallelism every microbatch's backward runs: it exchanges tokens
+                    empty = isinstance(scale, torch.Tensor) and not bool(scale) and self.dims.ep == 1
                     outs = [torch.zeros_like(loss) if empty else loss * scale]
                     losses.append(outs[0].detach().to(self.device, torch.float32))
                 else:
@@ -269,23 +282,15 @@ class MeshRuntime(nn.Module):
 
     # ---- gradients ---------------------------------------------------------------------------
     def _sync_grads(self, max_norm: float | None, dp_scale: float) -> None:
-        params = dict(self.named_parameters())
-        for p in params.values():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for pps, group in self.groups.shared.items():     # tied weights: sum the stages' parts
-            for name in self._prog.shared_params.get(pps, []):
-                if name in params:
-                    dist.all_reduce(params[name].grad, group=group)
-        if self.dims.dp > 1:
-            all_reduce_buckets([p.grad for p in params.values()], self.groups.dp, dp_scale)
+        sync_grads(dict(self.named_parameters()), self.groups, self._prog.shared_params, self.expert_params, dp_scale)
         if max_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this rank's gradients by the global norm over all tp x pp x dp ranks; returns the norm."""
-        weighted = [(p.grad, self._prog.param_weight(name, self.tp_rank)) for name, p in self.named_parameters()
-                    if p.grad is not None]
+        # an expert's gradient is held by dp / ep ranks, not dp: counted ep times over
+        weighted = [(p.grad, self._prog.param_weight(name, self.tp_rank) * (self.dims.ep if name in self.expert_params else 1))
+                    for name, p in self.named_parameters() if p.grad is not None]
         norm = global_grad_norm(weighted, self.dims)
         clip_grads([g for g, _ in weighted], norm, max_norm)
         return norm

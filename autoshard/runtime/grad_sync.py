@@ -1,8 +1,9 @@
 """Gradient synchronisation after a pipeline step, and clipping by the global gradient norm.
 
-Order: (1) parameters held by several pipeline ranks (a tied embedding on the first and last stage)
-sum their gradients over those ranks; (2) every gradient is averaged over the data-parallel group
-in flat buckets (one all-reduce per bucket, as DDP does); (3) optionally, gradients are clipped by
+Order (`sync_grads`): (1) parameters held by several pipeline ranks (a tied embedding on the first and
+last stage) sum their gradients over those ranks; (2) every gradient is averaged over the
+data-parallel group in flat buckets (one all-reduce per bucket, as DDP does), an expert's (ep > 1)
+over the data-parallel ranks holding the same experts instead; (3) optionally, gradients are clipped by
 the norm of the full model's gradient, each element counted once however many ranks hold it.
 """
 from __future__ import annotations
@@ -10,9 +11,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autoshard.runtime.mesh import ParallelDims
+from autoshard.runtime.mesh import MeshGroups, ParallelDims
 
-__all__ = ["all_reduce_buckets", "global_grad_norm", "clip_grads"]
+__all__ = ["all_reduce_buckets", "sync_grads", "global_grad_norm", "clip_grads"]
+
+
+def sync_grads(params: dict[str, torch.Tensor], groups: MeshGroups, shared_params: dict[tuple[int, ...], list[str]],
+               expert_params: set[str], dp_scale: float) -> None:
+    """Steps (1) and (2) above for this rank's `params` (missing gradients become zeros)."""
+    for p in params.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for pps, group in groups.shared.items():     # tied weights: sum the stages' parts
+        for name in shared_params.get(pps, []):
+            if name in params:
+                dist.all_reduce(params[name].grad, group=group)
+    if groups.dims.dp > 1:
+        all_reduce_buckets([p.grad for name, p in params.items() if name not in expert_params], groups.dp, dp_scale)
+        experts = [p.grad for name, p in params.items() if name in expert_params]
+        if experts:
+            all_reduce_buckets(experts, groups.expert_dp, dp_scale)
 
 
 def all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | None, scale: float,

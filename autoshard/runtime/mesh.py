@@ -4,6 +4,12 @@ Global rank order is Megatron's: tensor-parallel ranks are adjacent (they exchan
 so they share a node), then data-parallel, then pipeline:
 
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Expert parallelism lives inside the data-parallel dimension, as in Megatron-Core: `ep` divides dp,
+and data-parallel ranks dp_rank = g * ep + e (e < ep) form expert-parallel group g, in which rank e
+owns experts e * E / ep ... (e + 1) * E / ep - 1 of each MoE layer. Tokens move within the group;
+an expert's gradient is summed over the dp / ep ranks holding the same experts (the same e in every
+group), every other parameter's over all dp ranks.
 """
 from __future__ import annotations
 
@@ -21,10 +27,18 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             require_positive_int(name, getattr(self, name))
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups are made of "
+                             f"data-parallel ranks")
+
+    def ep_rank(self, dp_rank: int) -> int:
+        """This data-parallel rank's place in its expert-parallel group."""
+        return dp_rank % self.ep
 
     @property
     def world_size(self) -> int:
@@ -48,6 +62,8 @@ class MeshGroups:
     tp: its tensor-parallel ranks. dp: the ranks holding the same shards in other data-parallel
     replicas. shared[ranks]: for each set of pipeline ranks that hold one parameter (a tied
     embedding: first and last stage), the group of those ranks at this (dp, tp) position.
+    With ep > 1, ep: the expert-parallel group (tokens are exchanged in it); expert_dp: the ranks
+    holding the same experts (experts' gradients are summed over it).
     """
 
     def __init__(self, dims: ParallelDims, rank: int, shared_pp_sets: list[tuple[int, ...]]):
@@ -62,6 +78,13 @@ class MeshGroups:
             group = self._make([[dims.rank_of(i, j, k) for i in pps] for j in range(dims.dp) for k in range(dims.tp)])
             if p in pps:
                 self.shared[pps] = group
+        self.ep = self.expert_dp = None
+        if dims.ep > 1:
+            e = dims.ep
+            self.ep = self._make([[dims.rank_of(i, g * e + j, k) for j in range(e)]
+                                  for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.dp // e)])
+            self.expert_dp = self._make([[dims.rank_of(i, g * e + j, k) for g in range(dims.dp // e)]
+                                         for i in range(dims.pp) for k in range(dims.tp) for j in range(e)])
 
     def _make(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         mine = None

@@ -10,9 +10,10 @@ from torch import nn
 
 from autoshard.models import GPT, GPTConfig
 
-__all__ = ["MODEL_NAMES", "build_model"]
+__all__ = ["MODEL_NAMES", "MOE_NAMES", "build_model", "build_moe"]
 
 MODEL_NAMES = ("nanogpt", "gpt2", "llama", "bert")
+MOE_NAMES = ("mixtral", "qwen3_moe", "olmoe")
 VOCAB = 128
 
 
@@ -40,6 +41,25 @@ def build_model(name: str, *, seed: int = 0, layers: int = 2, heads: int = 8, kv
                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         return hf.BertForMaskedLM(cfg)
     raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES} or 'nanogpt-manual'")
+
+
+def build_moe(name: str, *, seed: int = 0, layers: int = 2, experts: int = 4, top_k: int = 2,
+              aux_loss: bool = False) -> nn.Module:
+    """A seeded small mixture-of-experts decoder from transformers (hidden 32, 4 heads / 2 kv);
+    `aux_loss`: the model adds its load-balancing loss to `.loss` (output_router_logits)."""
+    import transformers as hf
+    torch.manual_seed(seed)
+    common = dict(num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                  vocab_size=VOCAB, max_position_embeddings=64, num_experts_per_tok=top_k,
+                  output_router_logits=aux_loss)
+    if name == "mixtral":
+        return hf.MixtralForCausalLM(hf.MixtralConfig(intermediate_size=64, num_local_experts=experts, **common))
+    if name == "qwen3_moe":
+        return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                        num_experts=experts, head_dim=8, **common))
+    if name == "olmoe":
+        return hf.OlmoeForCausalLM(hf.OlmoeConfig(intermediate_size=64, num_experts=experts, **common))
+    raise ValueError(f"unknown MoE model {name!r}; choose from {MOE_NAMES}")
 
 
 def input_name(name: str) -> str:

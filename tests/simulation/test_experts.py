@@ -6,21 +6,7 @@ import torch
 
 from autoshard import autoshard
 from autoshard.testing import grad_errors, max_rel
-
-VOCAB = 128
-
-
-def _moe(name: str):
-    import transformers as hf
-    torch.manual_seed(0)
-    common = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                  vocab_size=VOCAB, max_position_embeddings=64, num_experts_per_tok=2)
-    if name == "mixtral":
-        return hf.MixtralForCausalLM(hf.MixtralConfig(intermediate_size=64, num_local_experts=4, **common))
-    if name == "qwen3_moe":
-        return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-                                                        head_dim=8, **common))
-    return hf.OlmoeForCausalLM(hf.OlmoeConfig(intermediate_size=64, num_experts=4, **common))
+from autoshard.testing.models import VOCAB, build_moe
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -28,7 +14,7 @@ def _moe(name: str):
 def test_experts_split_over_tensor_parallel_ranks(name, tp):
     # before: gate_up_proj and down_proj "kept whole on every rank" (no rule for
     # transformers.grouped_mm_fallback): Mixtral's rank 0 held 0.89 of the parameters at tp=2
-    model = _moe(name)
+    model = build_moe(name)
     ids = torch.randint(0, VOCAB, (2, 16))
     call = {"input_ids": ids, "labels": (ids * 7 + 3) % VOCAB}
     prog = autoshard(model, tp=tp, example_kwargs=call)
