@@ -7,6 +7,8 @@
   Files and index are written to a temporary name and renamed.
 - `load(folder, prog, module, optimizer)`: reads exactly the rows this rank's program holds, from
   whichever files have them, so a checkpoint written at (tp, pp) loads at any other (tp', pp').
+  Expert parameters under expert parallelism are written and read on their experts dim
+  (checkpoint/experts.py), so the ep may change too.
   Everything is read and checked before any parameter is touched.
 - `latest(root)`: the newest complete checkpoint under a folder (what a restarted job resumes from).
 
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from autoshard.checkpoint.experts import ExpertRows
 from autoshard.checkpoint.index import (
     FORMAT,
     INDEX,
@@ -80,12 +83,15 @@ def _tensors_of(name: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | N
 
 def _write_rank(folder: str, prog: ShardedProgram, module: nn.Module, optimizer) -> dict:
     pp_rank, dp_rank, tp_rank = module.pp_rank, module.dp_rank, module.tp_rank
-    fname = f"rank-pp{pp_rank}-tp{tp_rank}.safetensors"
+    fname = f"rank-pp{pp_rank}-{f'dp{dp_rank}-' if dp_rank else ''}tp{tp_rank}.safetensors"
     tensors, entries, scalars = {}, {}, {}
+    experts = ExpertRows(prog, module)
     for name, p in module.named_parameters():
         pieces = _owned_pieces(prog, name, pp_rank, dp_rank, tp_rank)
         lay = layout_of(prog, name, tp_rank)
         for key, t in _tensors_of(name, p, optimizer):
+            if name in experts.names and key is not None:     # rows of experts, whole over tp
+                pieces, lay, t = experts.piece(name, t, pp_rank == min(prog.param_holders.get(name, {0})))
             if key is None:
                 if t and pieces != []:
                     scalars[name] = t
@@ -119,7 +125,7 @@ def _write_index(folder: str, prog: ShardedProgram, manifests: list[dict], step:
     groups = next((m["param_groups"] for m in manifests if "param_groups" in m), [])
     write_index_atomic(os.path.join(folder, INDEX), {
         "format": FORMAT, "step": step, "model": prog.model_name,
-        "mesh": {"tp": prog.tp, "pp": prog.pp, "dp": prog.dp}, "tensors": tensors,
+        "mesh": {"tp": prog.tp, "pp": prog.pp, "dp": prog.dp, "ep": prog.dims.ep}, "tensors": tensors,
         "scalars": {k: v for m in manifests for k, v in m["scalars"].items()}, "param_groups": groups,
         "files": {k: v for m in manifests for k, v in m["files"].items()}, "extra": extra or {}})
 
@@ -207,15 +213,17 @@ def _load(folder: str, index: dict, prog: ShardedProgram, module: nn.Module, opt
     _check_model(prog, index, list(params))
     tp_rank = module.tp_rank
     reader = PieceReader(folder, index)
+    experts = ExpertRows(prog, module)
     new, state = {}, {}
     for name, p in params.items():
         lay = layout_of(prog, name, tp_rank)
-        new[name] = reader.rows(name, lay)
+        read = (lambda k, lay: experts.rows(reader, k, lay)) if name in experts.names else reader.rows
+        new[name] = read(name, lay)
         if new[name].shape != p.shape:
             raise CheckpointError(f"{name}: read {tuple(new[name].shape)}, rank holds {tuple(p.shape)}")
         if optimizer is not None:
             moments = [k for k in index["tensors"] if k.startswith(name + SEP)]
-            state[name] = {k.split(SEP, 1)[1]: reader.rows(k, lay) for k in moments}
+            state[name] = {k.split(SEP, 1)[1]: read(k, lay) for k in moments}
             for k, (value, is_tensor) in index["scalars"].get(name, {}).items():
                 state[name][k] = torch.tensor(value) if is_tensor else value
     groups = []

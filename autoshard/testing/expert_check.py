@@ -20,6 +20,9 @@ single-device model chooses for every microbatch of its expert-parallel group:
 r: its (token, slot) pairs whose expert another rank owns; m: pairs other ranks send it; H: hidden.
 (Counts, then expert ids (int64), tokens and weights (fp32) out; results back. Backward: the results'
 gradients out, the tokens' and weights' gradients back.) Rank 0 prints one JSON line.
+
+`--save DIR` writes a checkpoint after the steps; `--load DIR --skip K` (at any tp, pp, dp, ep) starts
+from one written after K steps, the reference training those K steps first, and checks the same.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard import autoshard
+from autoshard.checkpoint import sharded as ck
 from autoshard.compile.experts import expert_modules
 from autoshard.compile.rank import slice_layout
 from autoshard.testing.launch import agree, run_checker
@@ -96,13 +100,19 @@ def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], 
 def check(name: str, args: argparse.Namespace) -> dict:
     ref = build_moe(name, aux_loss=args.aux_loss)
     model = build_moe(name, aux_loss=args.aux_loss)
-    batches = _batches(args.steps)
+    batches = _batches(args.skip + args.steps)
     example = {k: v[:2] for k, v in batches[0].items()}
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches,
                      example_kwargs=example)
     rt = prog.distributed(mesh=True)
     opt = torch.optim.AdamW(rt.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    m = args.microbatches
+    for batch in batches[:args.skip]:        # where the loaded checkpoint left off
+        _reference_step(ref, ref_opt, _microbatches(batch, args.dp, m), not args.aux_loss, args.max_norm)
+    batches = batches[args.skip:]
+    if args.load:
+        ck.load(args.load, prog, rt, opt)
     paths = list(expert_modules(ref))
     here = [paths.index(c.region.path) for c in rt.expert_calls()]      # the MoE layers of this rank's stages
     group = rt.expert_group
@@ -120,6 +130,8 @@ def check(name: str, args: argparse.Namespace) -> dict:
         if ref_norm is not None:
             worst_norm = max(worst_norm, max_rel(rt.last_grad_norm.float(), ref_norm))
         expected += _expected_bytes(routing, here, rt.dp_rank, args.ep, per_rank, model.config.hidden_size)
+    if args.save:
+        ck.save(args.save, prog, rt, opt, step=len(batches))
     mine = {n: p.detach() for n, p in rt.named_parameters()}
     e = rt.dp_rank % args.ep
     want, only_mine = {}, True
@@ -151,6 +163,10 @@ def main() -> None:
     ap.add_argument("--max-norm", type=float, default=None, help="clip gradients to this global norm")
     ap.add_argument("--aux-loss", action="store_true", help="the model adds its load-balancing loss")
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--save", help="write a sharded checkpoint (parameters, AdamW state) after the steps")
+    ap.add_argument("--load", help="start from this checkpoint, written after --skip steps at any mesh")
+    ap.add_argument("--skip", type=int, default=0, help="steps the checkpoint already took (the reference "
+                                                         "trains them first)")
     args = ap.parse_args()
 
     def checks() -> bool:
