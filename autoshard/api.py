@@ -83,7 +83,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches))
-        tp, pp, dp, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.virtual
+        tp, pp, dp, ep, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.ep, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
     recompute = "none" if recompute is None else recompute

@@ -3,7 +3,8 @@ checked against the papers, and evaluated per configuration through `evaluate`.
 
 Symbols: h hidden, l layers, a heads, V vocabulary, s sequence, b microbatch, B global batch,
 t tensor-parallel, p pipeline, d data-parallel, v virtual stages (interleaving), m microbatches
-per pipeline and step (B / (d b)).
+per pipeline and step (B / (d b)); mixture-of-experts layers: E experts of FFN width F (SwiGLU:
+gate, up and down matrices), K experts per token, ep expert-parallel ranks.
 
 Sources: FLOPs and parameters are Narayanan et al. 2021 (PTD-P), section 5.1 and appendix;
 activation bytes are Korthikanti et al. 2022, section 4 (fp16 activations, 1-byte dropout masks).
@@ -16,7 +17,7 @@ import sympy as sp
 
 __all__ = ["SYMBOLS", "FORMULAS", "evaluate", "formula"]
 
-h, l, a, V, s, b, B, t, p, d, v, m = SYMBOLS = sp.symbols("h l a V s b B t p d v m", positive=True)
+h, l, a, V, s, b, B, t, p, d, v, m, E, F, K, ep = SYMBOLS = sp.symbols("h l a V s b B t p d v m E F K ep", positive=True)
 
 _attn = s / (6 * h)                      # attention scores' share of a layer's matmul FLOPs
 # The first pipeline stage holds the most: its layers, its vocabulary shard, the position table.
@@ -55,6 +56,15 @@ FORMULAS: dict[str, sp.Expr] = {
     "p2p_bytes_per_gpu": 2 * b * s * h / t,
     "dp_allreduce_bytes": 2 * _params_gpu,          # fp16 gradients
     "microbatches": B / (d * b),
+    # Mixture of experts (a layer's MLP replaced by E SwiGLU experts and a router): per layer on one
+    # rank, the experts' and router's weights, and the forward FLOPs of one microbatch (K experts
+    # per token, routed evenly; 16 b s h^2 is the dense 4h MLP they replace).
+    "moe_params_per_layer_gpu": 3 * h * F * E / (t * ep) + h * E,
+    "moe_mlp_flops_forward": 2 * b * s * h * (3 * K * F + E),
+    "dense_mlp_flops_forward": 16 * b * s * h**2,
+    # One all-to-all of a microbatch's routed tokens (2-byte values): each rank sends its b s K
+    # (token, expert) rows of h values, the (ep - 1)/ep of them whose expert lives elsewhere.
+    "moe_all_to_all_bytes": 2 * b * s * K * h * (ep - 1) / ep,
     "bubble_fraction": (p - 1) / (v * m),
 }
 

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoshard.errors import require_positive_int, warn_renamed
+from autoshard.planning.collective_timing import allreduce_seconds, tp_allreduce_seconds
 from autoshard.planning.cost_formulas import evaluate
 from autoshard.planning.gemm_timing import (
     LayerShape,
@@ -32,6 +33,7 @@ from autoshard.planning.gemm_timing import (
 )
 from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.memory_model import RankMemory, busiest_rank
+from autoshard.planning.moe_cost import MoELayerCosts, MoEShape, moe_layer_costs
 
 __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
 
@@ -66,6 +68,8 @@ class Estimate:
     memory: RankMemory | None = None    # the busiest rank's peak, by cause
     busiest_pp_rank: int = 0            # the pipeline rank holding the most
     memory_gib_total: float = 0.0       # the hardware's memory per device
+    ep: int = 1                         # expert-parallel ranks (inside dp) of a mixture-of-experts model
+    moe: MoEShape | None = None
 
     @property
     def v(self) -> int:
@@ -88,7 +92,7 @@ class Estimate:
     def explain(self) -> str:
         parts = ", ".join(f"{k} {100 * x / self.seconds_per_iteration:.0f}%"
                           for k, x in self.breakdown.items() if x > 0)
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} microbatch={self.microbatch} virtual={self.virtual}: "
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{f' ep={self.ep}' if self.ep > 1 else ''} microbatch={self.microbatch} virtual={self.virtual}: "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "
                 f"{self.seconds_per_iteration:.2f} s/iteration, {self.memory_gib_per_gpu:.1f} GiB per GPU"
                 f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}"
@@ -96,18 +100,6 @@ class Estimate:
                    f"{self.memory.explain()}, {'within' if self.fits else 'over'} "
                    f"{(1 - _RESERVED) * self.memory_gib_total:.1f} GiB usable" if self.memory else ""))
 
-
-
-def _allreduce_seconds(nbytes: float, n: int, link_gb_s: float, hw: Hardware) -> float:
-    if n == 1:
-        return 0.0
-    return hw.latency_us * 1e-6 + 2 * (n - 1) / n * nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
-
-
-def _tp_allreduce_seconds(x: LayerShape, hw: Hardware) -> float:
-    """One all-reduce of a layer's (b, s, h) output over the tensor-parallel ranks on NVLink."""
-    nbytes = evaluate("tp_allreduce_bytes", b=x.b, s=x.s, h=x.h) * hw.activation_bytes / 2   # formula: 2-byte values
-    return _allreduce_seconds(nbytes, x.t, hw.nvlink_gb_s, hw)
 
 
 def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
@@ -128,8 +120,8 @@ def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, 
     # bytes, two start-up costs), and the norms' weights and the row-parallel biases, read through f,
     # get their gradients summed: six small all-reduces per layer in backward
     sp = x.sp and x.t > 1
-    per_pass = _tp_allreduce_seconds(x, hw) + (hw.latency_us * 1e-6 if sp else 0.0)
-    synced = 6 * _allreduce_seconds(x.h * hw.reduce_bytes, x.t, hw.nvlink_gb_s, hw) if sp else 0.0
+    per_pass = tp_allreduce_seconds(x, hw) + (hw.latency_us * 1e-6 if sp else 0.0)
+    synced = 6 * allreduce_seconds(x.h * hw.reduce_bytes, x.t, hw.nvlink_gb_s, hw) if sp else 0.0
     return gf + ef + dispatch, backward, passes * per_pass + synced
 
 
@@ -144,8 +136,8 @@ def _ends_seconds(x: LayerShape, vocab: int, hw: Hardware) -> tuple[float, float
     embed = bytes_seconds(8 * tokens, hw)                      # lookup and gradient scatter
     # the vocab-parallel embedding's sum; the vocab-parallel loss's three small all-reduces (max,
     # sum of exponentials, target logit)
-    loss_comm = 3 * _allreduce_seconds(4 * x.b * x.s, x.t, hw.nvlink_gb_s, hw)
-    return embed, head, _tp_allreduce_seconds(x, hw) + loss_comm
+    loss_comm = 3 * allreduce_seconds(4 * x.b * x.s, x.t, hw.nvlink_gb_s, hw)
+    return embed, head, tp_allreduce_seconds(x, hw) + loss_comm
 
 
 def candidates(*, layers: int, pp: int, dp: int, global_batch: int, microbatch: int | None = None,
@@ -164,7 +156,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              global_batch: int, microbatch: int | None = None, virtual: int | None = None,
              hardware: str | Hardware = "a100-80gb", recompute: str = "full",
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
-             v: int | None = None, distributed_optimizer: bool = False) -> Estimate:
+             v: int | None = None, distributed_optimizer: bool = False, moe: MoEShape | None = None,
+             ep: int = 1) -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
     gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
@@ -174,6 +167,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     which reduces after the backward.
     distributed_optimizer: main parameters and AdamW's moments divided over dp (memory_model.param_bytes;
     the reduce-scatter and all-gather move what the all-reduce does, so time is unchanged).
+    moe: every layer's MLP is E experts (planning/moe_cost.py), divided over `ep` data-parallel
+    ranks (ep divides dp and E); their all-to-alls are `breakdown["ep_comm"]`.
 
     `microbatch=None` or `virtual=None` (pipeline chunks per rank, the paper's v) choose the fastest
     legal value that fits memory (if none fits, the configuration with the least memory, marked
@@ -199,6 +194,10 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
         if (global_batch // dp) % microbatch:
             raise ValueError(f"microbatch={microbatch} does not divide the per-replica batch "
                              f"global_batch/dp = {global_batch}/{dp} = {global_batch // dp}")
+    require_positive_int("ep", ep)
+    if dp % ep or (ep > 1 and (moe is None or moe.experts % ep)):
+        raise ValueError(f"ep={ep} must divide dp={dp} and the experts "
+                         f"({moe.experts if moe else 'none: a dense model has ep=1'})")
     if v is not None:
         require_positive_int("virtual", v)
         if v > 1 and (pp == 1 or layers % (pp * v)):
@@ -211,7 +210,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     shape = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                  global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
                  overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits,
-                 distributed_optimizer=distributed_optimizer)
+                 distributed_optimizer=distributed_optimizer, moe=moe, ep=ep)
     results = [_one(hw, microbatch=mb, v=vv, **shape) for mb, vv in pairs]
     fitting = [e for e in results if e.fits]
     if fitting:
@@ -220,12 +219,18 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
 
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
-         recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer) -> Estimate:
+         recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer, moe, ep) -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
     x = LayerShape(microbatch, seq, hidden, heads, tp, sequence_parallel)
     m = global_batch // (dp * microbatch)
     layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute)
+    node = hw.gpus_per_node
+    experts = moe_layer_costs(x, hw, moe, ep, hw.nvlink_gb_s if tp * ep <= node else hw.network_gb_s) \
+        if moe else MoELayerCosts(0.0, 0.0, 0.0, 0.0, 0.0)
+    layer_forward += experts.forward
+    layer_backward += experts.backward + (experts.forward if recompute == "full" else 0.0)
+    layer_ep = experts.all_to_all * (3 if recompute == "full" else 2)     # forward, backward, recomputed
     # ranks sharing fewer CPU cores than there are ranks run in turns: compute, and every message,
     # which waits for its peer's turn
     share = max(1.0, tp * pp * dp / hw.cores) if hw.cores else 1.0
@@ -238,29 +243,34 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     work_compute = per_rank * layer_compute + ends
     work_comm = per_rank * layer_comm + embed_comm
     if gather_logits:       # an all-gather moves half an all-reduce's bytes
-        work_comm += _allreduce_seconds(2 * microbatch * seq * vocab, tp, hw.nvlink_gb_s, hw) / 2 * (tp > 1)
+        work_comm += allreduce_seconds(2 * microbatch * seq * vocab, tp, hw.nvlink_gb_s, hw) / 2 * (tp > 1)
     work_comm *= share
-    work = work_compute + work_comm
-    node = hw.gpus_per_node
+    work_ep = share * per_rank * layer_ep
+    work = work_compute + work_comm + work_ep
     one_node = tp * pp * dp <= node
     breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm,
                  "bubble": evaluate("bubble_fraction", p=pp, v=v, m=m) * m * work}
+    if moe is not None:
+        breakdown["ep_comm"] = m * work_ep
     tied = 0.0
     if pp > 1:
         link = hw.nvlink_gb_s if one_node else hw.network_gb_s
         sent = evaluate("p2p_bytes_per_gpu", **sym) * hw.activation_bytes / 2
         hop = (hw.latency_us * 1e-6 + sent / (link * 1e9 * hw.network_efficiency)
-               + _tp_allreduce_seconds(x, hw) / 2)          # the all-gather: half an all-reduce
+               + tp_allreduce_seconds(x, hw) / 2)          # the all-gather: half an all-reduce
         breakdown["p2p"] = 2 * v * m * hop * share
         # GPT's tied embedding: the first and last stage add their gradients.
-        tied = _allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
+        tied = allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
     grads = evaluate("dp_allreduce_bytes", **sym) * hw.reduce_bytes / 2    # formula: fp16 gradients
+    expert_grads = 0.0 if moe is None else \
+        per_rank * 3 * hidden * moe.ffn * moe.experts / (tp * ep) * hw.reduce_bytes
     dp_link = hw.nvlink_gb_s if tp * dp <= node else hw.network_gb_s
-    grad_reduce = _allreduce_seconds(grads, dp, dp_link, hw)
+    grads += per_rank * experts.params * hw.reduce_bytes - expert_grads      # the dense part, over dp
+    grad_reduce = allreduce_seconds(grads, dp, dp_link, hw) + allreduce_seconds(expert_grads, dp // ep, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
         grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
     breakdown["dp_comm"] = (tied + grad_reduce) * share
-    params = evaluate("parameters_per_gpu", **sym)
+    params = evaluate("parameters_per_gpu", **sym) + per_rank * experts.params
     tensors = 12 * per_rank + 4        # GPT: 12 per layer; embeddings and the final norm's 2
     breakdown["optimizer"] = share * (params * hw.optimizer_s_per_param + tensors * hw.optimizer_s_per_tensor
                                       if hw.optimizer_s_per_param else bytes_seconds(_ADAM_BYTES * params, hw))
@@ -271,11 +281,15 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     flops = evaluate({"full": "flops_full_recompute", "selective": "flops_selective_recompute",
                       "none": "flops_no_recompute"}[recompute], **sym)
     model_flops = evaluate("flops_no_recompute", **sym)
+    moe_flops = experts.flops * layers * global_batch / microbatch      # forward, the whole batch
+    flops += moe_flops * {"full": 4, "selective": 3, "none": 3}[recompute]
+    model_flops += 3 * moe_flops
     gpus = tp * pp * dp
     busiest, held = busiest_rank(hw, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
                                  microbatch=microbatch, microbatches=m, virtual=v, recompute=recompute,
                                  sequence_parallel=sequence_parallel, dp=dp,
-                                 distributed_optimizer=distributed_optimizer)
+                                 distributed_optimizer=distributed_optimizer, layer_params_added=experts.params,
+                                 ffn=4.0 if moe is None else 2 * moe.top_k * moe.ffn / hidden)
     memory = held.peak
     return Estimate(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                     global_batch=global_batch, microbatch=microbatch, virtual=v, hardware=hw.name, recompute=recompute,
@@ -283,4 +297,4 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                     tflops_per_gpu=flops / seconds / gpus / 1e12,
                     model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
                     memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - _RESERVED) * hw.memory_gib * 2**30,
-                    peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest)
+                    peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest, ep=ep, moe=moe)

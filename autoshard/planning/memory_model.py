@@ -198,16 +198,20 @@ def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recom
 def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: int, pp: int,
                     pp_rank: int, microbatch: int, microbatches: int, virtual: int, recompute: str,
                     sequence_parallel: bool, resid_dropouts: int = 2, dp: int = 1,
-                    distributed_optimizer: bool = False) -> RankMemory:
+                    distributed_optimizer: bool = False, layer_params_added: float = 0.0,
+                    ffn: float = 4.0) -> RankMemory:
     """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask,
     weight and gradient bytes) under 1F1B (interleaved when virtual > 1), with AdamW's state whole or
-    divided over `dp` ranks (`distributed_optimizer`)."""
+    divided over `dp` ranks (`distributed_optimizer`). A mixture-of-experts layer: its parameters
+    beyond the dense layer's on this rank (`layer_params_added`) and its MLP activations as an FFN
+    width `ffn` x hidden (planning/moe_cost.py)."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
-                        e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts)
+                        e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts, ffn=ffn)
     schedule = "interleaved" if virtual > 1 else "1f1b"
     here = -(-layers // pp)
     first, last = pp_rank == 0, pp_rank == pp - 1
     params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
+    params += int(here * layer_params_added)
     per_param = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp, distributed_optimizer=distributed_optimizer)
     return rank_memory(x, params=params, per_param=per_param, recompute=recompute, layers_here=here,
                        inflight=inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual),

@@ -8,7 +8,8 @@
 
 The planner enumerates every legal split of the GPUs (tensor-parallel inside a node and dividing
 the heads, pipeline no deeper than the layers, data-parallel dividing the batch) and every
-activation-recompute mode the runtime has (none, selective, full; or the one asked for), lets
+activation-recompute mode the runtime has (none, selective, full; or the one asked for), for a
+mixture-of-experts model every expert-parallel size dividing dp and the experts, lets
 `costmodel.estimate` pick each one's microbatch and interleaving, drops what does not fit in
 memory, and ranks the rest by predicted iteration time. `Estimate.explain()` says why a plan fits
 (its busiest rank's memory by cause). `hardware` may be a preset's name or a `Hardware`, such as
@@ -23,6 +24,7 @@ import torch.nn as nn
 from autoshard.errors import require_positive_int
 from autoshard.planning.costmodel import RECOMPUTE, Estimate, estimate
 from autoshard.planning.hardware import Hardware, get_hardware
+from autoshard.planning.moe_cost import MoEShape, moe_shape
 
 __all__ = ["ModelShape", "shape_of", "plan", "explain"]
 
@@ -75,23 +77,34 @@ def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware):
                 yield tp, pp, gpus // (tp * pp)
 
 
+def _expert_splits(dp: int, moe: MoEShape | None) -> list[int]:
+    return [e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0] if moe else [1]
+
+
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
          hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str | None = None,
          sequence_parallel: bool = False, top: int | None = None,
-         distributed_optimizer: bool = False) -> list[Estimate]:
+         distributed_optimizer: bool = False, moe: MoEShape | None = None) -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
-    and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory."""
+    and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory.
+    moe: the model's experts (read from a model's config when not given); the planner then also
+    searches ep (dividing dp and the experts), planned without recompute as the runtime runs it."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
     hw = get_hardware(hardware)
     modes = RECOMPUTE if recompute is None else (recompute,)
+    if moe is None and isinstance(model_or_shape, nn.Module):
+        moe = moe_shape(model_or_shape)
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
                       seq=seq or shape.seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
-                      distributed_optimizer=distributed_optimizer)
-             for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for mode in modes]
+                      distributed_optimizer=distributed_optimizer, moe=moe, ep=ep)
+             for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for ep in _expert_splits(dp, moe)
+             for mode in modes if ep == 1 or mode == "none"]
+    if not found and modes and "none" not in modes:
+        raise ValueError(f"recompute={recompute!r} with expert parallelism is not built; plan with recompute='none'")
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:
         least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)
