@@ -14,7 +14,9 @@
    and the activation bytes one layer saves per recompute mode (activation_memory.py, printed).
 5. The distributed optimizer at dp=2 and 4, fp32 and bf16 weights: bytes per parameter per rank
    against the cost model's accounting, and step time with the gradient reduction overlapped or after backward.
-6. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
+6. Expert parallelism against replicated experts (expert_parallel.py): tokens/s and memory per rank
+   of a Mixtral-style model at dp=2 (ep=2) and dp=4 (ep=4).
+7. On a machine with CUDA only: the fused kernels against eager torch and torch.compile
    (benchmarks/kernels.py) and the single-GPU MFU run (benchmarks/mfu.py).
 
 `--quick` runs tiny sizes (a smoke test of the scripts, not a measurement) and never appends.
@@ -70,6 +72,11 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
                     str(HERE / "distributed_optimizer.py"), "--dp", str(dp), "--dtype", dtype,
                     *(["--layers", "2", "--hidden", "64", "--rounds", "2", "--warmup", "0"] if quick else ["--rounds", "15"]),
                     *extra])
+    for dp in (2,) if quick else (2, 4):
+        out.append([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}",
+                    str(HERE / "expert_parallel.py"), "--dp", str(dp), "--ep", str(dp),
+                    *(["--layers", "2", "--hidden", "64", "--ffn", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
+                       "--warmup", "0"] if quick else []), *extra])
     if _has_cuda():
         out.append([py, str(HERE / "kernels.py"), *(["--quick"] if quick else []), *extra])
         out.append([py, str(HERE / "mfu.py"), *(["--quick"] if quick else []), *extra])
