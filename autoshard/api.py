@@ -91,7 +91,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("virtual", virtual),
                     ("microbatches", microbatches)):
         require_positive_int(name, x)
-    _check_expert_parallel(model, ep, dp, recompute, sequence_parallel)
+    _check_expert_parallel(model, ep, dp, sequence_parallel)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
@@ -121,8 +121,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     return prog
 
 
-def _check_expert_parallel(model: nn.Module, ep: int, dp: int, recompute: str, sequence_parallel: bool) -> None:
-    """ep > 1 needs experts modules, an ep dividing dp, and (for now) no recompute or sequence parallelism."""
+def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel: bool) -> None:
+    """ep > 1 needs experts modules, an ep dividing dp, and (for now) no sequence parallelism."""
     if ep == 1:
         return
     if dp % ep:
@@ -131,9 +131,9 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, recompute: str, s
     if not expert_modules(model):
         raise ShardingError(f"ep={ep}: {type(model).__name__} has no experts module expert parallelism knows "
                             f"(autoshard/compile/experts.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
-    if recompute != "none" or sequence_parallel:
-        raise ShardingError(f"ep={ep} is not built with {'recompute=' + repr(recompute) if recompute != 'none' else 'sequence_parallel=True'} "
-                            "yet (untested: refused rather than risk a wrong result)")
+    if sequence_parallel:
+        raise ShardingError(f"ep={ep} is not built with sequence_parallel=True yet (untested: refused rather than "
+                            "risk a wrong result)")
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,

@@ -142,8 +142,10 @@ def outline_recompute(graph: fx.Graph, mode: str, captured_of: Callable[[fx.Node
     plans: list[tuple[int, set[fx.Node]]] = []
     for i in sorted(by_layer):
         seeds = set(by_layer[i]) if mode == "full" else _attention_core(by_layer[i], captured_of, activation)
+        seeds = {n for n in seeds if not _size_arithmetic(n, captured_of)}
         if seeds:
-            region = {n for n in between(graph, seeds) if n.op not in ("placeholder", "get_attr")}
+            region = {n for n in between(graph, seeds)
+                      if n.op not in ("placeholder", "get_attr") and not _size_arithmetic(n, captured_of)}
             plans.append((i, region))
     for i, region in plans:
         others = [n for n in region if layer_of(n, stack.path) not in (None, i)]
@@ -159,6 +161,14 @@ def outline_recompute(graph: fx.Graph, mode: str, captured_of: Callable[[fx.Node
     stable_toposort(graph, "recompute")
     graph.lint()
     return regions
+
+
+def _size_arithmetic(n: fx.Node, captured_of: Callable[[fx.Node], fx.Node | None]) -> bool:
+    """A node computing a size (a SymInt from the inputs' sizes: 2 * batch * seq): it stays outside
+    regions, where the stage split recomputes it on every stage (a region's output would be sent)."""
+    src = captured_of(n)
+    val = n.meta.get("val", src.meta.get("val") if src is not None else None)
+    return isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool)
 
 
 def _outline(graph: fx.Graph, region: set[fx.Node], name: str, layer: str, mode: str) -> RecomputeRegion:

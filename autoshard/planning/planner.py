@@ -77,8 +77,11 @@ def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware):
                 yield tp, pp, gpus // (tp * pp)
 
 
-def _expert_splits(dp: int, moe: MoEShape | None) -> list[int]:
-    return [e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0] if moe else [1]
+def _expert_splits(dp: int, moe: MoEShape | None, sequence_parallel: bool) -> list[int]:
+    """ep sizes to try: dividing dp and the experts (not with sequence parallelism: the runtime refuses both)."""
+    if moe is None or sequence_parallel:
+        return [1]
+    return [e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0]
 
 
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
@@ -89,7 +92,7 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
     and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory.
     moe: the model's experts (read from a model's config when not given); the planner then also
-    searches ep (dividing dp and the experts), planned without recompute as the runtime runs it."""
+    searches ep (dividing dp and the experts; ep=1 with sequence parallelism)."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
@@ -101,10 +104,8 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
                       seq=seq or shape.seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, moe=moe, ep=ep)
-             for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for ep in _expert_splits(dp, moe)
-             for mode in modes if ep == 1 or mode == "none"]
-    if not found and modes and "none" not in modes:
-        raise ValueError(f"recompute={recompute!r} with expert parallelism is not built; plan with recompute='none'")
+             for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for ep in _expert_splits(dp, moe, sequence_parallel)
+             for mode in modes]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:
         least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)

@@ -17,7 +17,8 @@ single-device model chooses for every microbatch of its expert-parallel group:
 
     per MoE layer and microbatch: 8 (ep - 1) + r (8 + 8 H + 4) + m (8 H + 4)
 
-r: its (token, slot) pairs whose expert another rank owns; m: pairs other ranks send it; H: hidden.
+r: its (token, slot) pairs whose expert another rank owns; m: pairs other ranks send it; H: hidden;
+with `--recompute full` the forward's 8 (ep - 1) + r (8 + 4 H + 4) + m 4 H once more.
 (Counts, then expert ids (int64), tokens and weights (fp32) out; results back. Backward: the results'
 gradients out, the tokens' and weights' gradients back.) Rank 0 prints one JSON line.
 
@@ -84,7 +85,7 @@ def _reference_step(ref, opt, slices: list[list[dict]], per_token: bool, max_nor
 
 
 def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], dp_rank: int, ep: int, per_rank: int,
-                    hidden: int) -> int:
+                    hidden: int, recomputed: bool) -> int:
     group = [dp_rank - dp_rank % ep + j for j in range(ep)]
     me = dp_rank % ep
     total = 0
@@ -94,6 +95,8 @@ def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], 
             r = int((owners[dp_rank] != me).sum())
             m = sum(int((owners[d] == me).sum()) for d in group if d != dp_rank)
             total += 8 * (ep - 1) + r * (8 + 8 * hidden + 4) + m * (8 * hidden + 4)
+            if recomputed:          # the forward's exchanges run again in backward
+                total += 8 * (ep - 1) + r * (8 + 4 * hidden + 4) + m * 4 * hidden
     return total
 
 
@@ -103,7 +106,7 @@ def check(name: str, args: argparse.Namespace) -> dict:
     batches = _batches(args.skip + args.steps)
     example = {k: v[:2] for k, v in batches[0].items()}
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches,
-                     example_kwargs=example)
+                     example_kwargs=example, recompute=args.recompute)
     rt = prog.distributed(mesh=True)
     opt = torch.optim.AdamW(rt.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -129,7 +132,8 @@ def check(name: str, args: argparse.Namespace) -> dict:
         worst_loss = max(worst_loss, max_rel(loss, torch.tensor(ref_loss)))
         if ref_norm is not None:
             worst_norm = max(worst_norm, max_rel(rt.last_grad_norm.float(), ref_norm))
-        expected += _expected_bytes(routing, here, rt.dp_rank, args.ep, per_rank, model.config.hidden_size)
+        expected += _expected_bytes(routing, here, rt.dp_rank, args.ep, per_rank, model.config.hidden_size,
+                                    args.recompute == "full")
     if args.save:
         ck.save(args.save, prog, rt, opt, step=len(batches))
     mine = {n: p.detach() for n, p in rt.named_parameters()}
@@ -160,6 +164,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["mixtral"], choices=MOE_NAMES)
     for flag, default in (("--tp", 1), ("--pp", 1), ("--dp", 2), ("--ep", 2), ("--microbatches", 2), ("--steps", 10)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     ap.add_argument("--max-norm", type=float, default=None, help="clip gradients to this global norm")
     ap.add_argument("--aux-loss", action="store_true", help="the model adds its load-balancing loss")
     ap.add_argument("--tol", type=float, default=1e-5)

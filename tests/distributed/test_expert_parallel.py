@@ -19,7 +19,8 @@ MESHES = {
         (["--dp", "4", "--ep", "2", "--max-norm", "0.05"], 4),
     "dp4-ep4": (["--dp", "4", "--ep", "4"], 4),
     "tp2-dp2-ep2": (["--tp", "2", "--dp", "2", "--ep", "2"], 4),
-    "pp2-dp2-ep2": (["--pp", "2", "--dp", "2", "--ep", "2"], 4),
+    "pp2-dp2-ep2 (full recompute: the forward's all-to-alls run again in backward)":
+        (["--pp", "2", "--dp", "2", "--ep", "2", "--recompute", "full"], 4),
 }
 
 

@@ -71,5 +71,4 @@ def test_the_planner_searches_ep_for_moe_models_only():
     shape = ModelShape(**MIXTRAL_8X7B)
     moe_plans = plan(shape, gpus=64, global_batch=256, moe=MoEShape(8, 2, 14336))
     assert moe_plans[0].ep > 1 and {e.ep for e in moe_plans} > {1}
-    assert all(e.recompute == "none" for e in moe_plans if e.ep > 1)
     assert {e.ep for e in plan(shape, gpus=64, global_batch=256)} == {1}
