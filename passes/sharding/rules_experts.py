@@ -10,6 +10,8 @@ dims, and the rule is the linear one: a replicated input starts a column-paralle
 parameter split on its output-feature dim, every expert alike), an input sharded on its features
 ends one (split on the input-feature dim, the partial sums reduced by g after the op). The experts
 dim and `offs` are untouched: every rank runs every expert on its slice of the features.
+`gathered_linear` (HF's batched_mm experts, one expert per row: passes/gathered_experts.py) is split
+the same way.
 """
 from __future__ import annotations
 
@@ -39,4 +41,10 @@ def grouped_mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return param_matmul(ctx, node, 0, 1, 1, None, weight=weight)
 
 
-EXPERT_RULES = {"grouped_mm_fallback": grouped_mm}
+def gathered(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """kernels/experts.py's gathered_linear(x [S, in], W [experts, in, out], ids): row s is
+    x[s] @ W[ids[s]] (HF's batched_mm experts); the same split as grouped_mm's."""
+    return grouped_mm(ctx, node)
+
+
+EXPERT_RULES = {"grouped_mm_fallback": grouped_mm, "gathered_linear": gathered}

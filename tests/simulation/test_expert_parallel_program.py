@@ -36,11 +36,12 @@ def test_each_experts_call_is_one_module_and_the_graph_is_unchanged(name):
     assert max_rel(out.logits, ref.logits) <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
-def test_the_expert_parallel_path_equals_the_model(name):
+@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("olmoe", "grouped_mm"), ("mixtral", "batched_mm")])
+def test_the_expert_parallel_path_equals_the_model(name, impl):
     """Bound to a group of one rank, each call dispatches, runs the model's experts module on the
     received rows with its parameters, and combines: outputs and gradients equal the model's."""
     model = build_moe(name)
+    model.config._experts_implementation = impl
     prog = autoshard(model, dp=2, ep=2, example_kwargs=_call())
     rank = prog.rank(0)
     rank.bind_experts(ExpertGroup(None, 0, 1, 4))

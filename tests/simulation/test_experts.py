@@ -1,6 +1,7 @@
 """Mixture-of-experts decoders from transformers configs (random weights): each expert's
-projections split over tp like a dense MLP's (passes/sharding/rules_experts.py), the router
-replicated and reported; outputs and gradients equal the single-device model's."""
+projections split over tp like a dense MLP's (passes/sharding/rules_experts.py), through HF's
+grouped_mm or batched_mm experts, the router replicated and reported; outputs and gradients equal
+the single-device model's."""
 import pytest
 import torch
 
@@ -9,12 +10,16 @@ from autoshard.testing import grad_errors, max_rel
 from autoshard.testing.models import VOCAB, build_moe
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
-def test_experts_split_over_tensor_parallel_ranks(name, tp):
+def test_experts_split_over_tensor_parallel_ranks(name, tp, impl):
     # before: gate_up_proj and down_proj "kept whole on every rank" (no rule for
-    # transformers.grouped_mm_fallback): Mixtral's rank 0 held 0.89 of the parameters at tp=2
+    # transformers.grouped_mm_fallback): Mixtral's rank 0 held 0.89 of the parameters at tp=2;
+    # HF's batched_mm experts (bmm of the gathered rows W[ids]) likewise, "no sharding rule for
+    # aten.index.Tensor", until passes/gathered_experts.py
     model = build_moe(name)
+    model.config._experts_implementation = impl
     ids = torch.randint(0, VOCAB, (2, 16))
     call = {"input_ids": ids, "labels": (ids * 7 + 3) % VOCAB}
     prog = autoshard(model, tp=tp, example_kwargs=call)

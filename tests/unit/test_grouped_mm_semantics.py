@@ -32,3 +32,20 @@ def test_grouped_mm_splits_like_a_linear_layer(grouped_mm):
     assert torch.allclose(torch.cat(cols, dim=1), full, atol=1e-6)
     rows = [grouped_mm(x[:, r:r + 6], w[:, r:r + 6, :], offs) for r in (0, 6)]  # row-parallel: partial sums
     assert torch.allclose(rows[0] + rows[1], full, atol=1e-5)
+
+
+def test_gathered_linear_is_hf_batched_linear_and_splits_like_a_linear_layer():
+    """kernels/experts.py's gathered_linear (what passes/gathered_experts.py puts in place of HF's
+    batched_mm experts) against transformers' own `_batched_linear` on the stored [experts, out, in]
+    weight, and its column / row split."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    from autoshard.kernels.experts import gathered_linear
+    torch.manual_seed(0)
+    x, w, ids = torch.randn(10, 12), torch.randn(3, 8, 12), torch.tensor([2, 0, 0, 1, 2, 2, 1, 0, 2, 1])
+    full = gathered_linear(x, w.transpose(-2, -1), ids)
+    assert torch.allclose(full, moe._batched_linear(x, w[ids]), atol=1e-6)
+    assert torch.allclose(full[3], x[3] @ w[1].T, atol=1e-6)
+    cols = [gathered_linear(x, w[:, c:c + 4].transpose(-2, -1), ids) for c in (0, 4)]
+    assert torch.allclose(torch.cat(cols, dim=1), full, atol=1e-6)
+    rows = [gathered_linear(x[:, r:r + 6], w[:, :, r:r + 6].transpose(-2, -1), ids) for r in (0, 6)]
+    assert torch.allclose(rows[0] + rows[1], full, atol=1e-5)
