@@ -1,19 +1,26 @@
-"""Experts' matmul with one expert per row: what Hugging Face's `batched_mm` experts compute.
+"""Experts' matmuls on stacked [experts, in, out] weights, as the sharding analysis sees them.
 
     out = gathered_linear(x, w, ids)      # x [S, in], w [experts, in, out], ids [S] -> [S, out]
+    out = einsum_linear(x, w, "btd,edh->bteh")
 
-Row s is x[s] @ w[ids[s]]. HF writes it as `bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)` on the
-stored [experts, out, in] weight; passes/gathered_experts.py rewrites that pattern to this op (the
-weight read through a transpose of its last two dims, as `grouped_mm_fallback` reads it) so that the
-sharding analysis sees one matmul against a parameter (passes/sharding/rules_experts.py). No CUDA
-kernel: the same torch ops, under autograd.
+gathered_linear: row s is x[s] @ w[ids[s]] (Hugging Face's `batched_mm` experts, written there as
+`bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)` on the stored [experts, out, in] weight). einsum_linear:
+an einsum against the weight. passes/expert_matmuls.py rewrites both patterns to these ops so that
+passes/sharding/rules_experts.py sees one matmul against a parameter. No CUDA kernel: the same torch
+ops, under autograd.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gathered_linear"]
+__all__ = ["gathered_linear", "einsum_linear"]
 
 
 def gathered_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), w[ids]).squeeze(1)        # [S, 1, in] @ [S, in, out] -> [S, out]
+
+
+def einsum_linear(x: torch.Tensor, w: torch.Tensor, equation: str) -> torch.Tensor:
+    """torch.einsum(equation, x, w) for a stacked [experts, in, out] weight: the contracted feature
+    last in x's subscripts, the output feature last in the result's (passes/expert_matmuls.py)."""
+    return torch.einsum(equation, x, w)

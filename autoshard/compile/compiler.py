@@ -3,7 +3,7 @@
 `autoshard()` runs them for the example inputs; a program runs them again for each new input
 signature (or mode, or autocast state) a call brings:
 
-    compile_signature: capture (torch.export) -> gathered experts (HF batched_mm as one op)
+    compile_signature: capture (torch.export) -> expert matmuls (bmm / einsum forms as ops)
                        -> annotate (sharding analysis, writes node.meta)
     rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
                        -> tables (size-only values outlined into one cached call)
@@ -28,9 +28,9 @@ from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
+from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
 from autoshard.passes.experts import outline_experts
 from autoshard.passes.fusion.fuse import fuse
-from autoshard.passes.gathered_experts import rewrite_gathered_experts
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
 from autoshard.passes.rewrite.retarget import retarget_device
@@ -70,7 +70,7 @@ class Compiler:
         cap = capture(model, named, dynamic=not self.options.sequence_parallel, training=training)
         if device is not None:       # traced from the released model's meta skeleton
             retarget_device(cap.gm, device)
-        rewrite_gathered_experts(cap.gm, cap.param_names)     # HF's batched_mm experts: one op the analysis knows
+        rewrite_expert_matmuls(cap.gm, cap.param_names)     # experts' bmm / einsum: ops the analysis knows
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)
         if self.compiled:
             first = self.compiled[0]

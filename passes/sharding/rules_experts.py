@@ -10,8 +10,8 @@ dims, and the rule is the linear one: a replicated input starts a column-paralle
 parameter split on its output-feature dim, every expert alike), an input sharded on its features
 ends one (split on the input-feature dim, the partial sums reduced by g after the op). The experts
 dim and `offs` are untouched: every rank runs every expert on its slice of the features.
-`gathered_linear` (HF's batched_mm experts, one expert per row: passes/gathered_experts.py) is split
-the same way.
+`gathered_linear` (HF's batched_mm experts, one expert per row) and `einsum_linear` (an einsum
+against the stacked weight), both put in place by passes/expert_matmuls.py, are split the same way.
 """
 from __future__ import annotations
 
@@ -41,10 +41,14 @@ def grouped_mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return param_matmul(ctx, node, 0, 1, 1, None, weight=weight)
 
 
-def gathered(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    """kernels/experts.py's gathered_linear(x [S, in], W [experts, in, out], ids): row s is
-    x[s] @ W[ids[s]] (HF's batched_mm experts); the same split as grouped_mm's."""
-    return grouped_mm(ctx, node)
+def stacked_matmul(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """kernels/experts.py's gathered_linear(x [S, in], W [experts, in, out], ids) and
+    einsum_linear(x [..., in], W [experts, in, out], equation [..., out]): the features are x's last
+    dim and the output's last, so the split is grouped_mm's for any rank of x."""
+    weight = expert_weight(ctx, node.args[1])
+    if weight is None:
+        return default(ctx, node)
+    return param_matmul(ctx, node, 0, 1, 1, None, weight=weight)
 
 
-EXPERT_RULES = {"grouped_mm_fallback": grouped_mm, "gathered_linear": gathered}
+EXPERT_RULES = {"grouped_mm_fallback": grouped_mm, "gathered_linear": stacked_matmul, "einsum_linear": stacked_matmul}

@@ -17,7 +17,7 @@ def test_experts_split_over_tensor_parallel_ranks(name, tp, impl):
     # before: gate_up_proj and down_proj "kept whole on every rank" (no rule for
     # transformers.grouped_mm_fallback): Mixtral's rank 0 held 0.89 of the parameters at tp=2;
     # HF's batched_mm experts (bmm of the gathered rows W[ids]) likewise, "no sharding rule for
-    # aten.index.Tensor", until passes/gathered_experts.py
+    # aten.index.Tensor", until passes/expert_matmuls.py
     model = build_moe(name)
     model.config._experts_implementation = impl
     ids = torch.randint(0, VOCAB, (2, 16))
@@ -95,6 +95,44 @@ def test_experts_written_as_a_loop_over_linear_modules(tp):
     assert prog.sharding.params["blocks.0.experts.3.w1.weight"].dim == 0
     assert prog.sharding.params["blocks.0.experts.3.w2.weight"].dim == 1
     assert "blocks.0.gate.weight" not in prog.sharding.params               # the router: replicated
+    out, ref = prog.simulate(ids), model(ids)
+    assert max_rel(out, ref) <= 1e-5
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
+    assert max(errs.values()) <= 1e-5, errs
+
+
+class _EinsumExperts(torch.nn.Module):
+    """Experts as stacked 3-D weights applied to every token with einsum, mixed by the router's
+    probabilities; `w_in` stored [experts, out, in] (read transposed), `w_out` [experts, in, out]."""
+
+    def __init__(self, d: int = 32, h: int = 64, e: int = 4):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, d), torch.nn.Linear(d, 64)
+        self.gate = torch.nn.Linear(d, e, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(e, h, d) / d ** 0.5)
+        self.w_out = torch.nn.Parameter(torch.randn(e, h, d) / h ** 0.5)
+
+    def forward(self, ids):
+        x = self.emb(ids)                                                   # [b, t, d]
+        probs = torch.softmax(self.gate(x), -1)                              # [b, t, e]
+        hid = torch.relu(torch.einsum("btd,ehd->bteh", x, self.w_in))        # [b, t, e, h]
+        y = torch.einsum("bteh,ehd->bted", hid, self.w_out)                  # [b, t, e, d]
+        return self.head(x + torch.einsum("bted,bte->btd", y, probs))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_written_with_einsum_split_like_linear_layers(tp):
+    # before: w_in and w_out replicated (no rule for aten.einsum with a parameter operand)
+    torch.manual_seed(0)
+    model = _EinsumExperts()
+    ids = torch.randint(0, 64, (2, 8))
+    prog = autoshard(model, tp=tp, example_inputs=(ids,))
+    assert prog.sharding.params["w_in"].dim == 1 and prog.sharding.params["w_out"].dim == 1
+    assert prog.rank(0).get_parameter("w_in").shape == (4, 64 // tp, 32)
+    code = prog.rank(0).code
+    assert code.count("einsum_linear(") == 2 and "einsum.default(" in code      # the mixing einsum stays
     out, ref = prog.simulate(ids), model(ids)
     assert max_rel(out, ref) <= 1e-5
     out.square().mean().backward()

@@ -35,7 +35,7 @@ def test_grouped_mm_splits_like_a_linear_layer(grouped_mm):
 
 
 def test_gathered_linear_is_hf_batched_linear_and_splits_like_a_linear_layer():
-    """kernels/experts.py's gathered_linear (what passes/gathered_experts.py puts in place of HF's
+    """kernels/experts.py's gathered_linear (what passes/expert_matmuls.py puts in place of HF's
     batched_mm experts) against transformers' own `_batched_linear` on the stored [experts, out, in]
     weight, and its column / row split."""
     moe = pytest.importorskip("transformers.integrations.moe")
