@@ -17,8 +17,9 @@ MESHES = {
                                                      "--models", "mixtral", "qwen3_moe", "olmoe"], 2),
     "dp4-ep2 (experts' gradients summed over 2 replicas, clipped by the global norm)":
         (["--dp", "4", "--ep", "2", "--max-norm", "0.05"], 4),
-    "dp4-ep4": (["--dp", "4", "--ep", "4"], 4),
     "tp2-dp2-ep2": (["--tp", "2", "--dp", "2", "--ep", "2"], 4),
+    "tp2-dp4-ep4 (eight processes)": (["--tp", "2", "--dp", "4", "--ep", "4"], 8),
+    "pp2-dp4-ep4 (eight processes)": (["--pp", "2", "--dp", "4", "--ep", "4"], 8),
     "pp2-dp2-ep2 (full recompute: the forward's all-to-alls run again in backward)":
         (["--pp", "2", "--dp", "2", "--ep", "2", "--recompute", "full"], 4),
 }
