@@ -69,7 +69,9 @@ def split_of(opts: TrainOptions, world: int) -> dict:
     micro = opts.microbatches or (2 * pp if pp > 1 else 1)
     if opts.batch % (dp * micro):
         raise TrainError(f"--batch {opts.batch} cannot be split into dp={dp} x microbatches={micro} equal parts")
-    return dict(tp=tp, pp=pp, dp=dp, virtual=opts.virtual, microbatches=micro)
+    if dp % opts.ep:
+        raise TrainError(f"--ep {opts.ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks")
+    return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, virtual=opts.virtual, microbatches=micro)
 
 
 def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) -> None:
@@ -98,8 +100,8 @@ def _compile(opts: TrainOptions, source, world: int):
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=opts.hardware,
                          sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
                          example_kwargs={source.input_name: example, source.label_name: example})
-        split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, virtual=prog.virtual, microbatches=prog.microbatches,
-                     recompute=prog.recompute)
+        split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, ep=prog.dims.ep, virtual=prog.virtual,
+                     microbatches=prog.microbatches, recompute=prog.recompute)
         if opts.batch % (split["dp"] * split["microbatches"]):
             raise TrainError(f"the planner's dp={split['dp']} x microbatches={split['microbatches']} does not divide "
                              f"--batch {opts.batch}")
@@ -176,7 +178,7 @@ def run(opts: TrainOptions) -> int:
     est = _estimated_seconds(opts, source, split)
     if rank == 0:
         print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
-              f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
+              + (f"ep={split['ep']} " if split.get("ep", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
               + (f"AdamW state sharded over dp={split['dp']}, " if opts.distributed_optimizer else "")
               + (f"{opts.precision} with fp32 main weights, " if opts.precision != "fp32" else "") +
               f"{batches.sequences} sequences of "

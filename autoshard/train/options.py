@@ -32,6 +32,7 @@ class TrainOptions:
     pp: int
     virtual: int
     dp: int | None
+    ep: int
     microbatches: int | None
     plan: bool
     sequence_parallel: bool
@@ -85,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
                    help="pipeline chunks per rank (interleaved 1F1B when > 1); under torchrun spell it "
                         "--virtual-pipeline (torchrun takes --virtual for its own --virtual-local-rank)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the rest of the world)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism for MoE models: each layer's experts divided "
+                                                     "over this many data-parallel ranks (divides dp)")
     p.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank and step (default: 2 x pp)")
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
     p.add_argument("--sequence-parallel", action="store_true")

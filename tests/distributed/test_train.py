@@ -3,7 +3,8 @@ on the README as text and its loss falls; a run stopped at step 30 (as a crash w
 gives the uninterrupted run's losses exactly; its checkpoint resumes at another split; the exported
 folder loads with from_pretrained and gives the trained program's logits; the planner's dp=2; the
 distributed optimizer's losses are plain AdamW's; GPT-2
-with dropout resumes exactly too; Ctrl-C leaves no partial checkpoint."""
+with dropout resumes exactly too; Ctrl-C leaves no partial checkpoint; a Mixtral's experts divided over
+ep=2 give the replicated run's losses."""
 import csv
 import os
 import shutil
@@ -127,3 +128,16 @@ def test_ctrl_c_stops_the_run_and_leaves_no_partial_checkpoint(tmp_path):
     assert "interrupted; the newest complete checkpoint is" in err and "(continue with --resume)" in err
     folders = os.listdir(tmp_path / "checkpoints")
     assert folders and all(os.path.isfile(tmp_path / "checkpoints" / f / "index.json") for f in folders)
+
+
+@pytest.mark.slow
+def test_train_mixtral_with_expert_parallelism_gives_the_replicated_runs_losses(tmp_path):
+    args = ["--model", "mixtral", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--batch", "4",
+            "--steps", "6", "--warmup", "2", "--dp", "2"]
+    _train(tmp_path / "replicated", *args, nproc=2)
+    out = _train(tmp_path / "ep", *args, "--ep", "2", nproc=2).stdout
+    assert "dp=2 ep=2" in out
+    plain, ep = ([float(r["loss"]) for r in _rows(tmp_path / k)] for k in ("replicated", "ep"))
+    assert len(ep) == 6 and max(abs(a - b) / abs(b) for a, b in zip(ep, plain)) < 1e-5, (ep, plain)
+    bad = _train(tmp_path / "bad", *args, "--ep", "3", nproc=2, check=False)
+    assert bad.returncode != 0 and "--ep 3 must divide dp=2" in bad.stdout + bad.stderr
