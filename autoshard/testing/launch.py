@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "run_checker"]
+__all__ = ["agree", "run_checker", "torchrun_lines"]
 
 
 def agree(result: dict, good: bool) -> bool:
@@ -47,3 +47,15 @@ def run_checker(main: Callable[[], bool]) -> None:
     # (SIGABRT, "terminate called without an active exception") in about one exit in four here.
     # The verdict is already computed and agreed by all ranks, so leave without finalization.
     os._exit(0 if ok else 1)
+
+
+def torchrun_lines(module: str, args: list[str], world: int, timeout: int = 600) -> list[dict]:
+    """Run checker `module` under torchrun on `world` gloo processes (one thread each); asserts it
+    exits 0 and returns the JSON lines rank 0 printed."""
+    import subprocess
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", module, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

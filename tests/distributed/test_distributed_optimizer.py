@@ -2,12 +2,10 @@
 10 steps' losses and parameters, 1/dp of the optimizer state, gradient reductions started inside
 backward (as traced), a checkpoint written at dp=4 that continues at tp=2 x dp=2 with the same losses,
 and a bf16 run whose checkpoint keeps its fp32 main weights."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from autoshard.testing.launch import torchrun_lines
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +15,7 @@ MESHES = {"dp2-tp2": (["--dp", "2", "--tp", "2", "--models", "gpt2"], 4),
 
 
 def _run(args: list[str], world: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "autoshard.testing.zero_check", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return torchrun_lines("autoshard.testing.zero_check", args, world)
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))

@@ -1,13 +1,12 @@
 """Expert parallelism on gloo processes against single-device training (autoshard/testing/expert_check.py):
-10 AdamW steps' losses and final parameters (and the clipped gradient norm on one mesh), each rank holding only its experts, and the bytes each rank
-sends through the all-to-alls equal to the formula over the routing the model chooses; checkpoints
-across tp and ep."""
-import json
+10 AdamW steps' losses and final parameters (and the clipped gradient norm on one mesh), each rank
+holding only its experts, and the bytes each rank sends through the all-to-alls equal to the formula
+over the routing the model chooses; checkpoints across tp and ep."""
 import os
-import subprocess
-import sys
 
 import pytest
+
+from autoshard.testing.launch import torchrun_lines
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +25,7 @@ MESHES = {
 
 
 def run_expert_check(args: list[str], world: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "autoshard.testing.expert_check", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return torchrun_lines("autoshard.testing.expert_check", args, world)
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))

@@ -41,6 +41,16 @@ def test_experts_split_over_tensor_parallel_ranks(name, tp, impl):
     assert max(errs.values()) <= 1e-5, errs
 
 
+def _equals_the_model(prog, model, ids) -> None:
+    """Outputs, and gradients of a loss of them, equal the single-device model's."""
+    out, ref = prog.simulate(ids), model(ids)
+    assert max_rel(out, ref) <= 1e-5
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
+    assert max(errs.values()) <= 1e-5, errs
+
+
 class _Expert(torch.nn.Module):
     def __init__(self, d: int, h: int):
         super().__init__()
@@ -95,12 +105,7 @@ def test_experts_written_as_a_loop_over_linear_modules(tp):
     assert prog.sharding.params["blocks.0.experts.3.w1.weight"].dim == 0
     assert prog.sharding.params["blocks.0.experts.3.w2.weight"].dim == 1
     assert "blocks.0.gate.weight" not in prog.sharding.params               # the router: replicated
-    out, ref = prog.simulate(ids), model(ids)
-    assert max_rel(out, ref) <= 1e-5
-    out.square().mean().backward()
-    ref.square().mean().backward()
-    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
-    assert max(errs.values()) <= 1e-5, errs
+    _equals_the_model(prog, model, ids)
 
 
 class _EinsumExperts(torch.nn.Module):
@@ -133,9 +138,4 @@ def test_experts_written_with_einsum_split_like_linear_layers(tp):
     assert prog.rank(0).get_parameter("w_in").shape == (4, 64 // tp, 32)
     code = prog.rank(0).code
     assert code.count("einsum_linear(") == 2 and "einsum.default(" in code      # the mixing einsum stays
-    out, ref = prog.simulate(ids), model(ids)
-    assert max_rel(out, ref) <= 1e-5
-    out.square().mean().backward()
-    ref.square().mean().backward()
-    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
-    assert max(errs.values()) <= 1e-5, errs
+    _equals_the_model(prog, model, ids)
