@@ -1,7 +1,8 @@
-"""bf16 and fp16 training with fp32 main weights (DistributedOptimizer) on gloo processes, 50 AdamW
-steps: losses track the fp32 run (within 2%, bf16's 8 significant bits over 50 steps; measured
-<= 0.44%), step 1's fp32 main weights equal a one-process reference with the same casts (<= 1e-6),
-and under fp16 an inf gradient on one rank skips the step on every rank and halves the loss scale.
+"""bf16 and fp16 training with fp32 main weights (DistributedOptimizer) on gloo processes, 30 AdamW
+steps here (the check's default is 50): losses track the fp32 run (within 2%, bf16's 8 significant
+bits; measured <= 0.44% over 50 steps, <= 0.19% over 30 at tp2-dp2), step 1's fp32 main weights
+equal a one-process reference with the same casts (<= 1e-6), and under fp16 an inf gradient on one
+rank skips the step on every rank and halves the loss scale.
 The suite runs each mesh with a rotation of models and precisions; benchmarks/RESULTS.md has the
 full matrix (autoshard/testing/mixed_precision_check.py)."""
 import json
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.slow
 
 MESHES = {"tp2-dp2": (["--tp", "2", "--dp", "2"], 4, [("gpt2", "bf16"), ("llama", "fp16")]),
           "pp2-dp2": (["--pp", "2", "--dp", "2"], 4, [("llama", "bf16"), ("gpt2", "fp16")]),
-          "tp2-pp2-dp2": (["--tp", "2", "--pp", "2", "--dp", "2"], 8, [("gpt2", "fp16"), ("llama", "bf16")])}
+          # the four-process meshes cover every (model, precision); the full mesh (eight processes, the
+          # slowest here) runs fp16's skipped inf step across tp, pp and dp with GPT-2's tied embedding
+          "tp2-pp2-dp2": (["--tp", "2", "--pp", "2", "--dp", "2"], 8, [("gpt2", "fp16")])}
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
@@ -24,7 +27,7 @@ def test_half_precision_tracks_fp32_with_exact_fp32_main_weights(mesh):
     lines = []
     for model, precision in combos:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "autoshard.testing.mixed_precision_check", *args, "--models", model, "--precisions", precision]
+               "-m", "autoshard.testing.mixed_precision_check", *args, "--models", model, "--precisions", precision, "--steps", "30"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
