@@ -21,8 +21,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from autoshard.checkpoint.expert_layouts import legacy_name, read_legacy_experts
+from autoshard.checkpoint.experts import ExpertRows
 from autoshard.checkpoint.index import SEP, CheckpointError, PieceReader, read_index
 from autoshard.checkpoint.sharded import layout_of
+from autoshard.compile.rank import slice_layout
 from autoshard.factory import load_factory, one_line_errors
 
 __all__ = ["load_full_state_dict", "consolidate", "load_from_file"]
@@ -72,28 +75,42 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
     """Load this rank's slices from a single-device safetensors checkpoint (a file, or a folder with
     model.safetensors or model.safetensors.index.json); returns the number of elements read."""
     weight_map = _weight_map(source)
+    stored = set(weight_map)
     aliases = prog.param_aliases
+    experts = ExpertRows(prog, module)                 # expert parallelism: this rank's experts only
+    tp_rank = module.tp_rank
     index = {"tensors": {}, "files": {}}
+    assembled: dict[str, torch.Tensor] = {}            # experts stored one module each (expert_layouts.py)
     for name in dict(module.named_parameters()):
-        stored = next((a for a in aliases.get(name, [name]) if a in weight_map), None)
-        if stored is None:
-            raise CheckpointError(f"{source} has no tensor for parameter {name}")
-        with _open(weight_map[stored]) as fh:
-            sl = fh.get_slice(stored)
-            shape, dtype = sl.get_shape(), sl.get_dtype()
         want = list(prog.param_shapes[name])
+        stored_as = next((a for a in aliases.get(name, [name]) if a in weight_map), None) or legacy_name(name, stored)
+        if stored_as is None:
+            mine = (experts.lo, experts.lo + experts.per) if name in experts.names else (0, want[0])
+            t = read_legacy_experts(name, want, mine, stored, lambda key: _read(weight_map[key], key))
+            if t is None:
+                raise CheckpointError(f"{source} has no tensor for parameter {name}")
+            lay = layout_of(prog, name, tp_rank)
+            assembled[name] = slice_layout(t, lay[0], lay[1]) if lay else t
+            continue
+        with _open(weight_map[stored_as]) as fh:
+            sl = fh.get_slice(stored_as)
+            shape, dtype = sl.get_shape(), sl.get_dtype()
         if shape != want:
-            raise CheckpointError(f"{stored} has shape {tuple(shape)} in {source}, the model's {name} is {tuple(want)}")
+            raise CheckpointError(f"{stored_as} has shape {tuple(shape)} in {source}, the model's {name} is {tuple(want)}")
         dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
         index["tensors"][name] = {"shape": shape, "dtype": dtypes.get(dtype, "float32"), "dim": None,
-                                  "pieces": [{"file": weight_map[stored], "key": stored, "start": 0, "stop": 0}]}
+                                  "pieces": [{"file": weight_map[stored_as], "key": stored_as, "start": 0, "stop": 0}]}
     reader = PieceReader("", index, verify=False)
-    tp_rank = module.tp_rank
-    new = {name: reader.rows(name, layout_of(prog, name, tp_rank)) for name in index["tensors"]}
+    new = {name: (experts.rows(reader, name, layout_of(prog, name, tp_rank)) if name in experts.names
+                  else reader.rows(name, layout_of(prog, name, tp_rank))) for name in index["tensors"]}
+    new.update(assembled)
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if new[name].shape != p.shape:
+                raise CheckpointError(f"{name}: read {tuple(new[name].shape)} from {source}, this rank holds "
+                                      f"{tuple(p.shape)}")
             p.copy_(new[name])
-    return reader.elements
+    return reader.elements + sum(t.numel() for t in assembled.values())
 
 
 def _weight_map(source: str) -> dict[str, str]:
@@ -112,6 +129,11 @@ def _weight_map(source: str) -> dict[str, str]:
         with _open(f) as fh:
             out.update({k: f for k in fh.keys()})
     return out
+
+
+def _read(path: str, key: str) -> torch.Tensor:
+    with _open(path) as fh:
+        return fh.get_tensor(key)
 
 
 @contextmanager

@@ -78,13 +78,21 @@ def materialize(prog: ShardedProgram, module: nn.Module, *, seed: int = 0, init:
     """Give a rank module (`prog.rank(r)`) or pipeline runtime (`prog.distributed()`) of a program
     compiled from a meta-device model real tensors for its shards. Returns the number of tensors set."""
     tp_rank = module.tp_rank
+    group = getattr(module, "expert_group", None)          # expert parallelism: this rank's experts only
+    experts = set(getattr(module, "expert_params", ())) if group is not None else set()
     new: dict[str, torch.Tensor] = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if not t.is_meta:
             continue
         full = full_tensor(prog.model, name, seed, init)
         use = prog.sharding.params.get(name) if isinstance(t, nn.Parameter) else None
-        local = slice_layout(full, use.dim, use.layout[tp_rank]).clone() if use else full
+        local = slice_layout(full, use.dim, use.layout[tp_rank]) if use else full
+        if name in experts:                                 # [experts, ...] -> [per_rank, ...]
+            local = local[group.rank * group.per_rank:(group.rank + 1) * group.per_rank]
+        if local.shape != t.shape:
+            raise ShardingError(f"materialize: {name} comes out {tuple(local.shape)} on this rank but the program "
+                                f"holds it as {tuple(t.shape)}")
+        local = local.clone() if local is not full else full
         new[name] = nn.Parameter(local, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else local
     module.set_tensors(new)
     for gm in module.graph_modules():       # export wrote device=meta into the graphs

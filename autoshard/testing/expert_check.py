@@ -22,7 +22,10 @@ with `--recompute full` the forward's 8 (ep - 1) + r (8 + 4 H + 4) + m 4 H once 
 (Counts, then expert ids (int64), tokens and weights (fp32) out; results back. Backward: the results'
 gradients out, the tokens' and weights' gradients back.) Rank 0 prints one JSON line.
 
-`--save DIR` writes a checkpoint after the steps; `--load DIR --skip K` (at any tp, pp, dp, ep) starts
+`--meta` builds both on the meta device: each rank materializes only its shards, the reference
+its whole (materialize_full), the same values by name. `--from-file DIR`: the reference is saved with
+save_pretrained (experts one module each, as published checkpoints are) and every rank loads its
+slices with load_from_file. `--save DIR` writes a checkpoint after the steps; `--load DIR --skip K` (at any tp, pp, dp, ep) starts
 from one written after K steps, the reference training those K steps first, and checks the same.
 """
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.checkpoint import sharded as ck
+from autoshard.checkpoint.convert import load_from_file
+from autoshard.checkpoint.materialize import materialize, materialize_full
 from autoshard.compile.experts import expert_modules
 from autoshard.compile.rank import slice_layout
 from autoshard.testing.launch import agree, run_checker
@@ -101,13 +106,24 @@ def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], 
 
 
 def check(name: str, args: argparse.Namespace) -> dict:
-    ref = build_moe(name, aux_loss=args.aux_loss)
-    model = build_moe(name, aux_loss=args.aux_loss)
+    ref = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta else "cpu")
+    model = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta or args.from_file else "cpu")
+    if args.meta:
+        materialize_full(ref, seed=0)
+    folder = f"{args.from_file}/{name}" if args.from_file else None
+    if folder and dist.get_rank() == 0:
+        ref.save_pretrained(folder)          # transformers writes experts one module each
+    if folder:
+        dist.barrier()
     batches = _batches(args.skip + args.steps)
     example = {k: v[:2] for k, v in batches[0].items()}
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches,
                      example_kwargs=example, recompute=args.recompute)
     rt = prog.distributed(mesh=True)
+    if args.meta or folder:                  # this rank's tp slices of its own experts, nothing more
+        materialize(prog, rt, seed=0)
+    if folder:
+        load_from_file(folder, prog, rt)
     opt = torch.optim.AdamW(rt.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     m = args.microbatches
@@ -167,6 +183,10 @@ def main() -> None:
     ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     ap.add_argument("--max-norm", type=float, default=None, help="clip gradients to this global norm")
     ap.add_argument("--aux-loss", action="store_true", help="the model adds its load-balancing loss")
+    ap.add_argument("--meta", action="store_true", help="build on the meta device; each rank materializes its "
+                                                        "shards (the reference: materialize_full)")
+    ap.add_argument("--from-file", metavar="DIR", help="the reference saved with save_pretrained under DIR; "
+                                                       "the program built on meta and loaded from it")
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--save", help="write a sharded checkpoint (parameters, AdamW state) after the steps")
     ap.add_argument("--load", help="start from this checkpoint, written after --skip steps at any mesh")

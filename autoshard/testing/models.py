@@ -44,9 +44,15 @@ def build_model(name: str, *, seed: int = 0, layers: int = 2, heads: int = 8, kv
 
 
 def build_moe(name: str, *, seed: int = 0, layers: int = 2, experts: int = 4, top_k: int = 2,
-              aux_loss: bool = False) -> nn.Module:
+              aux_loss: bool = False, device: str = "cpu") -> nn.Module:
     """A seeded small mixture-of-experts decoder from transformers (hidden 32, 4 heads / 2 kv);
-    `aux_loss`: the model adds its load-balancing loss to `.loss` (output_router_logits)."""
+    `aux_loss`: the model adds its load-balancing loss to `.loss` (output_router_logits);
+    `device="meta"`: nothing allocated (checkpoint/materialize.py gives it values)."""
+    with torch.device(device):
+        return _build_moe(name, seed, layers, experts, top_k, aux_loss)
+
+
+def _build_moe(name: str, seed: int, layers: int, experts: int, top_k: int, aux_loss: bool) -> nn.Module:
     import transformers as hf
     torch.manual_seed(seed)
     common = dict(num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,

@@ -1,7 +1,8 @@
 """Expert parallelism on gloo processes against single-device training (autoshard/testing/expert_check.py):
 10 AdamW steps' losses and final parameters (and the clipped gradient norm on one mesh), each rank
 holding only its experts, and the bytes each rank sends through the all-to-alls equal to the formula
-over the routing the model chooses; checkpoints across tp and ep."""
+over the routing the model chooses; checkpoints across tp and ep; models built on the meta device
+(each rank materializes or loads only its experts)."""
 import os
 
 import pytest
@@ -16,11 +17,12 @@ MESHES = {
                                                      "--models", "mixtral", "qwen3_moe", "olmoe"], 2),
     "dp4-ep2 (experts' gradients summed over 2 replicas, clipped by the global norm)":
         (["--dp", "4", "--ep", "2", "--max-norm", "0.05"], 4),
-    "tp2-dp2-ep2": (["--tp", "2", "--dp", "2", "--ep", "2"], 4),
+    "tp2-dp2-ep2 (built on the meta device, loaded from save_pretrained's experts-one-module-each files)":
+        (["--tp", "2", "--dp", "2", "--ep", "2", "--from-file", "{tmp}", "--models", "mixtral", "qwen3_moe"], 4),
     "tp2-dp4-ep4 (eight processes)": (["--tp", "2", "--dp", "4", "--ep", "4"], 8),
     "pp2-dp4-ep4 (eight processes)": (["--pp", "2", "--dp", "4", "--ep", "4"], 8),
-    "pp2-dp2-ep2 (full recompute: the forward's all-to-alls run again in backward)":
-        (["--pp", "2", "--dp", "2", "--ep", "2", "--recompute", "full"], 4),
+    "pp2-dp2-ep2 (full recompute: the forward's all-to-alls run again in backward; built on meta)":
+        (["--pp", "2", "--dp", "2", "--ep", "2", "--recompute", "full", "--meta"], 4),
 }
 
 
@@ -29,8 +31,9 @@ def run_expert_check(args: list[str], world: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_expert_parallel_training_equals_one_device(mesh):
+def test_expert_parallel_training_equals_one_device(mesh, tmp_path):
     args, world = MESHES[mesh]
+    args = [str(tmp_path) if a == "{tmp}" else a for a in args]
     lines = run_expert_check(args, world)
     models = args[args.index("--models") + 1:] if "--models" in args else ["mixtral"]
     assert [line["model"] for line in lines] == models

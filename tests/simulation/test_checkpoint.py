@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from autoshard import autoshard
 from autoshard import checkpoint as ck
@@ -14,7 +14,7 @@ from autoshard.checkpoint.materialize import materialize, materialize_full
 from autoshard.errors import ShardingError
 from autoshard.passes.rewrite.retarget import retarget_device
 from autoshard.testing.metrics import max_rel
-from autoshard.testing.models import build_model
+from autoshard.testing.models import VOCAB, build_model, build_moe
 
 
 def _kw(step, size=4):
@@ -98,6 +98,29 @@ def test_rank_reads_only_its_slices_of_a_full_file(tmp_path):
         assert read == sum(p.numel() for p in r.parameters()) < total / 2
     full = prog.full_state_dict()
     assert all(torch.equal(full[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_checkpoint_with_experts_one_module_each_loads_into_stacked_experts(name, tmp_path):
+    """save_pretrained (and published checkpoints) store experts one Linear each, Mixtral's under
+    block_sparse_moe with w1/w3/w2; the model trains them stacked [experts, ...]. Loaded at tp=2 from
+    such a folder, the program gives the model's logits (before: 'has no tensor for parameter
+    model.layers.0.mlp.gate.weight'). A folder with other expert counts is refused by name."""
+    model = build_moe(name)
+    model.save_pretrained(str(tmp_path))
+    assert not any("gate_up_proj" in k for k in load_file(str(tmp_path / "model.safetensors")))
+    kw = {"input_ids": _kw(0)["input_ids"] % VOCAB}
+    prog = autoshard(build_moe(name, device="meta"), tp=2, example_kwargs=kw)
+    for r in prog.ranks():
+        materialize(prog, r, seed=1)
+        load_from_file(str(tmp_path), prog, r)
+    with torch.no_grad():
+        assert max_rel(prog.simulate(**kw).logits, model(**kw).logits) < 1e-5
+    fewer = autoshard(build_moe(name, experts=2, device="meta"), tp=2, example_kwargs=kw)
+    materialize(fewer, fewer.rank(0), seed=1)
+    with pytest.raises(CheckpointError, match="the checkpoint has 4 experts under .*, the model 2|"
+                                              "gate.weight has shape \\(4, 32\\) in .* is \\(2, 32\\)"):
+        load_from_file(str(tmp_path), fewer, fewer.rank(0))
 
 
 def test_bad_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
