@@ -99,10 +99,12 @@ def plan_verb(args: argparse.Namespace) -> None:
                      seq=args.seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel)
     except ValueError as e:
         raise SystemExit(f"autoshard plan: {e}") from None
-    rows = [(i + 1, e.tp, e.pp, e.dp, e.microbatch, e.virtual, f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
+    moe = any(e.moe is not None for e in plans)       # the ep column only for mixture-of-experts models
+    rows = [(i + 1, e.tp, e.pp, e.dp, *([e.ep] if moe else []), e.microbatch, e.virtual,
+             "yes" if e.sequence_parallel else "no", e.recompute, f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
              f"{e.seconds_per_iteration:.3g}", f"{e.memory_gib_per_gpu:.1f}") for i, e in enumerate(plans[:args.top])]
-    print(tabulate(rows, headers=("#", "tp", "pp", "dp", "microbatch", "v", "TFLOP/s/GPU", "% peak", "s/iter",
-                                  "GiB/GPU")))
+    print(tabulate(rows, headers=("#", "tp", "pp", "dp", *(["ep"] if moe else []), "microbatch", "v", "sp", "recompute",
+                                  "TFLOP/s/GPU", "% peak", "s/iter", "GiB/GPU")))
     print(f"\n{len(plans)} configurations fit; the first three:\n{explain(plans)}")
 
 

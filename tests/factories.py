@@ -34,3 +34,8 @@ def no_loss():
         def forward(self, x):
             return x
     return Echo()
+
+
+def small_mixtral():
+    from autoshard.testing.models import build_moe
+    return build_moe("mixtral")

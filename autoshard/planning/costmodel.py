@@ -92,14 +92,14 @@ class Estimate:
     def explain(self) -> str:
         parts = ", ".join(f"{k} {100 * x / self.seconds_per_iteration:.0f}%"
                           for k, x in self.breakdown.items() if x > 0)
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{f' ep={self.ep}' if self.ep > 1 else ''} microbatch={self.microbatch} virtual={self.virtual}: "
+        split = f"tp={self.tp} pp={self.pp} dp={self.dp}" + f" ep={self.ep}" * (self.ep > 1) + " sp" * self.sequence_parallel
+        return (f"{split} microbatch={self.microbatch} virtual={self.virtual}: "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "
                 f"{self.seconds_per_iteration:.2f} s/iteration, {self.memory_gib_per_gpu:.1f} GiB per GPU"
                 f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}"
                 + (f"; memory (pipeline rank {self.busiest_pp_rank}, recompute={self.recompute}): "
                    f"{self.memory.explain()}, {'within' if self.fits else 'over'} "
                    f"{(1 - _RESERVED) * self.memory_gib_total:.1f} GiB usable" if self.memory else ""))
-
 
 
 def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:

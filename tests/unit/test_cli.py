@@ -71,6 +71,21 @@ def test_plan_from_a_factory_and_its_errors(capsys, monkeypatch):
               "--gpus", "2", "--global-batch", "8"])
 
 
+def test_plan_table_tells_every_row_apart(capsys, monkeypatch):
+    """The planner searches recompute, sequence parallelism and (MoE) ep; before, the table showed
+    none of them and its first five rows for a small Mixtral on 8 GPUs read alike."""
+    monkeypatch.chdir(ROOT)
+    main(["plan", "tests.factories:small_mixtral", "--gpus", "8", "--global-batch", "16", "--top", "12"])
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[0].split()
+    assert head[:9] == ["#", "tp", "pp", "dp", "ep", "microbatch", "v", "sp", "recompute"], head
+    rows = [tuple(line.split()[1:9]) for line in lines[2:14]]
+    assert len(rows) == 12 and len(set(rows)) == 12, rows
+    assert {r[3] for r in rows} > {"1"}, rows                        # ep searched
+    main(["plan", "tests.factories:small_gpt2", "--gpus", "4", "--global-batch", "8"])
+    assert "ep" not in capsys.readouterr().out.splitlines()[0].split()  # no MoE: no ep column
+
+
 def test_errors_are_one_line_unless_debug(monkeypatch):
     # before: a 20-35 line traceback for a bad tp
     monkeypatch.chdir(ROOT)
