@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.warmup + 2 * args.rounds):
         overlap = step % 2 == 0
-        opt.grads.overlap = overlap
+        opt.overlap = overlap
         batch = _batch(rows, args.seq, 2 + step)
         dist.barrier()
         start = time.perf_counter()
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> None:
             f"{sizes['optimizer_state'] + sizes['main_params']} | {med[False]:.3f} | {med[True]:.3f} "
             f"| {med[True] / med[False]:.3f} |"])
         summary = (f"GPT-2 {args.layers} layers, hidden {args.hidden}, seq {args.seq}, {rows} rows a step, "
-                   f"{args.microbatches} microbatches, buckets of {args.bucket_mib} MiB ({len(opt.layout.buckets)}); "
+                   f"{args.microbatches} microbatches, buckets of {args.bucket_mib} MiB ({opt.buckets}); "
                    f"median of {args.rounds} steps each, alternating.")
         print(table)
         print(summary)

@@ -31,6 +31,10 @@ reduction runs beside the compute; on gloo it runs on the CPU cores the ranks' b
 and measured side by side it made steps 2-4% slower here (2 cores, dp=2; benchmarks/RESULTS.md),
 so gloo reduces after backward unless asked.
 
+Expert parallelism (ep > 1): the rank's experts are a second flat buffer (runtime/flat_params.py),
+reduced and sharded over the dp/ep ranks holding the same experts (MeshGroups.expert_dp), the
+rest over dp; in the global norm an expert element counts as often as the others do.
+
 `shard=False` keeps everything on every rank (buckets all-reduced; the same numbers, 16 bytes a
 parameter): the baseline the sharded one is checked against. Clipping by the global norm counts
 each element once over tp x pp x dp. Checkpoints (autoshard/checkpoint) save the state whole per
@@ -47,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.errors import ShardingError
-from autoshard.runtime.grad_buffer import GradBuffer, plan_layout
+from autoshard.runtime.flat_params import FlatParams
 from autoshard.runtime.grad_sync import global_grad_norm
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.loss_scale import LossScaler
@@ -71,10 +75,6 @@ class DistributedOptimizer:
             raise ShardingError(f"DistributedOptimizer steps flat pieces of parameters, which only an element-wise "
                                 f"optimizer does exactly; got {getattr(optimizer_class, '__name__', optimizer_class)!r}, "
                                 f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)} (or a subclass)")
-        if getattr(runtime.dims, "ep", 1) > 1:
-            raise ShardingError(f"DistributedOptimizer with ep={runtime.dims.ep} is not built yet (expert gradients "
-                                "reduce over other ranks than the rest); use a torch.optim optimizer on "
-                                "runtime.parameters()")
         named = list(runtime.named_parameters())
         if not named:
             raise ShardingError("DistributedOptimizer: the runtime holds no parameters")
@@ -84,38 +84,46 @@ class DistributedOptimizer:
         self.runtime, self.names = runtime, [n for n, _ in named]
         self.params = [p for _, p in named]
         dims = runtime.dims
-        self.shards = dims.dp if shard else 1
-        self.shard_rank = runtime.dp_rank if shard else 0
+        self.base_replicas = dims.dp // (dims.dp if shard else 1)     # ranks holding each non-expert element
         index = {n: i for i, n in enumerate(self.names)}
         tied = {index[n]: group for pps, group in runtime.groups.shared.items()
                 for n in runtime._prog.shared_params.get(pps, []) if n in index}
-        self.layout = plan_layout([p.numel() for p in self.params], self.shards,
-                                  max(1, bucket_bytes // 4), set(tied))
-        dtype, device = self.params[0].dtype, self.params[0].device
-        self.flat = torch.zeros(self.layout.numel, dtype=dtype, device=device)     # the parameters' storage
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                o = self.layout.offsets[i]
-                self.flat[o: o + p.numel()].copy_(p.reshape(-1))
-                p.data = self.flat[o: o + p.numel()].view(p.shape)
         if overlap is None:       # see the module doc: on gloo the reduction costs the cores backward runs on
             overlap = dims.dp > 1 and dist.get_backend(runtime.groups.dp) != "gloo"
-        self.grads = GradBuffer(self.params, self.layout, runtime.groups.dp, self.shard_rank, dims.dp, tied, overlap)
+        experts = set(getattr(runtime, "expert_params", ())) if getattr(dims, "ep", 1) > 1 else set()
+        spans = [([i for i, n in enumerate(self.names) if n not in experts], runtime.groups.dp, dims.dp, runtime.dp_rank)]
+        if experts:           # experts: over the ranks holding the same experts (dp / ep of them)
+            spans.append(([i for i, n in enumerate(self.names) if n in experts], runtime.groups.expert_dp,
+                          dims.dp // dims.ep, runtime.dp_rank // dims.ep))
+        self.parts: list[tuple[FlatParams, list[int]]] = [
+            (FlatParams([self.params[i] for i in idx], group, size, rank, shard=shard, bucket_bytes=bucket_bytes,
+                        tied={idx.index(i): g for i, g in tied.items() if i in idx}, overlap=overlap), idx)
+            for idx, group, size, rank in spans if idx]
         runtime.grad_buffer = self
-        # the owned pieces: fp32 main parameters (views of the flat storage when that is fp32), fp32 grads
-        self.pieces: dict[int, tuple[int, int, torch.Tensor]] = {}
-        for i in range(len(self.params)):
-            span = self.layout.owned_piece(i, self.shard_rank)
-            if span is not None:
-                lo, hi = span
-                main = self.flat[lo:hi] if dtype == torch.float32 else self.flat[lo:hi].float()
-                main.requires_grad_(True)
-                main.grad = self.grads.data[lo:hi]
-                self.pieces[i] = (lo, hi, main)
-        self.optimizer = optimizer_class([m for _, _, m in self.pieces.values()], **defaults)
+        self.optimizer = optimizer_class([m for part, _ in self.parts for _, _, m in part.pieces.values()], **defaults)
         # fp16: dynamic loss scaling unless a scaler is given; bf16 and fp32 need none
-        self.scaler = loss_scaler if loss_scaler is not None else (LossScaler() if dtype == torch.float16 else None)
+        self.scaler = loss_scaler if loss_scaler is not None else (LossScaler() if named[0][1].dtype == torch.float16 else None)
         self._skip = False
+
+    def _owned(self):
+        """(part, local index, global index, lo, hi, main) for every piece this rank owns."""
+        for part, idx in self.parts:
+            for li, (lo, hi, main) in part.pieces.items():
+                yield part, li, idx[li], lo, hi, main
+
+    @property
+    def buckets(self) -> int:
+        """Reductions per step (buckets over all parts)."""
+        return sum(len(part.layout.buckets) for part, _ in self.parts)
+
+    @property
+    def overlap(self) -> bool:
+        return all(part.grads.overlap for part, _ in self.parts)
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        for part, _ in self.parts:
+            part.grads.overlap = value
 
     # ---- what the runtime calls ----------------------------------------------------------------
     @property
@@ -126,44 +134,48 @@ class DistributedOptimizer:
     def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float) -> None:
         """A step starts: gradients are multiplied by `scale` once reduced (the runtime's loss
         normalisation over the loss scale)."""
-        if self.grads.reduced:
+        if any(part.grads.reduced for part, _ in self.parts):
             raise ShardingError("DistributedOptimizer: the gradient buffer still holds the last step's reduced "
                                 "gradients; call opt.step() and opt.zero_grad() before the next train_step "
                                 "(accumulating over several train_steps is done with microbatches)")
         current = dict(self.runtime.named_parameters())
-        for i, p in enumerate(self.params):
-            if current.get(self.names[i]) is not p or p.data_ptr() != self.flat[self.layout.offsets[i]:].data_ptr():
-                raise ShardingError(f"DistributedOptimizer: parameter {self.names[i]} was replaced after the "
-                                    f"optimizer was built (set_tensors, .to(), load_state_dict with assign?); "
-                                    f"build the optimizer after moving or loading the runtime")
-        self.grads.begin(microbatches, scale, origin)
+        for part, idx in self.parts:
+            for li, i in enumerate(idx):
+                if current.get(self.names[i]) is not self.params[i] or not part.is_storage(li, self.params[i]):
+                    raise ShardingError(f"DistributedOptimizer: parameter {self.names[i]} was replaced after the "
+                                        f"optimizer was built (set_tensors, .to(), load_state_dict with assign?); "
+                                        f"build the optimizer after moving or loading the runtime")
+        for part, _ in self.parts:
+            part.grads.begin(microbatches, scale, origin)
 
     def reduce_records(self) -> list:
-        """The last step's bucket reductions (runtime/grad_buffer.py's ReduceRecord)."""
-        return self.grads.records
+        """The last step's bucket reductions (runtime/grad_buffer.py's ReduceRecord), part by part."""
+        return [r for part, _ in self.parts for r in part.grads.records]
 
     def finish(self, max_norm: float | None) -> torch.Tensor | None:
         """Reduce the step's gradients; with a loss scaler, skip the step on every rank if any
         gradient is inf or NaN (the norm is then inf); clip by the global norm if `max_norm`; return
         the norm."""
-        self.grads.finish()
+        for part, _ in self.parts:
+            part.grads.finish()
         if self.scaler is not None:
-            self._skip = self.scaler.found_inf([m.grad for _, _, m in self.pieces.values()])
+            self._skip = self.scaler.found_inf([main.grad for *_, main in self._owned()])
             self.scaler.update(self._skip)
             if self._skip:
                 return torch.tensor(float("inf"))
         if max_norm is None:
             return None
         weighted = []
-        for i, (lo, hi, main) in self.pieces.items():
+        for part, li, i, lo, hi, main in self._owned():
             w = self.runtime._prog.param_weight(self.names[i], self.runtime.tp_rank)
             if isinstance(w, torch.Tensor):       # per row: spread over the parameter, then cut like the piece
-                o = self.layout.offsets[i]
+                o = part.layout.offsets[li]
                 w = w.expand(self.params[i].shape).reshape(-1)[lo - o: hi - o]
-            weighted.append((main.grad, w))
-        norm = global_grad_norm(weighted, self.runtime.dims, replicas=self.runtime.dims.dp // self.shards)
+            # an element held by fewer ranks than the rest (experts, unsharded) counts as often as they do
+            weighted.append((main.grad, w * (self.base_replicas // part.replicas)))
+        norm = global_grad_norm(weighted, self.runtime.dims, replicas=self.base_replicas)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for _, _, main in self.pieces.values():
+        for *_, main in self._owned():
             main.grad.mul_(coef.to(main.grad.dtype))
         return norm
 
@@ -180,40 +192,37 @@ class DistributedOptimizer:
             self._skip = False
             return
         self.optimizer.step()
-        for lo, hi, main in self.pieces.values():
-            if main.data_ptr() != self.flat[lo:hi].data_ptr():
-                self.flat[lo:hi].copy_(main)
-        if self.shards > 1:
-            for b in self.layout.buckets:
-                a, z = b.owned(self.shard_rank, self.shards)
-                dist.all_gather_into_tensor(self.flat[b.start: b.stop], self.flat[a:z].clone(), group=self.runtime.groups.dp)
+        for part, _ in self.parts:
+            part.publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.grads.zero()
+        for part, _ in self.parts:
+            part.grads.zero()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for: the optimizer's state, fp32 main parameters apart from the
         parameters themselves, fp32 gradients, the parameters (padding included)."""
         state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        main = sum(m.numel() * m.element_size() for lo, hi, m in self.pieces.values()
-                   if m.data_ptr() != self.flat[lo:hi].data_ptr())
-        return {"optimizer_state": state, "main_params": main, "grads": self.grads.data.numel() * 4,
-                "params": self.flat.numel() * self.flat.element_size()}
+        main = sum(m.numel() * m.element_size() for part, _, _, lo, hi, m in self._owned()
+                   if m.data_ptr() != part.flat[lo:hi].data_ptr())
+        return {"optimizer_state": state, "main_params": main,
+                "grads": sum(part.grads.data.numel() * 4 for part, _ in self.parts),
+                "params": sum(part.flat.numel() * part.flat.element_size() for part, _ in self.parts)}
 
     # ---- checkpoints: the state whole per parameter ----------------------------------------------
-    def _separate_main(self) -> bool:
-        return any(m.data_ptr() != self.flat[lo:hi].data_ptr() for lo, hi, m in self.pieces.values())
+    def _wholes(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each parameter's `value_of(main)` by its index, whole (gathered over its part's group), in fp32."""
+        out = {}
+        for part, idx in self.parts:
+            full = part.whole(value_of)
+            for li, i in enumerate(idx):
+                out[i] = part.view(full, li)
+        return out
 
-    def _whole(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """A flat fp32 tensor over the layout holding `value_of(piece)` at every owned piece, summed
-        over dp (the owned ranges are disjoint, so that is a gather)."""
-        full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.flat.device)
-        for lo, hi, main in self.pieces.values():
-            full[lo:hi] = value_of(main)
-        if self.shards > 1:
-            dist.all_reduce(full, group=self.runtime.groups.dp)
-        return full
+    def main_params(self) -> dict[str, torch.Tensor]:
+        """The fp32 main parameters, whole per local parameter (every rank of the group must call it)."""
+        return {self.names[i]: t for i, t in self._wholes(lambda m: m).items()}
 
     def checkpoint_view(self) -> SimpleNamespace:
         """An optimizer-like view (`state` by parameter, `param_groups`) with each tensor state whole
@@ -221,21 +230,22 @@ class DistributedOptimizer:
         themselves (bf16, fp16), and the loss scaler's state in the parameter groups. Every dp rank
         must call it (it all-reduces)."""
         mine = {k: isinstance(v, torch.Tensor) and v.dim() > 0 for s in self.optimizer.state.values() for k, v in s.items()}
+        sharded = self.base_replicas == 1 and self.runtime.dims.dp > 1
         kinds: dict[str, bool] = {}
-        for part in (all_gather_json(mine, self.runtime.groups.dp) if self.shards > 1 else [mine]):
+        for part in (all_gather_json(mine, self.runtime.groups.dp) if sharded else [mine]):
             kinds.update(part)          # a rank may own no piece: every rank takes every key
         state: dict = {p: {} for p in self.params}
-        wholes = {k: self._whole(lambda m, k=k: self.optimizer.state[m][k]) for k in sorted(kinds) if kinds[k]}
-        if self._separate_main():
-            wholes["main"] = self._whole(lambda m: m)
-        for k, full in wholes.items():
-            for i, p in enumerate(self.params):
-                o = self.layout.offsets[i]
-                state[p][k] = full[o: o + p.numel()].view(p.shape)
+        keys = [k for k in sorted(kinds) if kinds[k]]
+        for k in keys:
+            for i, t in self._wholes(lambda m, k=k: self.optimizer.state[m][k]).items():
+                state[self.params[i]][k] = t
+        if any(part.separate_main() for part, _ in self.parts):
+            for i, t in self._wholes(lambda m: m).items():
+                state[self.params[i]]["main"] = t
         for k in sorted(k for k in kinds if not kinds[k]):        # scalars (AdamW's step): the same on every piece
             sample = next((s[k] for s in self.optimizer.state.values() if k in s), 0.0)
-            value = torch.tensor(float(sample), dtype=torch.float64, device=self.flat.device)
-            if self.shards > 1:
+            value = torch.tensor(float(sample), dtype=torch.float64, device=self.params[0].device)
+            if sharded:
                 dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.runtime.groups.dp)
             for p in self.params:
                 state[p][k] = value.float() if isinstance(sample, torch.Tensor) else float(value)
@@ -252,14 +262,14 @@ class DistributedOptimizer:
         """Take the owned pieces of a whole-per-parameter state (what checkpoint.load filled in): the
         optimizer's state, the fp32 main parameters (saved ones, else the loaded parameters), the
         loss scaler's state."""
-        for i, (lo, hi, main) in self.pieces.items():
-            p, o = self.params[i], self.layout.offsets[i]
+        for part, li, i, lo, hi, main in self._owned():
+            p, o = self.params[i], part.layout.offsets[li]
             whole = dict(view.state.get(p, {}))
             saved_main = whole.pop("main", None)
             self.optimizer.state[main] = {
                 k: (v.reshape(-1)[lo - o: hi - o].clone().to(main.dtype)
                     if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in whole.items()}
-            if main.data_ptr() != self.flat[lo:hi].data_ptr():
-                main.copy_(self.flat[lo:hi] if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
+            if main.data_ptr() != part.flat[lo:hi].data_ptr():
+                main.copy_(part.flat[lo:hi] if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
         if self.scaler is not None:
             self.scaler.load(self.optimizer.param_groups[0])

@@ -25,7 +25,10 @@ gradients out, the tokens' and weights' gradients back.) Rank 0 prints one JSON 
 `--meta` builds both on the meta device: each rank materializes only its shards, the reference
 its whole (materialize_full), the same values by name. `--from-file DIR`: the reference is saved with
 save_pretrained (experts one module each, as published checkpoints are) and every rank loads its
-slices with load_from_file. `--save DIR` writes a checkpoint after the steps; `--load DIR --skip K` (at any tp, pp, dp, ep) starts
+slices with load_from_file. `--optimizers adamw sharded unsharded`: each model trained with torch's
+AdamW and with DistributedOptimizer(AdamW), sharded or not (the experts' gradients and state over
+the ranks holding the same experts).
+`--save DIR` writes a checkpoint after the steps; `--load DIR --skip K` (at any tp, pp, dp, ep) starts
 from one written after K steps, the reference training those K steps first, and checks the same.
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ from autoshard.checkpoint.convert import load_from_file
 from autoshard.checkpoint.materialize import materialize, materialize_full
 from autoshard.compile.experts import expert_modules
 from autoshard.compile.rank import slice_layout
+from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import MOE_NAMES, VOCAB, build_moe
@@ -105,7 +109,7 @@ def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], 
     return total
 
 
-def check(name: str, args: argparse.Namespace) -> dict:
+def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict:
     ref = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta else "cpu")
     model = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta or args.from_file else "cpu")
     if args.meta:
@@ -124,7 +128,8 @@ def check(name: str, args: argparse.Namespace) -> dict:
         materialize(prog, rt, seed=0)
     if folder:
         load_from_file(folder, prog, rt)
-    opt = torch.optim.AdamW(rt.parameters(), lr=LR)
+    opt = (DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, shard=optimizer == "sharded")
+           if optimizer != "adamw" else torch.optim.AdamW(rt.parameters(), lr=LR))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     m = args.microbatches
     for batch in batches[:args.skip]:        # where the loaded checkpoint left off
@@ -185,6 +190,9 @@ def main() -> None:
     ap.add_argument("--aux-loss", action="store_true", help="the model adds its load-balancing loss")
     ap.add_argument("--meta", action="store_true", help="build on the meta device; each rank materializes its "
                                                         "shards (the reference: materialize_full)")
+    ap.add_argument("--optimizers", nargs="+", default=["adamw"], choices=("adamw", "sharded", "unsharded"),
+                    help="torch's AdamW on the runtime's parameters, or DistributedOptimizer(AdamW) sharded or not; "
+                         "each model is checked with each")
     ap.add_argument("--from-file", metavar="DIR", help="the reference saved with save_pretrained under DIR; "
                                                        "the program built on meta and loaded from it")
     ap.add_argument("--tol", type=float, default=1e-5)
@@ -197,13 +205,14 @@ def main() -> None:
     def checks() -> bool:
         ok = True
         for name in args.models:
-            res = check(name, args)
-            rows = [None] * dist.get_world_size()
-            dist.all_gather_object(rows, res)
-            good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol and res["param_rel"] <= 1e-6 and res["param_max_rel"] <= 1e-4
-                    and res["only_own_experts"]
-                    and res["all_to_all_bytes"] == res["formula_bytes"])
-            ok &= agree({"model": name, "ranks": rows}, good)
+            for optimizer in args.optimizers:
+                res = check(name, args, optimizer)
+                rows = [None] * dist.get_world_size()
+                dist.all_gather_object(rows, res)
+                good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol and res["param_rel"] <= 1e-6
+                        and res["param_max_rel"] <= 1e-4 and res["only_own_experts"]
+                        and res["all_to_all_bytes"] == res["formula_bytes"])
+                ok &= agree({"model": name, "optimizer": optimizer, "ranks": rows}, good)
         return ok
 
     run_checker(checks)

@@ -79,9 +79,7 @@ def _reference_main(name: str, dtype: torch.dtype, batch: dict, args) -> dict[st
 
 def _mine(prog, opt) -> tuple[dict, dict]:
     """This rank's fp32 main weights (whole per local parameter) and the slicing of the full ones."""
-    whole = opt._whole(lambda m: m)
-    mine = {n: whole[opt.layout.offsets[i]: opt.layout.offsets[i] + p.numel()].view(p.shape)
-            for i, (n, p) in enumerate(zip(opt.names, opt.params))}
+    mine = opt.main_params()
     return mine, {n: prog.sharding.params.get(n) for n in mine}
 
 

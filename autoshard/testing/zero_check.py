@@ -106,7 +106,7 @@ def compare(name: str, args: argparse.Namespace) -> dict:
             "noise_elements_rel": norm_rel(mine_noise, want_noise) if any(m.any() for m in masks.values()) else 0.0,
             "state_bytes": opt.state_bytes()["optimizer_state"], "plain_state_bytes": _state_bytes(plain),
             "params": sum(p.numel() for p in rt.parameters()), "launched_in_backward": early,
-            "buckets": len(opt.layout.buckets)}
+            "buckets": opt.buckets}
 
 
 def resume(name: str, args: argparse.Namespace) -> dict:

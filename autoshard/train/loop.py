@@ -179,7 +179,9 @@ def run(opts: TrainOptions) -> int:
     if rank == 0:
         print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
               + (f"ep={split['ep']} " if split.get("ep", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
-              + (f"AdamW state sharded over dp={split['dp']}, " if opts.distributed_optimizer else "")
+              + (f"AdamW state sharded over dp={split['dp']}"
+                 + (f" (experts' over dp/ep={split['dp'] // split['ep']})" if split.get("ep", 1) > 1 else "") + ", "
+                 if opts.distributed_optimizer else "")
               + (f"{opts.precision} with fp32 main weights, " if opts.precision != "fp32" else "") +
               f"{batches.sequences} sequences of "
               f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow
 MESHES = {
     "dp2-ep2 (three models, load-balancing loss)": (["--dp", "2", "--ep", "2", "--aux-loss",
                                                      "--models", "mixtral", "qwen3_moe", "olmoe"], 2),
-    "dp4-ep2 (experts' gradients summed over 2 replicas, clipped by the global norm)":
-        (["--dp", "4", "--ep", "2", "--max-norm", "0.05"], 4),
+    # experts' gradients summed over 2 replicas, clipped by the global norm
+    "dp4-ep2 (clipped; AdamW and the distributed optimizer, sharded and not)":
+        (["--dp", "4", "--ep", "2", "--max-norm", "0.05", "--optimizers", "adamw", "sharded", "unsharded"], 4),
     "tp2-dp2-ep2 (built on the meta device, loaded from save_pretrained's experts-one-module-each files)":
         (["--tp", "2", "--dp", "2", "--ep", "2", "--from-file", "{tmp}", "--models", "mixtral", "qwen3_moe"], 4),
     "tp2-dp4-ep4 (eight processes)": (["--tp", "2", "--dp", "4", "--ep", "4"], 8),
@@ -24,6 +25,14 @@ MESHES = {
     "pp2-dp2-ep2 (full recompute: the forward's all-to-alls run again in backward; built on meta)":
         (["--pp", "2", "--dp", "2", "--ep", "2", "--recompute", "full", "--meta"], 4),
 }
+
+
+def _values(args: list[str], flag: str, default: list[str]) -> list[str]:
+    """The values following `flag` in a checker command line (up to the next flag)."""
+    if flag not in args:
+        return default
+    rest = args[args.index(flag) + 1:]
+    return rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
 
 
 def run_expert_check(args: list[str], world: int) -> list[dict]:
@@ -35,8 +44,9 @@ def test_expert_parallel_training_equals_one_device(mesh, tmp_path):
     args, world = MESHES[mesh]
     args = [str(tmp_path) if a == "{tmp}" else a for a in args]
     lines = run_expert_check(args, world)
-    models = args[args.index("--models") + 1:] if "--models" in args else ["mixtral"]
-    assert [line["model"] for line in lines] == models
+    models = _values(args, "--models", ["mixtral"])
+    optimizers = _values(args, "--optimizers", ["adamw"])
+    assert [(line["model"], line["optimizer"]) for line in lines] == [(m, o) for m in models for o in optimizers]
     for line in lines:
         assert line["all_ranks_ok"] and len(line["ranks"]) == world, line
         for r in line["ranks"]:
@@ -47,13 +57,15 @@ def test_expert_parallel_training_equals_one_device(mesh, tmp_path):
 
 def test_checkpoint_at_tp2_ep2_continues_at_ep4_and_without_expert_parallelism(tmp_path):
     """Experts written as rows of the experts dim, whole over tp (checkpoint/experts.py): a checkpoint
-    of 4 steps at tp=2 x dp=2 x ep=2 continues at dp=4 x ep=4 and at dp=2 (ep=1) exactly as the
-    single-device model does (without --load the same check fails: loss 1e-3, parameters 4e-2)."""
-    saved = run_expert_check(["--tp", "2", "--dp", "2", "--ep", "2", "--steps", "4", "--save", str(tmp_path)], 4)
+    of 4 steps at tp=2 x dp=2 x ep=2 (the distributed optimizer's state) continues at dp=4 x ep=4 (AdamW)
+    and at dp=2 (ep=1, the distributed optimizer) exactly as the single-device model does (without
+    --load the same check fails: loss 1e-3, parameters 4e-2)."""
+    saved = run_expert_check(["--tp", "2", "--dp", "2", "--ep", "2", "--steps", "4", "--save", str(tmp_path),
+                              "--optimizers", "sharded"], 4)
     assert saved[0]["all_ranks_ok"]
     assert sorted(os.listdir(tmp_path)) == ["index.json", "rank-pp0-dp1-tp0.safetensors", "rank-pp0-tp0.safetensors",
                                             "rank-pp0-tp1.safetensors"]
-    for args, world in ((["--dp", "4", "--ep", "4"], 4), (["--dp", "2", "--ep", "1"], 2)):
+    for args, world in ((["--dp", "4", "--ep", "4"], 4), (["--dp", "2", "--ep", "1", "--optimizers", "sharded"], 2)):
         loaded = run_expert_check(args + ["--steps", "3", "--skip", "4", "--load", str(tmp_path)], world)
         assert loaded[0]["all_ranks_ok"], loaded
         assert all(r["steps"] == 3 and r["loss_rel"] <= 1e-5 and r["param_rel"] <= 1e-6 for r in loaded[0]["ranks"])

@@ -4,7 +4,7 @@ gives the uninterrupted run's losses exactly; its checkpoint resumes at another 
 folder loads with from_pretrained and gives the trained program's logits; the planner's dp=2; the
 distributed optimizer's losses are plain AdamW's; GPT-2
 with dropout resumes exactly too; Ctrl-C leaves no partial checkpoint; a Mixtral's experts divided over
-ep=2 give the replicated run's losses."""
+ep=2 give the replicated run's losses, and in bf16 (the distributed optimizer) track them."""
 import csv
 import os
 import shutil
@@ -139,5 +139,9 @@ def test_train_mixtral_with_expert_parallelism_gives_the_replicated_runs_losses(
     assert "dp=2 ep=2" in out
     plain, ep = ([float(r["loss"]) for r in _rows(tmp_path / k)] for k in ("replicated", "ep"))
     assert len(ep) == 6 and max(abs(a - b) / abs(b) for a, b in zip(ep, plain)) < 1e-5, (ep, plain)
+    out = _train(tmp_path / "bf16", *args, "--ep", "2", "--precision", "bf16", nproc=2).stdout   # the distributed optimizer
+    assert "dp=2 ep=2" in out and "bf16 with fp32 main weights" in out
+    half = [float(r["loss"]) for r in _rows(tmp_path / "bf16")]
+    assert max(abs(a - b) / abs(b) for a, b in zip(half, plain)) < 2e-2, (half, plain)          # bf16's rounding
     bad = _train(tmp_path / "bad", *args, "--ep", "3", nproc=2, check=False)
     assert bad.returncode != 0 and "--ep 3 must divide dp=2" in bad.stdout + bad.stderr
