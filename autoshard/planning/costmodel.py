@@ -287,7 +287,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     gpus = tp * pp * dp
     busiest, held = busiest_rank(hw, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
                                  microbatch=microbatch, microbatches=m, virtual=v, recompute=recompute,
-                                 sequence_parallel=sequence_parallel, dp=dp,
+                                 sequence_parallel=sequence_parallel, dp=dp, ep=ep, expert_params=experts.expert_params,
                                  distributed_optimizer=distributed_optimizer, layer_params_added=experts.params,
                                  ffn=4.0 if moe is None else 2 * moe.top_k * moe.ffn / hidden)
     memory = held.peak

@@ -199,12 +199,13 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
                     pp_rank: int, microbatch: int, microbatches: int, virtual: int, recompute: str,
                     sequence_parallel: bool, resid_dropouts: int = 2, dp: int = 1,
                     distributed_optimizer: bool = False, layer_params_added: float = 0.0,
-                    ffn: float = 4.0) -> RankMemory:
+                    ffn: float = 4.0, expert_params: float = 0.0, ep: int = 1) -> RankMemory:
     """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask,
     weight and gradient bytes) under 1F1B (interleaved when virtual > 1), with AdamW's state whole or
     divided over `dp` ranks (`distributed_optimizer`). A mixture-of-experts layer: its parameters
     beyond the dense layer's on this rank (`layer_params_added`) and its MLP activations as an FFN
-    width `ffn` x hidden (planning/moe_cost.py)."""
+    width `ffn` x hidden (planning/moe_cost.py); `expert_params` of them per layer are experts, whose
+    optimizer state the distributed optimizer divides over dp / ep ranks only."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
                         e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts, ffn=ffn)
     schedule = "interleaved" if virtual > 1 else "1f1b"
@@ -213,6 +214,12 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
     params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
     params += int(here * layer_params_added)
     per_param = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp, distributed_optimizer=distributed_optimizer)
+    if distributed_optimizer and ep > 1 and expert_params:      # bytes per parameter, averaged over both kinds
+        experts = here * expert_params
+        held = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp // ep, distributed_optimizer=True)
+        mix = lambda a, b: (a * (params - experts) + b * experts) / params        # noqa: E731
+        per_param = ParamBytes(*(mix(getattr(per_param, f), getattr(held, f))
+                                 for f in ("weights", "grads", "main", "moments")))
     return rank_memory(x, params=params, per_param=per_param, recompute=recompute, layers_here=here,
                        inflight=inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual),
                        chunk_microbatches=microbatches * virtual, virtual=virtual,

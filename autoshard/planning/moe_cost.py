@@ -51,12 +51,14 @@ def moe_shape(model_or_config: object) -> MoEShape | None:
 @dataclass(frozen=True)
 class MoELayerCosts:
     """One MoE layer on one rank for one microbatch, against the dense layer: seconds added to the
-    forward and backward GEMMs, all-to-all seconds per pass, parameters added, FLOPs added forward."""
+    forward and backward GEMMs, all-to-all seconds per pass, parameters added, FLOPs added forward,
+    and the experts' own parameters on the rank (their optimizer state divides over dp / ep)."""
     forward: float
     backward: float
     all_to_all: float
     params: float
     flops: float
+    expert_params: float = 0.0
 
 
 def _gemms(x: LayerShape, hw: Hardware, shapes: list[tuple[int, int, int]]) -> tuple[float, float]:
@@ -75,4 +77,5 @@ def moe_layer_costs(x: LayerShape, hw: Hardware, moe: MoEShape, ep: int, link_gb
     nbytes = evaluate("moe_all_to_all_bytes", **sym) * hw.activation_bytes / 2
     params = evaluate("moe_params_per_layer_gpu", **sym) - 8 * x.h * x.h / x.t
     flops = evaluate("moe_mlp_flops_forward", **sym) - evaluate("dense_mlp_flops_forward", **sym)
-    return MoELayerCosts(ef - df, eb - db, 2 * all_to_all_seconds(nbytes, ep, link_gb_s, hw), params, flops)
+    return MoELayerCosts(ef - df, eb - db, 2 * all_to_all_seconds(nbytes, ep, link_gb_s, hw), params, flops,
+                         params + 8 * x.h * x.h / x.t - x.h * moe.experts)

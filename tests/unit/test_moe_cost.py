@@ -42,6 +42,23 @@ def test_expert_parallelism_divides_the_experts_weights_and_adds_all_to_alls():
         estimate(**MIXTRAL_8X7B, tp=2, pp=1, dp=8, global_batch=64, ep=2)
 
 
+def test_distributed_optimizer_divides_expert_state_over_dp_over_ep_only():
+    """The runtime shards the experts' main weights and moments over the dp/ep ranks holding the same
+    experts (runtime/flat_params.py), everything else over dp: before, the model divided both by dp
+    and under-counted the experts' state ep times."""
+    moe = MoEShape(8, 2, 14336)
+    runs = {(ep, zero): estimate(**MIXTRAL_8X7B, tp=2, pp=1, dp=8, global_batch=64, recompute="none", moe=moe, ep=ep,
+                                 distributed_optimizer=zero) for ep in (1, 2) for zero in (False, True)}
+    expert_params = 32 * 8 * 3 * 4096 * 14336 / 2 / 2               # on the rank at tp=2, ep=2
+    main_and_moments = 12                                            # fp32 main weights and AdamW's two moments
+    saved = runs[2, False].memory.state - runs[2, True].memory.state
+    dense_saved = runs[1, False].memory.state - runs[1, True].memory.state       # everything over dp=8
+    params_ep1 = dense_saved / (main_and_moments * (1 - 1 / 8))
+    want = (params_ep1 - 2 * expert_params) * main_and_moments * (1 - 1 / 8) + \
+        expert_params * main_and_moments * (1 - 1 / 4)                           # experts over dp/ep = 4
+    assert saved == pytest.approx(want, rel=1e-6)
+
+
 class _Loopback(ExpertGroup):
     """A group of two whose peer routes exactly as this rank does: it receives what it sends."""
 
