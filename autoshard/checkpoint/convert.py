@@ -85,8 +85,8 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
         want = list(prog.param_shapes[name])
         stored_as = next((a for a in aliases.get(name, [name]) if a in weight_map), None) or legacy_name(name, stored)
         if stored_as is None:
-            mine = (experts.lo, experts.lo + experts.per) if name in experts.names else (0, want[0])
-            t = read_legacy_experts(name, want, mine, stored, lambda key: _read(weight_map[key], key))
+            t = read_legacy_experts(name, want, experts.range_of(name, want[0]), stored,
+                                    lambda key: _read(weight_map[key], key))
             if t is None:
                 raise CheckpointError(f"{source} has no tensor for parameter {name}")
             lay = layout_of(prog, name, tp_rank)
@@ -101,8 +101,7 @@ def load_from_file(source: str, prog, module: nn.Module) -> int:
         index["tensors"][name] = {"shape": shape, "dtype": dtypes.get(dtype, "float32"), "dim": None,
                                   "pieces": [{"file": weight_map[stored_as], "key": stored_as, "start": 0, "stop": 0}]}
     reader = PieceReader("", index, verify=False)
-    new = {name: (experts.rows(reader, name, layout_of(prog, name, tp_rank)) if name in experts.names
-                  else reader.rows(name, layout_of(prog, name, tp_rank))) for name in index["tensors"]}
+    new = {name: experts.reader_for(name, reader)(name, layout_of(prog, name, tp_rank)) for name in index["tensors"]}
     new.update(assembled)
     with torch.no_grad():
         for name, p in module.named_parameters():

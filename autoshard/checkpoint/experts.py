@@ -48,6 +48,15 @@ class ExpertRows:
         pieces = [(self.lo, self.lo + self.per, 0)] if writes and m.tp_rank == 0 else []
         return pieces, (0, [(self.lo, self.lo + self.per)], self.experts), t
 
+    def range_of(self, name: str, experts: int) -> tuple[int, int]:
+        """The experts [lo, hi) of parameter `name` (of `experts` in all) this rank holds: its own
+        under expert parallelism, else all."""
+        return (self.lo, self.lo + self.per) if name in self.names else (0, experts)
+
+    def reader_for(self, name: str, reader: PieceReader):
+        """How to read `name`'s tensors (the parameter, its optimizer state): `read(key, lay)`."""
+        return (lambda key, lay: self.rows(reader, key, lay)) if name in self.names else reader.rows
+
     def rows(self, reader: PieceReader, key: str, lay) -> torch.Tensor:
         """This rank's experts of `key`, in its tp layout `lay` (None: not split over tp)."""
         if lay is None:

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from autoshard.checkpoint.experts import ExpertRows
 from autoshard.compile.program import ShardedProgram
 from autoshard.compile.rank import slice_layout
 from autoshard.errors import ShardingError
@@ -78,8 +79,7 @@ def materialize(prog: ShardedProgram, module: nn.Module, *, seed: int = 0, init:
     """Give a rank module (`prog.rank(r)`) or pipeline runtime (`prog.distributed()`) of a program
     compiled from a meta-device model real tensors for its shards. Returns the number of tensors set."""
     tp_rank = module.tp_rank
-    group = getattr(module, "expert_group", None)          # expert parallelism: this rank's experts only
-    experts = set(getattr(module, "expert_params", ())) if group is not None else set()
+    experts = ExpertRows(prog, module)                      # expert parallelism: this rank's experts only
     new: dict[str, torch.Tensor] = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if not t.is_meta:
@@ -87,8 +87,8 @@ def materialize(prog: ShardedProgram, module: nn.Module, *, seed: int = 0, init:
         full = full_tensor(prog.model, name, seed, init)
         use = prog.sharding.params.get(name) if isinstance(t, nn.Parameter) else None
         local = slice_layout(full, use.dim, use.layout[tp_rank]) if use else full
-        if name in experts:                                 # [experts, ...] -> [per_rank, ...]
-            local = local[group.rank * group.per_rank:(group.rank + 1) * group.per_rank]
+        if name in experts.names:                           # [experts, ...] -> [per_rank, ...]
+            local = local.narrow(0, experts.lo, experts.per)
         if local.shape != t.shape:
             raise ShardingError(f"materialize: {name} comes out {tuple(local.shape)} on this rank but the program "
                                 f"holds it as {tuple(t.shape)}")

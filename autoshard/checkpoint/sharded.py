@@ -217,7 +217,7 @@ def _load(folder: str, index: dict, prog: ShardedProgram, module: nn.Module, opt
     new, state = {}, {}
     for name, p in params.items():
         lay = layout_of(prog, name, tp_rank)
-        read = (lambda k, lay: experts.rows(reader, k, lay)) if name in experts.names else reader.rows
+        read = experts.reader_for(name, reader)
         new[name] = read(name, lay)
         if new[name].shape != p.shape:
             raise CheckpointError(f"{name}: read {tuple(new[name].shape)}, rank holds {tuple(p.shape)}")

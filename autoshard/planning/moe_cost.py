@@ -75,7 +75,7 @@ def moe_layer_costs(x: LayerShape, hw: Hardware, moe: MoEShape, ep: int, link_gb
     (ef, eb), (df, db) = _gemms(x, hw, experts), _gemms(x, hw, dense)
     sym = dict(b=x.b, s=x.s, h=x.h, t=x.t, K=moe.top_k, E=moe.experts, F=moe.ffn, ep=ep)
     nbytes = evaluate("moe_all_to_all_bytes", **sym) * hw.activation_bytes / 2
-    params = evaluate("moe_params_per_layer_gpu", **sym) - 8 * x.h * x.h / x.t
+    layer = evaluate("moe_params_per_layer_gpu", **sym)            # experts + router on this rank
     flops = evaluate("moe_mlp_flops_forward", **sym) - evaluate("dense_mlp_flops_forward", **sym)
-    return MoELayerCosts(ef - df, eb - db, 2 * all_to_all_seconds(nbytes, ep, link_gb_s, hw), params, flops,
-                         params + 8 * x.h * x.h / x.t - x.h * moe.experts)
+    return MoELayerCosts(ef - df, eb - db, 2 * all_to_all_seconds(nbytes, ep, link_gb_s, hw),
+                         layer - 8 * x.h * x.h / x.t, flops, layer - x.h * moe.experts)

@@ -84,7 +84,7 @@ class DistributedOptimizer:
         self.runtime, self.names = runtime, [n for n, _ in named]
         self.params = [p for _, p in named]
         dims = runtime.dims
-        self.base_replicas = dims.dp // (dims.dp if shard else 1)     # ranks holding each non-expert element
+        self.base_replicas = 1 if shard else dims.dp                 # ranks holding each non-expert element
         index = {n: i for i, n in enumerate(self.names)}
         tied = {index[n]: group for pps, group in runtime.groups.shared.items()
                 for n in runtime._prog.shared_params.get(pps, []) if n in index}
@@ -235,8 +235,7 @@ class DistributedOptimizer:
         for part in (all_gather_json(mine, self.runtime.groups.dp) if sharded else [mine]):
             kinds.update(part)          # a rank may own no piece: every rank takes every key
         state: dict = {p: {} for p in self.params}
-        keys = [k for k in sorted(kinds) if kinds[k]]
-        for k in keys:
+        for k in sorted(k for k in kinds if kinds[k]):
             for i, t in self._wholes(lambda m, k=k: self.optimizer.state[m][k]).items():
                 state[self.params[i]][k] = t
         if any(part.separate_main() for part, _ in self.parts):

@@ -115,9 +115,9 @@ def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict
     if args.meta:
         materialize_full(ref, seed=0)
     folder = f"{args.from_file}/{name}" if args.from_file else None
-    if folder and dist.get_rank() == 0:
-        ref.save_pretrained(folder)          # transformers writes experts one module each
     if folder:
+        if dist.get_rank() == 0:
+            ref.save_pretrained(folder)      # transformers writes experts one module each
         dist.barrier()
     batches = _batches(args.skip + args.steps)
     example = {k: v[:2] for k, v in batches[0].items()}

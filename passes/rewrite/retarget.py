@@ -8,7 +8,8 @@ its tensors there. This pass replaces every meta device in node arguments, in ne
 Export also follows the model's device-dependent branches with the meta device, which counts as
 "not the CPU": Hugging Face's grouped-mm experts count tokens per expert with `histc` on int32
 there, which the CPU kernel refuses ('"histc_cpu" not implemented for 'Int''). On the CPU every
-histc becomes `histc_on_cpu`: an integer input is counted in float32 and cast back (counts are exact in float32 below 2**24).
+histc becomes `histc_on_cpu`: an integer input is counted in float32 and cast back (counts are
+exact in float32 below 2**24).
 """
 from __future__ import annotations
 
