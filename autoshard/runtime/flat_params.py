@@ -6,7 +6,8 @@ distributed optimizer (runtime/distributed_optimizer.py) is made of.
 `params` become views of `part.flat` (laid out by runtime/grad_buffer.py's plan_layout); their
 gradients go to `part.grads` (a GradBuffer over `group`); `part.pieces` maps each parameter this
 rank owns a piece of (by its index in `params`) to (lo, hi, main): its owned range of the flat
-storage and the fp32 main tensor the optimizer steps (the range itself when the storage is fp32).
+storage and the main tensor the optimizer steps, in `main_dtype(storage)`: fp32 for half-precision
+storage, the storage's own dtype (and the range itself) for fp32 and fp64.
 Without expert parallelism there is one part over the data-parallel group; with it, the experts of
 a rank form a second part over the ranks that hold the same experts (`MeshGroups.expert_dp`).
 """
@@ -19,7 +20,13 @@ import torch.distributed as dist
 
 from autoshard.runtime.grad_buffer import GradBuffer, plan_layout
 
-__all__ = ["FlatParams"]
+__all__ = ["FlatParams", "main_dtype"]
+
+
+def main_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype main weights and gradients are kept in: at least fp32, never narrower than the
+    parameters (an fp64 model keeps fp64 gradients and optimizer state)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class FlatParams:
@@ -36,13 +43,14 @@ class FlatParams:
                 o = self.layout.offsets[i]
                 self.flat[o: o + p.numel()].copy_(p.reshape(-1))
                 p.data = self.flat[o: o + p.numel()].view(p.shape)
-        self.grads = GradBuffer(params, self.layout, group, self.shard_rank, size, tied, overlap)
+        self.grads = GradBuffer(params, self.layout, group, self.shard_rank, size, tied, overlap,
+                                dtype=main_dtype(dtype))
         self.pieces: dict[int, tuple[int, int, torch.Tensor]] = {}
         for i in range(len(params)):
             span = self.layout.owned_piece(i, self.shard_rank)
             if span is not None:
                 lo, hi = span
-                main = self.flat[lo:hi] if dtype == torch.float32 else self.flat[lo:hi].float()
+                main = self.flat[lo:hi] if dtype == main_dtype(dtype) else self.flat[lo:hi].to(main_dtype(dtype))
                 main.requires_grad_(True)
                 main.grad = self.grads.data[lo:hi]
                 self.pieces[i] = (lo, hi, main)
@@ -72,9 +80,9 @@ class FlatParams:
                 dist.all_gather_into_tensor(self.flat[b.start: b.stop], self.flat[a:z].clone(), group=self.group)
 
     def whole(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """A flat fp32 tensor over the layout holding `value_of(main)` at every owned piece, summed
-        over the group (the owned ranges are disjoint, so that is a gather)."""
-        full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.flat.device)
+        """A flat tensor (main weights' dtype) over the layout holding `value_of(main)` at every owned
+        piece, summed over the group (the owned ranges are disjoint, so that is a gather)."""
+        full = torch.zeros(self.layout.numel, dtype=main_dtype(self.flat.dtype), device=self.flat.device)
         for lo, hi, main in self.pieces.values():
             full[lo:hi] = value_of(main)
         if self.shards > 1:

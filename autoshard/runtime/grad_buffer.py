@@ -1,4 +1,4 @@
-"""Gradients in one flat fp32 buffer, reduced over data-parallel ranks bucket by bucket as backward
+"""Gradients in one flat buffer (fp32, or fp64 for an fp64 model), reduced over data-parallel ranks bucket by bucket as backward
 finishes them (Megatron's main_grad and its overlapped reduction; DDP's buckets).
 
 Layout (`plan_layout`): the parameters are laid out in reverse order (backward finishes the last
@@ -9,8 +9,8 @@ every rank owns everything (plain data parallelism: buckets are all-reduced); wi
 buckets are reduce-scattered and each rank's optimizer steps only what it owns (ZeRO-1).
 
 `GradBuffer` keeps the buffer: a hook on each parameter adds its gradient (in any dtype) into the
-parameter's fp32 slice after autograd accumulates it and frees the parameter's own `.grad`, so
-gradients accumulate in fp32 across microbatches. With `overlap`, a bucket's reduction starts (async)
+parameter's slice after autograd accumulates it and frees the parameter's own `.grad`, so
+gradients accumulate in fp32 (at least) across microbatches. With `overlap`, a bucket's reduction starts (async)
 as soon as each of its parameters has had its last microbatch's gradient; `finish()` starts the rest
 and waits for all. Each launch and completion time is recorded (`records`) for the trace.
 """
@@ -99,15 +99,15 @@ class _Pending:
 
 
 class GradBuffer:
-    """fp32 gradients of `params` laid out by `layout`, reduced over `group` (see the module doc)."""
+    """Gradients of `params` (in `dtype`) laid out by `layout`, reduced over `group` (see the module doc)."""
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: dist.ProcessGroup | None,
                  shard_rank: int, dp: int, tied_groups: dict[int, dist.ProcessGroup] | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, dtype: torch.dtype = torch.float32):
         self.params, self.layout, self.group, self.dp = params, layout, group, dp
         self.shard_rank, self.overlap, self.tied_groups = shard_rank, overlap, tied_groups or {}
         device = params[0].device if params else None
-        self.data = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.records: list[ReduceRecord] = []
         self.reduced = False          # finish() ran and zero() did not since: the data is a reduced step's
         self._seen = [0] * len(params)

@@ -71,3 +71,24 @@ def test_misuse_is_refused(one_process_group):
         DistributedOptimizer(mixed, torch.optim.AdamW)
     with pytest.raises(ShardingError, match="only an element-wise optimizer does exactly; got 'LBFGS'"):
         DistributedOptimizer(mixed, torch.optim.LBFGS)       # it would step flat pieces, silently otherwise
+
+
+def test_an_fp64_model_keeps_fp64_gradients_and_main_weights(one_process_group):
+    """The buffer and main weights are never narrower than the parameters: an fp64 model's AdamW state
+    stays fp64, and the distributed optimizer equals plain AdamW to fp64 rounding (before: fp32
+    gradients and main weights, 1e-7 apart)."""
+    model, plain_model = (build_model("llama", layers=2).double() for _ in range(2))
+    rt = autoshard(model, example_kwargs=_batch(0)).distributed(mesh=True)
+    plain_rt = autoshard(plain_model, example_kwargs=_batch(0)).distributed(mesh=True)
+    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-2)
+    plain = torch.optim.AdamW(plain_rt.parameters(), lr=1e-2)
+    for step in range(3):
+        rt.train_step(**_batch(step), max_norm=0.5)
+        plain_rt.train_step(**_batch(step), max_norm=0.5)
+        for o in (opt, plain):
+            o.step()
+            o.zero_grad()
+    assert {v.dtype for s in opt.optimizer.state.values() for v in s.values() if v.dim() > 0} == {torch.float64}
+    errs = scaled_errors({n: p.detach() for n, p in rt.named_parameters()},
+                         {n: p.detach() for n, p in plain_rt.named_parameters()})
+    assert max(errs.values()) < 1e-12
