@@ -1,5 +1,6 @@
 """Which fused-op calls run a kernel: a table from op to its launch function (kernels/launch.py)
-and the arguments it takes; every other call, a kernel that failed its first-use check
+and what it reads in each argument slot; every other call (an operand of another shape, an empty
+tensor, a dtype the kernels lack), a kernel that failed its first-use check
 (kernels/self_check.py), and any CPU tensor while the CPU executor is off run the op's exact
 torch implementation. `register_impls` puts this in front of each custom op for CUDA tensors (when
 CuPy imports) and for CPU tensors."""
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import NamedTuple
+
+import torch
 
 from autoshard.kernels import cpu_executor, self_check
 from autoshard.kernels.launch import (
@@ -34,10 +37,39 @@ def _rotary_takes(args: tuple) -> bool:
     return x.dim() == 4 and 2 * half == x.shape[-1] and result_dtype(x, cos, sin) in _KERNEL_DTYPES
 
 
+def _scores(args: tuple) -> bool:
+    return args[0].dim() == 4                        # [batch, heads, sq, sk]
+
+
+# What a kernel reads in each tensor slot, given the first argument x (whose shape the kernel's
+# output takes; a slot not named is passed as it is). Anything else falls back to the torch
+# implementation, per call: a kernel indexes its buffers by these shapes and would read out of
+# bounds (a [cols] vector where it reads a full tensor) or the wrong element (a full tensor where it
+# reads a bias) without a word.
+FULL = "full"          # x's shape exactly (any strides: the launch makes it contiguous)
+VECTOR = "vector"      # [cols], cols = x's last dim
+ROWS = "rows"          # fp32, x's shape less its last dim (a norm's saved mean and rstd)
+MASK = "mask"          # [1 or batch, sq, sk] of scores x [batch, heads, sq, sk]; nonzero = masked
+TABLE = "table"        # [1 or batch, s, d] of x [batch, heads, s, d] (rotary's cos and sin)
+
+
+def _fits(kind: str, t: torch.Tensor, x: torch.Tensor) -> bool:
+    if kind == FULL:
+        return t.shape == x.shape
+    if kind == VECTOR:
+        return t.dim() == 1 and t.shape[0] == x.shape[-1]
+    if kind == ROWS:
+        return t.shape == x.shape[:-1] and t.dtype == torch.float32
+    if kind in (MASK, TABLE):
+        lead = x.shape[0]
+        want = (x.shape[-2], x.shape[-1])
+        return t.dim() == 3 and x.dim() == 4 and t.shape[0] in (1, lead) and tuple(t.shape[1:]) == want
+    raise KeyError(kind)
+
+
 class _Kernel(NamedTuple):
     impl: Callable
-    like_first: tuple[int, ...]     # arguments read as the first tensor's kind (its shape, or a vector
-                                    # over its last dim)
+    slots: dict[int, str]           # argument index -> what the kernel reads there (above)
     promote: bool                   # inputs converted to their promoted dtype (else: one dtype or fall back)
     takes: Callable[[tuple], bool] | None = None      # a further test of the arguments
 
@@ -45,49 +77,47 @@ class _Kernel(NamedTuple):
 # op -> its kernel. The element-wise ops compute in the promoted dtype like the `x + bias` they
 # replace, so their inputs are converted to it (for a bias, a vector, next to nothing).
 _KERNELS = {
-    "bias_gelu": _Kernel(bias_gelu, (1,), True),
-    "bias_gelu_backward": _Kernel(bias_gelu_backward, (1, 2), True),
-    "swiglu": _Kernel(swiglu, (1, 2, 3), True),
-    "swiglu_backward": _Kernel(swiglu_backward, (1, 2, 3, 4), True),
-    "scaled_masked_softmax": _Kernel(softmax, (), False),
-    "scaled_masked_softmax_backward": _Kernel(softmax_backward, (1,), False),
-    "bias_dropout_add": _Kernel(bias_dropout_add, (1, 2), True),
-    "bias_dropout_add_backward": _Kernel(bias_dropout_add_backward, (), False),
-    "norm": _Kernel(norm, (1, 2), False),
-    "norm_backward": _Kernel(norm_backward, (1, 2), False),
-    "rotary": _Kernel(rotary, (), False, _rotary_takes),
+    "bias_gelu": _Kernel(bias_gelu, {1: VECTOR}, True),
+    "bias_gelu_backward": _Kernel(bias_gelu_backward, {1: FULL, 2: VECTOR}, True),
+    "swiglu": _Kernel(swiglu, {1: FULL, 2: VECTOR, 3: VECTOR}, True),
+    "swiglu_backward": _Kernel(swiglu_backward, {1: FULL, 2: FULL, 3: VECTOR, 4: VECTOR}, True),
+    "scaled_masked_softmax": _Kernel(softmax, {1: MASK}, False, _scores),
+    "scaled_masked_softmax_backward": _Kernel(softmax_backward, {1: FULL}, False),
+    "bias_dropout_add": _Kernel(bias_dropout_add, {1: VECTOR, 2: FULL}, True),
+    "bias_dropout_add_backward": _Kernel(bias_dropout_add_backward, {}, False),
+    "norm": _Kernel(norm, {1: VECTOR, 2: VECTOR}, False),
+    "norm_backward": _Kernel(norm_backward, {1: FULL, 2: VECTOR, 3: ROWS, 4: ROWS}, False),
+    "rotary": _Kernel(rotary, {1: TABLE, 2: TABLE}, False, _rotary_takes),
 }
+_VALUES = (FULL, VECTOR)            # the slots that hold the op's values (dtype-converted with x)
 
 
-def _kernel_args(args: tuple, like_first: tuple[int, ...], promote: bool) -> tuple | None:
-    """The arguments as the kernel reads them, or None where it cannot: every `like_first` tensor
-    (if given) shaped like the first or a vector over its last dim (the kernels broadcast nothing
-    else), all of one fp32 / fp16 / bf16 dtype: the first's, or with `promote` the promoted one
-    they are converted to."""
-    first = args[0]
-    live = [i for i in like_first if args[i] is not None]
-    for i in live:
-        t = args[i]
-        if t.shape != first.shape and not (t.dim() == 1 and t.numel() == first.shape[-1]):
-            return None
-    dtype = result_dtype(first, *(args[i] for i in live)) if promote else first.dtype
-    if dtype not in _KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in live)):
+def _kernel_args(args: tuple, slots: dict[int, str], promote: bool) -> tuple | None:
+    """The arguments as the kernel reads them, or None where it cannot: x (the first) non-empty with
+    at least one dim, every tensor slot as `slots` says (`_fits`), the value slots all of one
+    fp32 / fp16 / bf16 dtype: x's, or with `promote` the promoted one they are converted to."""
+    x = args[0]
+    if x.dim() == 0 or x.numel() == 0:
+        return None                                  # nothing to launch over: the torch path
+    live = {i: kind for i, kind in slots.items() if args[i] is not None}
+    if not all(_fits(kind, args[i], x) for i, kind in live.items()):
         return None
-    return tuple(a.to(dtype) if i == 0 or i in live else a for i, a in enumerate(args))
+    values = [i for i, kind in live.items() if kind in _VALUES]
+    dtype = result_dtype(x, *(args[i] for i in values)) if promote else x.dtype
+    if dtype not in _KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in values)):
+        return None
+    return tuple(a.to(dtype) if i == 0 or i in values else a for i, a in enumerate(args))
 
 
 def _with_fallback(name: str, kernel: _Kernel, reference: Callable):
     """Run the kernel when it takes these arguments (and passed its first-use check for their dtype,
-    device and variant), else the exact torch implementation."""
-    def on(args: tuple):
-        ok = kernel.takes is None or kernel.takes(args)
-        return _kernel_args(args, kernel.like_first, kernel.promote) if ok else None
-
+    device, variant and layout), else the exact torch implementation."""
     def run(*args):
-        kernel_args = on(args)
-        if kernel_args is None or not self_check.trusted(name, kernel_args, lambda a: kernel.impl(*on(a)), reference):
+        ok = kernel.takes is None or kernel.takes(args)
+        kernel_args = _kernel_args(args, kernel.slots, kernel.promote) if ok else None
+        if kernel_args is None:
             return reference(*args)
-        return kernel.impl(*kernel_args)
+        return self_check.checked(name, kernel_args, lambda: kernel.impl(*kernel_args), reference, args)
     return run
 
 

@@ -155,7 +155,7 @@ def swiglu_backward(grad, gate, up, gate_bias, up_bias):
 def softmax(x, mask, scale, causal):
     x = x.contiguous()
     b, h, sq, sk = x.shape
-    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    m = None if mask is None else (mask != 0).to(torch.uint8).contiguous()     # nonzero = masked, any dtype
     y = _empty_like(x)
     _run("scaled_masked_softmax_fwd", x, b * h * sq,
          (x, m, y, np.int64(b * h * sq), np.int64(sq), np.int64(sk), np.int64(h),

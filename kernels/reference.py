@@ -164,6 +164,8 @@ def norm_bwd(g, x, w, mean, rstd, rms: bool):
     m1 = 0.0 if rms else gw.mean(-1, keepdim=True)
     dx = rstd.unsqueeze(-1).to(acc) * (gw - m1 - xh * (gw * xh).mean(-1, keepdim=True))
     lead = tuple(range(x.dim() - 1))
+    if not lead:                                     # a single row: sum(()) would sum every dim
+        return dx.to(x.dtype), gf * xh, gf.clone()
     return dx.to(x.dtype), (gf * xh).sum(lead), gf.sum(lead)
 
 

@@ -1,8 +1,14 @@
-"""The first launch of each fused op, dtype, device and variant (its flags: approximate, causal, rms,
-inverse, and which optional tensors it gets: a mask, biases) in a process checks the kernel
-against the op's torch implementation on a small random input with those flags. On a mismatch, or
-if the kernel raises, the kernel is disabled for that op, dtype, device and variant with a warning
-naming it and the error, and the torch implementation runs from then on.
+"""The first launch of each fused op, dtype, device, variant (its flags: approximate, causal, rms,
+inverse, and which optional tensors it gets: a mask, biases) and layout (each tensor dense,
+broadcast, strided or misaligned) in a process is checked: the kernel runs on the call's own
+operands, the op's torch implementation too, and they are compared. On a match the kernel's result
+is returned and later calls of that key run the kernel alone; on a mismatch, or if the kernel
+raises, the torch implementation's result is returned, and the kernel is disabled for that key
+with a warning naming it and the error.
+
+The check runs on the call's operands rather than a sample of its own so that it sees what the
+kernel will see: the shapes, the broadcast operands, the offsets and strides of this call
+(a fixed sample of full, dense operands cannot show a slot read wrongly).
 
 On by default on a GPU; `AUTOSHARD_KERNEL_SELF_CHECK=0` turns it off. On the CPU executor it runs
 only when its Config asks (self_check=True): the executor's own tests plant bugs that must show.
@@ -17,16 +23,15 @@ from collections.abc import Callable
 import torch
 
 from autoshard.kernels import cpu_executor
-from autoshard.kernels import reference as ref
 
-__all__ = ["trusted", "TOLERANCE", "RESULTS", "reset"]
+__all__ = ["checked", "TOLERANCE", "RESULTS", "reset"]
 
 # norm-relative difference kernel vs torch implementation allowed per storage dtype: both compute
 # in fp32 and round once, so they differ by at most an ulp of the storage type here and there
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-ROWS, COLS = 3, 40                  # 40: a tail after four 8-wide packs, so vector and scalar paths run
 # (op, dtype, device, variant) -> (passed, seconds); the variant is the call's flags (a string or a
-# bool: approximate, causal, rms, inverse) and which optional tensors it passes (a mask, biases)
+# bool: approximate, causal, rms, inverse), which optional tensors it passes (a mask, biases) and
+# each tensor's layout class
 RESULTS: dict[tuple[str, torch.dtype, str, tuple], tuple[bool, float]] = {}
 
 
@@ -44,91 +49,98 @@ def _wanted(device: torch.device) -> bool:
     return True
 
 
-def _small_args(name: str, args: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
-    """Fresh small inputs for op `name` in `dtype`, keeping the call's flags and which optional
-    tensors it passes."""
-    gen = torch.Generator(device).manual_seed(1234)
-
-    def r(*shape, dt=dtype):
-        return torch.randn(shape, generator=gen, device=device).to(dt)
-
-    def opt(t, *shape):
-        return None if t is None else r(*shape)
-
-    if name == "bias_gelu":
-        return r(ROWS, COLS), opt(args[1], COLS), args[2]
-    if name == "bias_gelu_backward":
-        return r(ROWS, COLS), r(ROWS, COLS), opt(args[2], COLS), args[3]
-    if name == "swiglu":
-        return r(ROWS, COLS), r(ROWS, COLS), opt(args[2], COLS), opt(args[3], COLS)
-    if name == "swiglu_backward":
-        return r(ROWS, COLS), r(ROWS, COLS), r(ROWS, COLS), opt(args[3], COLS), opt(args[4], COLS)
-    if name == "scaled_masked_softmax":
-        mask = None if args[1] is None else torch.rand((2, 5, 7), generator=gen, device=device) < 0.3
-        return r(2, 2, 5, 7), mask, args[2], args[3]
-    if name == "scaled_masked_softmax_backward":
-        return r(2, 2, 5, 7), torch.softmax(r(2, 2, 5, 7, dt=torch.float32), -1).to(dtype), args[2]
-    if name == "bias_dropout_add":
-        return r(ROWS, COLS), opt(args[1], COLS), r(ROWS, COLS), args[3], args[4]
-    if name == "bias_dropout_add_backward":
-        return r(ROWS, COLS), args[1], args[2]
-    if name == "norm":
-        return r(ROWS, COLS), opt(args[1], COLS), opt(args[2], COLS), args[3], args[4]
-    if name == "norm_backward":
-        x, w = r(ROWS, COLS), opt(args[2], COLS)
-        _, mean, rstd = ref.norm_fwd(x, w, None, 1e-5, args[5])
-        return r(ROWS, COLS), x, w, mean, rstd, args[5]
-    if name == "rotary":
-        angles = torch.arange(5, device=device).float()[:, None] * torch.rand(4, generator=gen, device=device)
-        angles = torch.cat([angles, angles], -1)[None]                         # [1, s, d]
-        return r(1, 2, 5, 8), angles.cos(), angles.sin(), args[3], 4
-    raise KeyError(f"no self-check input for op {name!r}")
-
-
 def _flat(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _difference(got, want) -> float:
+def _wide(a):
+    return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
+def _largest(call: tuple) -> float:
+    """The largest finite magnitude among the call's floating-point tensors."""
+    tops = [t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max().item() for t in call
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return max(tops, default=0.0)
+
+
+def _difference(got, exact, inputs: float) -> float:
+    """The kernel's error against `exact` (the torch implementation in float64), norm-wise, over the
+    larger of the exact result's norm and sqrt(n) times the inputs' largest magnitude: an output
+    small by cancellation (softmax's backward of a constant gradient) is judged by the size of what
+    cancelled. Elements equal in both (an infinity, NaN from a NaN input) agree; a NaN in the
+    kernel's alone (an unwritten element) fails."""
     worst = 0.0
-    for g, w in zip(_flat(got), _flat(want)):
-        g, w = g.detach().double().cpu(), w.detach().double().cpu()
-        err = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
-        worst = max(worst, err if err == err else float("inf"))        # NaN (an unwritten element) fails
+    for g, e in zip(_flat(got), _flat(exact)):
+        g, e = g.detach().double().cpu(), e.detach().double().cpu()
+        if g.shape != e.shape:
+            return float("inf")
+        off = torch.where((g == e) | (g.isnan() & e.isnan()), 0.0, g - e).norm()
+        floor = max(torch.where(e.isfinite(), e, 0.0).norm().item(), e.numel() ** 0.5 * inputs)
+        err = off.item() / max(floor, 1e-30)
+        worst = max(worst, err if err == err else float("inf"))
     return worst
 
 
+def _layout(t: torch.Tensor) -> str:
+    """A tensor's layout class, what decides a launch's code path besides its shape: a broadcast
+    (stride-0) dim, strides that are not contiguous (transposed, sliced), a start off 16 bytes."""
+    if t.dim() == 0:
+        return "scalar"
+    kinds = []
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        kinds.append("broadcast")
+    elif not t.is_contiguous():
+        kinds.append("strided")
+    if t.data_ptr() % 16:
+        kinds.append("misaligned")
+    return "+".join(kinds) or "dense"
+
+
 def _variant(args: tuple) -> tuple:
-    """What selects a kernel's code path: flags, and whether each optional tensor is there (sizes,
-    seeds, probabilities and scales do not)."""
-    return tuple(a if isinstance(a, (bool, str)) else "none" if a is None else "tensor" if isinstance(a, torch.Tensor)
-                 else "number" for a in args)
+    """What selects a kernel's code path: flags, whether each optional tensor is there and its
+    layout (sizes, seeds, probabilities and scales do not; each slot's shape is fixed by the
+    dispatch table)."""
+    def one(a) -> object:
+        if isinstance(a, (bool, str)):
+            return a
+        if a is None:
+            return "none"
+        if not isinstance(a, torch.Tensor):
+            return "number"
+        layout = _layout(a)
+        return "tensor" if layout == "dense" else "tensor:" + layout
+    return tuple(one(a) for a in args)
 
 
-def trusted(name: str, args: tuple, kernel: Callable[[tuple], object], reference: Callable) -> bool:
-    """Whether op `name`'s kernel may run on `args` (by their first tensor's dtype and device):
-    checked once per process on a small input built like `args`, `kernel(small)` against
-    `reference(*small)`."""
+def checked(name: str, args: tuple, kernel: Callable[[], object], reference: Callable, call: tuple) -> object:
+    """Op `name` on `call` (the call's arguments; `args`, the kernel's): `kernel()` where its check
+    for this key passed (or is off), else `reference(*call)`. The first call of a key runs both, and
+    the torch implementation in float64, and compares (module doc)."""
     first = args[0]
     key = (name, first.dtype, str(first.device), _variant(args))
     if key in RESULTS:
-        return RESULTS[key][0]
+        return kernel() if RESULTS[key][0] else reference(*call)
     if not _wanted(first.device):
-        return True
+        return kernel()
     if first.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True             # no check inside CUDA graph capture (it syncs); the next eager call checks
+        return kernel()         # no check inside CUDA graph capture (it syncs); the next eager call checks
     start = time.perf_counter()
-    small = _small_args(name, args, first.dtype, first.device)
+    got = None
     try:
-        err = _difference(kernel(small), reference(*small))
-        problem = None if err <= TOLERANCE[first.dtype] else (
-            f"relative difference {err:.2e} > {TOLERANCE[first.dtype]:.0e} from its torch implementation")
+        got = kernel()
     except Exception as e:          # a kernel that cannot run here must not stop training
         problem = f"it raised {type(e).__name__}: {e}"
+    want = reference(*call)
+    if got is not None:
+        err = _difference(got, reference(*map(_wide, call)), _largest(call))
+        problem = None if err <= TOLERANCE[first.dtype] else (
+            f"relative difference {err:.2e} > {TOLERANCE[first.dtype]:.0e} from its torch implementation")
     RESULTS[key] = (problem is None, time.perf_counter() - start)
     if problem:
         dtype = str(first.dtype).removeprefix("torch.")
         warnings.warn(f"autoshard: the {name} kernel for {dtype} on {first.device} failed its first-use check "
                       f"({problem}); it is disabled in this process and the torch implementation runs. "
                       f"AUTOSHARD_KERNEL_SELF_CHECK=0 skips the check.", RuntimeWarning, stacklevel=3)
-    return problem is None
+        return want
+    return got

@@ -13,7 +13,7 @@ import torch.fx as fx
 from autoshard.passes.fusion.pattern import Test
 
 __all__ = [
-    "captured_value", "equals", "is_constant_table", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
+    "captured_value", "equals", "is_bias_of", "is_shaped_like", "is_constant_table", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
     "is_input_dtype", "is_int", "is_last_dim", "is_last_dim_only", "is_like_input", "is_neg_inf",
     "is_no_draw_or_region", "is_no_grad_table", "is_none", "is_number", "is_one_plus_weight",
     "is_scores_length", "is_slice_start", "is_to_end", "is_to_fp32", "is_true", "is_vector_param",
@@ -219,3 +219,32 @@ def is_no_draw_or_region(v, lookup, env) -> bool:
     """A dropout's p: 0 (no mask drawn), or any p where the dropout is a region's random-op module
     (the fused op then draws its mask from that region's generator)."""
     return v == 0 or (isinstance(v, (int, float)) and env["drop"].op == "call_module")
+
+
+def _captured_shape(v, lookup) -> tuple | None:
+    t = captured_value(v, lookup)
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def is_shaped_like(name: str) -> Test:
+    """The value's captured shape is that of the node bound as `name` (the result the fused op
+    writes): the kernels read a full tensor in this slot, so an operand that broadcasts up to the
+    result (a [cols] parameter multiplied in, a [rows, 1] column) must not match. Unknown shapes do
+    not match either."""
+    def test(v, lookup, env) -> bool:
+        a, b = _captured_shape(v, lookup), _captured_shape(env.get(name), lookup)
+        return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
+    return test
+
+
+def is_bias_of(name: str) -> Test:
+    """A 1-D parameter added along the last dim of the node bound as `name`: a bias the kernels
+    read as [cols]. A one-element vector (which broadcasts over every column) matches only where
+    the captured last dim is 1."""
+    def test(v, lookup, env) -> bool:
+        b = vector_of(v, lookup)
+        if b is None:
+            return False
+        out = _captured_shape(env.get(name), lookup)
+        return b.shape[0] > 1 or (out is not None and len(out) > 0 and same_size(out[-1], 1))
+    return test

@@ -130,10 +130,11 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str
 
 def _captured_values(captured: fx.Graph) -> Callable[[fx.Node], object]:
     """node -> export's recorded value of the captured node it was rewritten from (passes/rewrite/rank_rewrite.py
-    names it in meta["captured"]), or None."""
+    names it in meta["captured"]), or of the one whose shape it has (meta["shape_of"]: a row-parallel
+    linear's reduction, and that plus its bias), or None."""
     by_name = {n.name: n for n in captured.nodes}
 
     def value(node: fx.Node) -> object:
-        src = by_name.get(node.meta.get("captured"))
+        src = by_name.get(node.meta.get("captured") or node.meta.get("shape_of"))
         return None if src is None else src.meta.get("val")
     return value

@@ -18,6 +18,7 @@ from autoshard.passes.fusion.checks import (
     is_dim_3,
     is_heads_unsqueezed_table,
     is_input_dtype,
+    is_bias_of,
     is_int,
     is_last_dim,
     is_last_dim_only,
@@ -28,6 +29,7 @@ from autoshard.passes.fusion.checks import (
     is_number,
     is_one_plus_weight,
     is_scores_length,
+    is_shaped_like,
     is_slice_start,
     is_to_end,
     is_to_fp32,
@@ -114,6 +116,20 @@ def _gelu_ok(kw: dict) -> bool:
 
 _BIAS = V("b", is_vector_param)
 _LINEAR_BIAS = P((aten.linear.default,), (V("x"), V("w"), _BIAS), bind="lin")
+# The kernels read each operand either as the result's full shape or as a [cols] vector, nothing
+# that broadcasts otherwise (kernels/dispatch.py falls back per call; these keep such operands out
+# of the graph's fused ops in the first place). "sum" is the bias add, "out" the matched root.
+_ADDED_BIAS = V("b", is_bias_of("sum"))
+
+
+def _full(name: str, of: str) -> V:
+    return V(name, is_shaped_like(of))
+
+
+def _bias_add(operand: str) -> list[P]:
+    """operand + b and b + operand, operand shaped like the sum, b a bias along its last dim."""
+    return [P((aten.add.Tensor,), (_full(operand, "sum"), _ADDED_BIAS), bind="sum"),
+            P((aten.add.Tensor,), (_ADDED_BIAS, _full(operand, "sum")), bind="sum")]
 
 
 def _gelu_tanh_written_out() -> P:
@@ -175,12 +191,13 @@ def _residual_patterns() -> list[P]:
     dim, the bias's. The dropout is one of p = 0, or a training dropout, which the rewrite made a
     module running it under its RNG region's generator: the fused op's mask is then its own hash
     of a seed drawn from that generator (the same distribution, not torch's mask)."""
-    biased = [P((aten.add.Tensor,), (V("y"), _BIAS), bind="sum"), P((aten.add.Tensor,), (_BIAS, V("y")), bind="sum")]
+    biased = _bias_add("y")
     biased += [P((aten.view.default,), (b, V("shape", keeps_bias_dim))) for b in biased]
     dropped = [P((aten.dropout.default,), (b, V("p", is_no_draw_or_region), V("train", default=True)), bind="drop")
                for b in biased]
     inner = biased + dropped + [_LINEAR_BIAS]
-    return [P((aten.add.Tensor,), (V("res"), i) if first else (i, V("res")))
+    res = _full("res", "out")
+    return [P((aten.add.Tensor,), (res, i) if first else (i, res), bind="out")
             for i, first in itertools.product(inner, (True, False))]
 
 
@@ -189,13 +206,14 @@ RULES: list[tuple[str, P, Callable]] = [
                      (V("x"), V("shape", is_last_dim_only), V("w", default=None), V("b", default=None),
                       V("eps", default=1e-5), V("cudnn_enable", default=True))), _layer_norm),
     ("bias_gelu", P((aten.gelu.default,), (_LINEAR_BIAS,), kwargs_ok=_gelu_ok), _bias_gelu),
-    ("bias_gelu", P((aten.gelu.default,), (P((aten.add.Tensor,), (V("x"), _BIAS)),), kwargs_ok=_gelu_ok),
-     _bias_gelu),
+    *(("bias_gelu", P((aten.gelu.default,), (add,), kwargs_ok=_gelu_ok), _bias_gelu) for add in _bias_add("x")),
     *(("rms_norm", p, _rms_norm) for p in _rms_norm_patterns()),
     ("gelu_tanh", _gelu_tanh_written_out(), _gelu_tanh),
     ("rotary", _rotary_written_out(), _rotary),
-    ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (V("a"),)), V("u"))), _swiglu),
-    ("swiglu", P((aten.mul.Tensor,), (V("u"), P((aten.silu.default,), (V("a"),)))), _swiglu),
+    ("swiglu", P((aten.mul.Tensor,), (P((aten.silu.default,), (_full("a", "out"),)), _full("u", "out")), bind="out"),
+     _swiglu),
+    ("swiglu", P((aten.mul.Tensor,), (_full("u", "out"), P((aten.silu.default,), (_full("a", "out"),))), bind="out"),
+     _swiglu),
     *(("bias_residual", p, _bias_residual) for p in _residual_patterns()),
     *(("causal_softmax", p, _causal_softmax) for p in _causal_softmax_patterns()),
 ]

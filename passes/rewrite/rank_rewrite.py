@@ -222,8 +222,10 @@ def rewrite_rank(gm: fx.GraphModule, plan: ShardingPlan, param_names: dict[str, 
         if row is not None:      # partial sums: reduce (g), or reduce-scatter onto sequence shards
             new = seq_collective("reduce_scatter", f"reduce_scatter_to_sequence_{node.name}", *row.scatter, new) \
                 if row.scatter is not None else g.call_module("g", (new,))
+            new.meta["shape_of"] = node.name         # the captured linear's (its single-device shape)
             if bias is not None:     # added once, after the reduction
                 new = g.call_function(aten.add.Tensor, (new, bias))
+                new.meta["shape_of"] = node.name
         env[node] = new
     g.lint()
     return RankGraph(g, modules, buffers)
