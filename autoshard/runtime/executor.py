@@ -254,10 +254,14 @@ class MeshRuntime(nn.Module):
                 if stage == last:
                     loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
                     scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
-                    # with expert parallelism every microbatch's backward runs: it exchanges tokens
-                    empty = isinstance(scale, torch.Tensor) and not bool(scale) and self.dims.ep == 1
-                    outs = [torch.zeros_like(loss) if empty else loss * scale]
-                    losses.append(outs[0].detach().to(self.device, torch.float32))
+                    # No token counted: the model's mean is 0/0 (NaN) and the microbatch adds nothing.
+                    # With expert parallelism its backward still runs (it exchanges tokens with the
+                    # other ranks), through loss * 0: the NaN gets a zero gradient, and its value
+                    # is not counted.
+                    empty = isinstance(scale, torch.Tensor) and not bool(scale)
+                    outs = [torch.zeros_like(loss) if empty and self.dims.ep == 1 else loss * scale]
+                    counted = torch.zeros_like(outs[0]) if empty else outs[0]
+                    losses.append(counted.detach().to(self.device, torch.float32))
                 else:
                     self.transfer.send(outs, self._rank_of_stage(stage + 1), stage, i, FORWARD)
                 saved[(stage, i)] = (outs, received)

@@ -52,13 +52,15 @@ from autoshard.testing.models import MOE_NAMES, VOCAB, build_moe
 ROWS, SEQ, LR = 8, 16, 1e-3
 
 
-def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+def _batches(n: int, empty_rows: int = 0) -> list[dict[str, torch.Tensor]]:
+    """n global batches; the first `empty_rows` rows of each have only ignored labels (-100)."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
         ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
         labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
         labels[0, :5] = -100                       # some tokens not counted
+        labels[:empty_rows] = -100
         out.append({"input_ids": ids, "labels": labels})
     return out
 
@@ -81,7 +83,9 @@ def _reference_step(ref, opt, slices: list[list[dict]], per_token: bool, max_nor
     counted = [[(mb["labels"][:, 1:] != -100).sum() if per_token else 1 for mb in per_dp] for per_dp in slices]
     total = sum(int(c) for per_dp in counted for c in per_dp)
     opt.zero_grad()
-    loss = sum(ref(**mb).loss * (int(c) / total) for per_dp, cs in zip(slices, counted) for mb, c in zip(per_dp, cs))
+    # a microbatch with no counted token runs (its routing is part of the step) and adds nothing
+    loss = sum(ref(**mb).loss * (int(c) / total) if int(c) else ref(**mb).loss.detach().nan_to_num() * 0
+               for per_dp, cs in zip(slices, counted) for mb, c in zip(per_dp, cs))
     loss.backward()
     norm = None if max_norm is None else torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     opt.step()
@@ -119,7 +123,7 @@ def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict
         if dist.get_rank() == 0:
             ref.save_pretrained(folder)      # transformers writes experts one module each
         dist.barrier()
-    batches = _batches(args.skip + args.steps)
+    batches = _batches(args.skip + args.steps, ROWS // args.dp // args.microbatches if args.empty_microbatch else 0)
     example = {k: v[:2] for k, v in batches[0].items()}
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches,
                      example_kwargs=example, recompute=args.recompute)
@@ -150,7 +154,8 @@ def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict
         sent += (group.sent_bytes if group else 0) - before
         ref_loss, ref_norm, routing = _reference_step(ref, ref_opt, _microbatches(batch, args.dp, args.microbatches),
                                              per_token=not args.aux_loss, max_norm=args.max_norm)
-        worst_loss = max(worst_loss, max_rel(loss, torch.tensor(ref_loss)))
+        rel = max_rel(loss, torch.tensor(ref_loss))
+        worst_loss = max(worst_loss, rel if rel == rel else float("inf"))      # max(0.0, nan) would be 0.0
         if ref_norm is not None:
             worst_norm = max(worst_norm, max_rel(rt.last_grad_norm.float(), ref_norm))
         expected += _expected_bytes(routing, here, rt.dp_rank, args.ep, per_rank, model.config.hidden_size,
@@ -188,6 +193,8 @@ def main() -> None:
     ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     ap.add_argument("--max-norm", type=float, default=None, help="clip gradients to this global norm")
     ap.add_argument("--aux-loss", action="store_true", help="the model adds its load-balancing loss")
+    ap.add_argument("--empty-microbatch", action="store_true",
+                    help="data-parallel rank 0's first microbatch has only ignored labels (-100)")
     ap.add_argument("--meta", action="store_true", help="build on the meta device; each rank materializes its "
                                                         "shards (the reference: materialize_full)")
     ap.add_argument("--optimizers", nargs="+", default=["adamw"], choices=("adamw", "sharded", "unsharded"),

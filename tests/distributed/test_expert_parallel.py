@@ -16,8 +16,11 @@ MESHES = {
     "dp2-ep2 (three models, load-balancing loss)": (["--dp", "2", "--ep", "2", "--aux-loss",
                                                      "--models", "mixtral", "qwen3_moe", "olmoe"], 2),
     # experts' gradients summed over 2 replicas, clipped by the global norm
-    "dp4-ep2 (clipped; AdamW and the distributed optimizer, sharded and not)":
-        (["--dp", "4", "--ep", "2", "--max-norm", "0.05", "--optimizers", "adamw", "sharded", "unsharded"], 4),
+    # one microbatch with only -100 labels: its loss is 0/0, its tokens still go through the
+    # all-to-alls (before: the step's loss was NaN)
+    "dp4-ep2 (clipped; AdamW and the distributed optimizer, sharded and not; a microbatch of -100 labels)":
+        (["--dp", "4", "--ep", "2", "--max-norm", "0.05", "--optimizers", "adamw", "sharded", "unsharded",
+          "--empty-microbatch"], 4),
     "tp2-dp2-ep2 (built on the meta device, loaded from save_pretrained's experts-one-module-each files)":
         (["--tp", "2", "--dp", "2", "--ep", "2", "--from-file", "{tmp}", "--models", "mixtral", "qwen3_moe"], 4),
     "tp2-dp4-ep4 (eight processes)": (["--tp", "2", "--dp", "4", "--ep", "4"], 8),
