@@ -3,6 +3,7 @@ methods, each delegating to the part that owns it: the compiler (new signatures)
 (cutting ranks), the stage layout (pipeline stages), the simulator, reassembly and printing."""
 from __future__ import annotations
 
+import contextlib
 from typing import Mapping
 
 import torch
@@ -30,6 +31,17 @@ from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.schedules import Action
 
 __all__ = ["ShardedProgram"]
+
+
+def _building() -> contextlib.ExitStack:
+    """Ranks and graphs are built on first use, under whatever mode that call runs in: they are
+    built with gradients on and outside inference mode, whatever it is (a first call under
+    torch.inference_mode() would otherwise make every parameter an inference tensor, unusable in
+    training ever after)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.enable_grad())
+    return stack
 
 
 class ShardedProgram:
@@ -109,9 +121,10 @@ class ShardedProgram:
 
     # ---- compile and pipeline stages ---------------------------------------------------------
     def _compile(self, named: dict[str, object], training: bool | None = None) -> Compiled:
-        entry = self._compiler.compile_signature(named, training)
-        for rank in self._ranks.values():
-            self._add_graph(rank, entry)
+        with _building():
+            entry = self._compiler.compile_signature(named, training)
+            for rank in self._ranks.values():
+                self._add_graph(rank, entry)
         return entry
 
     def stage_graphs(self, gm: fx.GraphModule | fx.Graph) -> list[StageGraph]:
@@ -146,20 +159,24 @@ class ShardedProgram:
         if not 0 <= r < self.tp:
             raise IndexError(f"rank {r} out of range for world size {self.tp}")
         if r not in self._ranks:
-            full = self._source.tensors(cut=sorted(self._ranks))     # one state of the model for every rank
-            trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
-            params = {name: nn.Parameter(rank_slice(full[name], self.sharding.params.get(name), r).clone(),
-                                         requires_grad=grad) for name, grad in trainable.items()}
-            rank = RankProgram(r, self.tp, params, self._bind, compile_for=self._compile)
-            rank.train(self._training)
-            rank.rng.manual_seed(self._seed)
-            for entry in self._compiler.compiled:
-                self._add_graph(rank, entry)
-            copy_into_rank(rank, self.sharding.params, {n: t for n, t in full.items() if n not in params})   # buffers
-            self._ranks[r] = rank
+            with _building():
+                self._ranks[r] = self._build_rank(r)
             if len(self._ranks) == self.tp:
                 self._source.all_cut()
         return self._ranks[r]
+
+    def _build_rank(self, r: int) -> RankProgram:
+        full = self._source.tensors(cut=sorted(self._ranks))     # one state of the model for every rank
+        trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
+        params = {name: nn.Parameter(rank_slice(full[name], self.sharding.params.get(name), r).clone(),
+                                     requires_grad=grad) for name, grad in trainable.items()}
+        rank = RankProgram(r, self.tp, params, self._bind, compile_for=self._compile)
+        rank.train(self._training)
+        rank.rng.manual_seed(self._seed)
+        for entry in self._compiler.compiled:
+            self._add_graph(rank, entry)
+        copy_into_rank(rank, self.sharding.params, {n: t for n, t in full.items() if n not in params})   # buffers
+        return rank
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load full-size weights (the model's own names, as `model.state_dict()` gives them) into

@@ -23,8 +23,10 @@ _SLOTS = 1
 
 
 def _key(value: object) -> object:
+    """What identifies an input; None for an inference tensor (it has no version counter to tell
+    an in-place change by: such inputs are not cached)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value._version)
+        return None if value.is_inference() else ("tensor", id(value), value._version)
     return (type(value).__name__, value)
 
 
@@ -39,6 +41,10 @@ class TableCache(nn.Module):
         if torch.compiler.is_compiling():      # torch.compile traces the body into its graph
             return tuple(self.body(*inputs))
         key = (torch.is_inference_mode_enabled(), *map(_key, inputs))
+        if None in key:
+            self.runs += 1
+            with torch.no_grad():
+                return tuple(self.body(*inputs))
         hit = self._memo.get(key)
         held = [x for x in inputs if isinstance(x, torch.Tensor)]
         if hit is not None and all(a is b for a, b in zip(hit[0], held)):     # ids are of live objects

@@ -113,3 +113,25 @@ def test_the_process_rank_holds_nothing_more_of_the_model(one_process_group):
         with pytest.raises(ShardingError, match="no longer holds the model"):
             prog.model
         model = build_model("llama")
+
+
+def test_a_first_call_under_inference_mode_leaves_the_program_trainable():
+    """Ranks and graphs are built on the first call, and were built in that call's mode: under
+    torch.inference_mode() every rank parameter and rotary table became an inference tensor and
+    every later call failed ('Inference tensors do not track version counter')."""
+    torch.manual_seed(0)
+    model = build_model("llama", layers=2)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    prog = autoshard(model, tp=2, example_kwargs={"input_ids": ids, "labels": ids})
+    with torch.inference_mode():
+        first = prog.simulate(input_ids=ids, labels=ids)
+        fresh = torch.randint(0, VOCAB, (2, 16))                      # an inference tensor as input
+        prog.simulate(input_ids=fresh, labels=fresh)
+    assert not any(p.is_inference() for r in prog.ranks() for p in r.parameters())
+    out = prog.simulate(input_ids=ids, labels=ids)
+    out.loss.backward()
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    assert max_rel(first.loss, ref.loss) <= 1e-5 and max_rel(out.loss, ref.loss) <= 1e-5
+    grads = prog.full_grads()
+    assert max(max_rel(grads[n], p.grad) for n, p in model.named_parameters()) <= 1e-4
