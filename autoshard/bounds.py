@@ -8,8 +8,18 @@ import torch
 __all__ = ["check_token_ids", "check_targets"]
 
 
+def _traced_check(ok: torch.Tensor, message: str) -> None:
+    """Under torch.compile a Python `if` on tensor values cannot be traced (a data-dependent guard):
+    the check is an assertion op in the compiled graph instead, raising with `message` when it runs."""
+    torch._assert_async(ok.all(), message)
+
+
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`ids`, after checking that each is in [0, vocab_size) as nn.Embedding requires."""
+    if torch.compiler.is_compiling():
+        _traced_check((ids >= 0) & (ids < vocab_size), f"a token id is out of range for the embedding's "
+                                                       f"vocabulary of {vocab_size} rows (ids must be in [0, {vocab_size}))")
+        return ids
     if ids.numel():
         low, high = torch.stack(torch.aminmax(ids)).tolist()       # one pass, one device sync
         if low < 0 or high >= vocab_size:
@@ -23,6 +33,10 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> t
     """`target`, after checking that each is in [0, vocab_size) or equal to ignore_index, as
     cross-entropy requires."""
     outside = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
+    if torch.compiler.is_compiling():
+        _traced_check(~outside, f"a target is out of bounds for cross-entropy over {vocab_size} classes "
+                                f"(targets must be in [0, {vocab_size}) or ignore_index={ignore_index})")
+        return target
     if target.numel() and bool(outside.any()):                 # one device sync when all is well
         bad = target[outside]
         raise IndexError(f"target {int(bad[0])} is out of bounds for cross-entropy over {vocab_size} classes "
