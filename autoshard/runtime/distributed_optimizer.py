@@ -65,6 +65,12 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
 
 
+_USE_CHECKPOINTS = (
+    "DistributedOptimizer has no state_dict: each rank holds 1/dp of the state as flat pieces laid out for "
+    "this mesh. Save and load it with autoshard.checkpoint: checkpoint.save(folder, prog, runtime, opt, step=n) "
+    "on every rank, and checkpoint.load(folder, prog, runtime, opt) (at any tp, pp, dp)")
+
+
 class DistributedOptimizer:
     """`optimizer_class(**defaults)` over this rank's owned shard of `runtime`'s parameters."""
 
@@ -198,6 +204,15 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for part, _ in self.parts:
             part.grads.zero()
+
+    def state_dict(self) -> dict:
+        """Refused: this rank's state is flat pieces of the parameters, laid out for this mesh and
+        bucket size, which torch.save / load_state_dict would carry to no other layout."""
+        raise ShardingError(_USE_CHECKPOINTS)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Refused (see state_dict)."""
+        raise ShardingError(_USE_CHECKPOINTS)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for: the optimizer's state, fp32 main parameters apart from the

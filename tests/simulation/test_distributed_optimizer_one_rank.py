@@ -71,6 +71,9 @@ def test_misuse_is_refused(one_process_group):
         DistributedOptimizer(mixed, torch.optim.AdamW)
     with pytest.raises(ShardingError, match="only an element-wise optimizer does exactly; got 'LBFGS'"):
         DistributedOptimizer(mixed, torch.optim.LBFGS)       # it would step flat pieces, silently otherwise
+    for call in (opt.state_dict, lambda: opt.load_state_dict({})):    # before: AttributeError
+        with pytest.raises(ShardingError, match=r"no state_dict.*autoshard.checkpoint: checkpoint.save\(folder, prog"):
+            call()
 
 
 def test_an_fp64_model_keeps_fp64_gradients_and_main_weights(one_process_group):
