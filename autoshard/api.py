@@ -59,7 +59,9 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     "selective" does that for the attention core only (scores, softmax, dropout, probabilities x
     values: the part whose memory grows as s^2). Each recomputed region is a checkpointed submodule
     call in the rank code (`recompute_<layer>`); dropout redraws the forward's masks. With
-    world_size, the planner's choice is used unless given.
+    world_size, the planner's choice is used unless given. A Hugging Face model on which
+    `gradient_checkpointing_enable()` was called gets "full" unless `recompute` is given (its own
+    checkpointing does not survive capture: the numbers would be right and no memory saved).
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
     many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
     chosen costmodel.Estimate is `prog.planned`.
@@ -79,6 +81,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
     if recompute is not None and recompute not in RECOMPUTE_MODES:
         raise ShardingError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
+    if recompute is None and getattr(model, "is_gradient_checkpointing", False) is True:
+        recompute = "full"          # Hugging Face's gradient_checkpointing_enable(): capture drops it, so honour it here
     chosen = None
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,

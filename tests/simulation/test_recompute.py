@@ -137,3 +137,22 @@ def test_unknown_mode_is_refused():
     model = build_model("nanogpt", layers=2)
     with pytest.raises(ShardingError, match="recompute must be one of 'none', 'selective', 'full', got 'some'"):
         autoshard(model, tp=2, recompute="some")
+
+
+def test_hugging_faces_gradient_checkpointing_is_honoured_as_full_recompute():
+    """model.gradient_checkpointing_enable() did not survive capture: the numbers were right and no
+    memory was saved. It now means recompute="full" unless recompute is given."""
+    model = build_model("llama", layers=2)
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, 128, (2, 16))
+    kw = {"input_ids": ids, "labels": ids}
+    code = autoshard(model, tp=2, example_kwargs=kw).rank(0).code
+    assert code.count("recompute_") >= 2, code
+    assert "recompute_" not in autoshard(model, tp=2, example_kwargs=kw, recompute="none").rank(0).code
+    prog = autoshard(model, tp=2, example_kwargs=kw)
+    out, ref = prog.simulate(**kw), model(**kw)
+    out.loss.backward()
+    ref.loss.backward()
+    grads = prog.full_grads()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * ref.loss.item()
+    assert max((grads[n] - p.grad).abs().max() / p.grad.abs().max() for n, p in model.named_parameters()) <= 1e-5
