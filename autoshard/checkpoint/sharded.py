@@ -166,16 +166,22 @@ def save_ranks(folder: str, prog: ShardedProgram, modules: list[nn.Module], opti
     _write_index(folder, prog, [_write_rank(folder, prog, m, o) for m, o in zip(modules, opts)], step, extra)
 
 
-def latest(root: str) -> str | None:
-    """The newest complete checkpoint folder under `root` (by its index's step), or None."""
-    best = None
+def complete(root: str) -> list[str]:
+    """The checkpoint folders under `root` that have an index (written last, so the rest was
+    written), newest step first. A folder can still fail to load (a shard cut short or changed
+    afterwards): `load` reads and checks every piece."""
+    found = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, name, INDEX)
         if os.path.isfile(path):
-            step = read_checked_json(path).get("step", -1)
-            if best is None or step > best[0]:
-                best = (step, os.path.join(root, name))
-    return best[1] if best else None
+            found.append((read_checked_json(path).get("step", -1), os.path.join(root, name)))
+    return [folder for _, folder in sorted(found, key=lambda sf: -sf[0])]
+
+
+def latest(root: str) -> str | None:
+    """The newest complete checkpoint folder under `root` (by its index's step), or None."""
+    found = complete(root)
+    return found[0] if found else None
 
 
 def _check_model(prog: ShardedProgram, index: dict, names: list[str]) -> None:

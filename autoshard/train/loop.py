@@ -14,10 +14,11 @@ import torch.distributed as dist
 from autoshard import autoshard
 from autoshard import checkpoint as ck
 from autoshard.checkpoint.convert import consolidate, load_from_file
-from autoshard.checkpoint.index import INDEX
+from autoshard.checkpoint.index import INDEX, CheckpointError
 from autoshard.checkpoint.materialize import materialize
 from autoshard.planning.costmodel import estimate
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
+from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
@@ -116,20 +117,34 @@ def _compile(opts: TrainOptions, source, world: int):
 
 
 def _resume(opts: TrainOptions, ckdir: str, prog, rt, optimizer, run_info: dict) -> int:
-    found = ck.latest(ckdir)
-    if found is None:
+    """The step to start at: the newest checkpoint every rank can load, loaded. Ranks decide
+    together, checkpoint by checkpoint, newest first: one rank's unreadable shard moves every rank
+    to the next older one (a run whose ranks resumed from different steps would not be one run;
+    on NCCL it would hang at the first collective). None readable: every rank stops, one line."""
+    skipped = []
+    for found in ck.complete(ckdir):
+        try:
+            info, problem = ck.load(found, prog, rt, optimizer), None
+        except (CheckpointError, OSError) as e:
+            info, problem = None, f"{type(e).__name__}: {e}"
+        problems = [p for p in all_gather_json(problem) if p is not None]
+        if problems:
+            skipped.append(f"{os.path.basename(found)} ({problems[0]})")
+            continue
+        saved = (info.get("extra") or {}).get("run", {})
+        for key in _RUN_KEYS:
+            if key in saved and saved[key] != run_info[key]:
+                raise TrainError(f"{found} was written by a run with {key}={saved[key]!r}; this run has "
+                                 f"{run_info[key]!r} (a resumed run must keep the data and schedule)")
         if dist.get_rank() == 0:
-            print(f"--resume: no complete checkpoint under {ckdir}; starting at step 0", flush=True)
-        return 0
-    info = ck.load(found, prog, rt, optimizer)
-    saved = (info.get("extra") or {}).get("run", {})
-    for key in _RUN_KEYS:
-        if key in saved and saved[key] != run_info[key]:
-            raise TrainError(f"{found} was written by a run with {key}={saved[key]!r}; this run has "
-                             f"{run_info[key]!r} (a resumed run must keep the data and schedule)")
+            passed = f" (skipped, unreadable on some rank: {'; '.join(skipped)})" if skipped else ""
+            print(f"resumed from {found} at step {info['step']}{passed}", flush=True)
+        return int(info["step"])
+    if skipped:
+        raise TrainError(f"--resume: no checkpoint under {ckdir} loads on every rank: {'; '.join(skipped)}")
     if dist.get_rank() == 0:
-        print(f"resumed from {found} at step {info['step']}", flush=True)
-    return int(info["step"])
+        print(f"--resume: no complete checkpoint under {ckdir}; starting at step 0", flush=True)
+    return 0
 
 
 def _export(opts: TrainOptions, source, tokenizer, final: str) -> None:
