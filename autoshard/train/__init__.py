@@ -12,7 +12,6 @@ TensorBoard), plot.py (loss.png).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 from autoshard.train.options import TrainError, TrainOptions, parse
@@ -39,19 +38,48 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def _launch(opts: TrainOptions, argv: list[str]) -> int:
+    """Check what can be checked here, then run the job on --nproc-per-node processes, as torchrun
+    --standalone does but in this process: a failed run ends in one line, not torchrun's report.
+    A rank that stopped on a TrainError said why itself (exit code 2); any other failure is named."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from autoshard.train.data import tokenizer_for
+    from autoshard.train.loop import check_data, split_of
+    if not opts.plan:
+        split_of(opts, opts.nproc_per_node)                 # a world-size mismatch, said before launching
+    check_data(opts, tokenizer_for(opts.model))             # bad data, said in seconds (and tokenized once)
+    args = get_args_parser().parse_args([f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train",
+                                         *worker_argv(argv)])
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())   # --standalone
+    os.environ.setdefault("OMP_NUM_THREADS", "1")          # torchrun's default, without its warning (run() sets threads)
+    config, entrypoint, entry_args = config_from_args(args)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)    # the failure is said below
+    try:
+        elastic_launch(config, entrypoint)(*entry_args)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if 2 not in codes.values():
+            rank, code = min(codes.items())
+            print(f"autoshard train: rank {rank} failed (exit code {code}); its output is above", file=sys.stderr)
+        return 2 if 2 in codes.values() else 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         opts = parse(argv)
-        if opts.nproc_per_node and "RANK" not in os.environ:        # launch torchrun, which runs us again
-            if not opts.plan:
-                from autoshard.train.loop import split_of
-                split_of(opts, opts.nproc_per_node)                 # a world-size mismatch, said before launching
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train", *worker_argv(argv)]
-            sys.exit(subprocess.run(cmd).returncode)
-        from autoshard.train.loop import run
-        code = run(opts)
+        if opts.nproc_per_node and "RANK" not in os.environ:        # launch the ranks, which run us again
+            code = _launch(opts, argv)
+        else:
+            from autoshard.train.loop import run
+            code = run(opts)
     except TrainError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"autoshard train: {e}", file=sys.stderr, flush=True)

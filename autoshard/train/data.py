@@ -25,9 +25,38 @@ class ByteTokenizer:
     name = "bytes"
     eos = 256
     vocab = 257
+    EOS_TEXT = "<|endoftext|>"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def save_pretrained(self, folder: str) -> None:
+        """Write a Hugging Face tokenizer that encodes as this one does (AutoTokenizer.from_pretrained
+        reads it): byte-level, no merges, byte b is id b, and EOS_TEXT (id 256) ends a document, as
+        bos, eos and pad. Text that spells EOS_TEXT itself encodes to 256 there, to its bytes here."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        vocab = {char: b for b, char in _byte_chars().items()}
+        vocab[self.EOS_TEXT] = self.eos
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        special = dict(bos_token=self.EOS_TEXT, eos_token=self.EOS_TEXT, pad_token=self.EOS_TEXT)
+        PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(folder)
+
+
+def _byte_chars() -> dict[int, str]:
+    """Byte -> the character byte-level pre-tokenizers write it as (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the other 68 for code points 256, 257, ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + shifted)
+            shifted += 1
+    return out
 
 
 class HFTokenizer:

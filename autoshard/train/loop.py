@@ -26,7 +26,7 @@ from autoshard.train.metrics import Reporter, StepMetrics
 from autoshard.train.options import TrainError, TrainOptions
 from autoshard.train.plot import loss_curve
 
-__all__ = ["run", "split_of"]
+__all__ = ["run", "split_of", "check_data"]
 
 # what a checkpoint records of the run, checked on --resume (the data and the schedule must match
 # for the continuation to be the same run)
@@ -73,6 +73,15 @@ def split_of(opts: TrainOptions, world: int) -> dict:
     if dp % opts.ep:
         raise TrainError(f"--ep {opts.ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks")
     return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, virtual=opts.virtual, microbatches=micro)
+
+
+def check_data(opts: TrainOptions, tokenizer, extra: int = 0) -> str:
+    """The token file of --data (tokenized once, cached under --out), after checking it holds at
+    least one sequence; TrainError otherwise. `extra`: tokens a row reads past --seq-len."""
+    token_file = prepare_tokens(opts.data, tokenizer, opts.text_field, os.path.join(opts.out, "data"))
+    Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=1, dp_rank=0, seed=opts.seed,
+                 extra=extra)
+    return token_file
 
 
 def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) -> None:
@@ -148,17 +157,27 @@ def _resume(opts: TrainOptions, ckdir: str, prog, rt, optimizer, run_info: dict)
 
 
 def _export(opts: TrainOptions, source, tokenizer, final: str) -> None:
-    """A single-device model from the final checkpoint: a Hugging Face folder (save_pretrained,
-    and the tokenizer when the model folder had one) or model.safetensors for a factory model."""
+    """A single-device model from the final checkpoint: a Hugging Face folder (save_pretrained) or
+    model.safetensors for a factory model, with the tokenizer training used: the model folder's, or
+    the byte tokenizer written as a Hugging Face one (and the config's special ids set to its 256)."""
     if source.kind == "factory":
         model = model_source.build(opts, isinstance(tokenizer, ByteTokenizer)).model
     else:
         from transformers import AutoModelForCausalLM
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(source.config)
+    if isinstance(tokenizer, ByteTokenizer) and hasattr(model, "config"):
+        # documents ended with the byte tokenizer's id, not the model type's special tokens
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(model.config, key, tokenizer.eos)
+        if getattr(model, "generation_config", None) is not None:
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                setattr(model.generation_config, key, tokenizer.eos)
     consolidate(final, model, opts.export)
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.tok.save_pretrained(opts.export)
+    else:                       # a tokenizer that encodes as training did (bytes, 256 ends a document)
+        tokenizer.save_pretrained(opts.export)
     print(f"exported a single-device model to {opts.export}", flush=True)
 
 
@@ -168,9 +187,14 @@ def run(opts: TrainOptions) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     ckdir = os.path.join(opts.out, "checkpoints")
+    # Everything that can be wrong with the options, data and tokenizer is found before the model is
+    # sharded and compiled on every rank (minutes): the split, the fit of model and tokenizer, the data.
+    if not opts.plan:
+        split_of(opts, world)
     tokenizer = tokenizer_for(opts.model)
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
     _check_fit(opts, source, tokenizer)
+    token_file = _on_rank0(lambda: check_data(opts, tokenizer, extra=int(source.shifted)))
     if opts.precision != "fp32":        # compiled as cast (Megatron's way); fp32 main weights in the optimizer
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
     prog, split = _compile(opts, source, world)
@@ -182,7 +206,6 @@ def run(opts: TrainOptions) -> int:
     optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=opts.distributed_optimizer, **adamw)
                  if opts.distributed_optimizer or opts.precision != "fp32"
                  else torch.optim.AdamW(rt.parameters(), **adamw))
-    token_file = _on_rank0(lambda: prepare_tokens(opts.data, tokenizer, opts.text_field, os.path.join(opts.out, "data")))
     batches = Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=split["dp"],
                            dp_rank=rt.dp_rank, seed=opts.seed, extra=int(source.shifted))
     run_info = {"seq_len": opts.seq_len, "batch": opts.batch, "seed": opts.seed, "steps": opts.steps, "lr": opts.lr,

@@ -72,6 +72,13 @@ def test_train_llama_tp2_pp2_resumes_exactly_reshards_and_exports(tmp_path):
     from autoshard import autoshard
     from autoshard import checkpoint as ck
     hf = AutoModelForCausalLM.from_pretrained(whole / "hf").eval()
+    from transformers import AutoTokenizer
+
+    from autoshard.train.data import ByteTokenizer
+    sentence = "A sentence, encoded as training encoded it."
+    assert AutoTokenizer.from_pretrained(whole / "hf")(sentence, add_special_tokens=False)["input_ids"] == \
+        ByteTokenizer().encode(sentence)
+    assert hf.config.eos_token_id == hf.config.bos_token_id == ByteTokenizer.eos       # what ended documents
     ids = torch.randint(0, 256, (2, 64))
     shell = AutoModelForCausalLM.from_config(hf.config)         # random weights, replaced by the checkpoint's
     prog = autoshard(shell, tp=2, example_kwargs={"input_ids": ids}).eval()

@@ -124,6 +124,44 @@ def test_the_command_line_says_the_error_in_one_line_and_exits_2(tmp_path, text)
         assert len(lines) == 1 and __import__("re").search(message, lines[0]), proc.stderr
 
 
+def _launch(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoshard.train", "--model", "llama", "--layers", "1", "--hidden", "32",
+                           "--heads", "2", "--out", str(tmp_path / "run"), "--nproc-per-node", "2", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_an_empty_data_file_is_refused_before_any_rank_starts(tmp_path):
+    """Before: found only after every rank had built and compiled the model (1.7 minutes here),
+    then torchrun's 40-line report. Now the launcher tokenizes once, and refuses: one line, exit 2,
+    no rank started (nothing a rank prints, no torchrun report)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = _launch(tmp_path, "--data", str(empty))
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [f"autoshard train: --data {empty}: no text in 1 file(s)"], proc.stderr
+
+
+def test_an_error_on_the_ranks_ends_in_one_line_not_torchruns_report(tmp_path, text):
+    proc = _launch(tmp_path, "--data", text, "--vocab", "100", "--seq-len", "16")       # found by the ranks
+    assert proc.returncode == 2, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "autoshard train: the bytes tokenizer has 257 ids but the model's vocabulary has 100 (--vocab)"], proc.stderr
+    assert "ChildFailedError" not in proc.stderr + proc.stdout
+
+
+def test_the_byte_tokenizer_saved_for_an_export_encodes_as_training_did(tmp_path):
+    """Before: an export of a byte-tokenizer run had no tokenizer; AutoTokenizer.from_pretrained
+    returned the model type's own."""
+    from transformers import AutoTokenizer
+    ByteTokenizer().save_pretrained(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    for sentence in ("The quick brown fox jumps over the lazy dog.", "naïve café, 東京 — ok?\n\ttabs  and  spaces",
+                     " leading space", "\x00\x7f bytes"):
+        assert tok(sentence, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(sentence), sentence
+        assert tok.decode(ByteTokenizer().encode(sentence)) == sentence
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == ByteTokenizer.eos and len(tok) == 257
+
+
 def test_batches_are_each_ranks_own_part_of_a_seeded_order(tmp_path, text):
     """dp ranks' parts of a step, side by side, are the global batch a dp=1 run reads; epochs are
     permutations of every sequence; a step's batch depends on nothing but the step."""
