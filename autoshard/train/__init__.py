@@ -49,10 +49,15 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
+    import torch
+
     from autoshard.train.data import tokenizer_for
+    from autoshard.train.device import placement
     from autoshard.train.loop import check_data, split_of
     if not opts.plan:
         split_of(opts, opts.nproc_per_node)                 # a world-size mismatch, said before launching
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placement(opts, {"LOCAL_WORLD_SIZE": str(opts.nproc_per_node)}, gpus)     # --device cuda without GPUs enough
     check_data(opts, tokenizer_for(opts.model))             # bad data, said in seconds (and tokenized once)
     args = get_args_parser().parse_args([f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train",
                                          *worker_argv(argv)])

@@ -2,6 +2,7 @@
 report, export. Every rank runs this under torchrun (or one process alone, its own gloo group)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -20,6 +21,7 @@ from autoshard.planning.costmodel import estimate
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
+from autoshard.train.device import Placement, move_runtime, placement
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
 from autoshard.train.metrics import Reporter, StepMetrics
@@ -33,16 +35,16 @@ __all__ = ["run", "split_of", "check_data"]
 _RUN_KEYS = ("seq_len", "batch", "seed", "steps", "lr", "warmup", "min_lr_ratio", "data_key")
 
 
-def _init() -> None:
+def _init(backend: str) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
         return
     with socket.socket() as s:                  # one process, no torchrun: its own group of one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def _on_rank0(fn):
@@ -73,6 +75,11 @@ def split_of(opts: TrainOptions, world: int) -> dict:
     if dp % opts.ep:
         raise TrainError(f"--ep {opts.ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks")
     return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, virtual=opts.virtual, microbatches=micro)
+
+
+def _peak_gib(place: Placement) -> float | None:
+    """This rank's peak CUDA memory so far (GiB), or None on the CPU."""
+    return torch.cuda.max_memory_allocated(place.device) / 2**30 if place.is_cuda else None
 
 
 def check_data(opts: TrainOptions, tokenizer, extra: int = 0) -> str:
@@ -182,7 +189,11 @@ def _export(opts: TrainOptions, source, tokenizer, final: str) -> None:
 
 
 def run(opts: TrainOptions) -> int:
-    _init()
+    place = placement(opts, os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    opts = dataclasses.replace(opts, precision=place.precision, fuse=place.fuse)
+    if place.is_cuda:
+        torch.cuda.set_device(place.device)     # before NCCL's group: each rank its own GPU
+    _init(place.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -197,11 +208,15 @@ def run(opts: TrainOptions) -> int:
     token_file = _on_rank0(lambda: check_data(opts, tokenizer, extra=int(source.shifted)))
     if opts.precision != "fp32":        # compiled as cast (Megatron's way); fp32 main weights in the optimizer
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
+    if source.weights is None:          # captured on its device (a folder's model stays on meta: loaded below)
+        source.model.to(place.device)
     prog, split = _compile(opts, source, world)
     rt = prog.distributed(mesh=True)
     if source.weights is not None:
         materialize(prog, rt, seed=opts.seed)
         load_from_file(source.weights, prog, rt)
+        if place.is_cuda:
+            move_runtime(rt, place.device)
     adamw = dict(lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
     optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=opts.distributed_optimizer, **adamw)
                  if opts.distributed_optimizer or opts.precision != "fp32"
@@ -232,7 +247,7 @@ def run(opts: TrainOptions) -> int:
                 group["lr"] = lr
             prog.manual_seed(opts.seed * 1_000_003 + step)       # dropout: a function of the step, so resumes agree
             torch.manual_seed(opts.seed * 1_000_003 + step)
-            rows = batches.batch(step)
+            rows = batches.batch(step).to(place.device)
             ids, labels = (rows[:, :-1].contiguous(), rows[:, 1:].contiguous()) if source.shifted else (rows, rows)
             began = time.perf_counter()
             loss = rt.train_step(**{source.input_name: ids, source.label_name: labels}, local_batch=True,
@@ -241,7 +256,7 @@ def run(opts: TrainOptions) -> int:
             optimizer.zero_grad()
             took = time.perf_counter() - began
             reporter.step(StepMetrics(step + 1, loss.item(), lr, float(rt.last_grad_norm),
-                                      opts.batch * opts.seq_len / took, took, est),
+                                      opts.batch * opts.seq_len / took, took, est, _peak_gib(place)),
                           show=(step + 1) % opts.log_every == 0)
             if (step + 1) % opts.save_every == 0 or step + 1 == opts.steps:
                 saving = os.path.join(ckdir, f"step-{step + 1:08d}")

@@ -21,6 +21,7 @@ class StepMetrics:
     tokens_per_s: float
     step_s: float
     estimated_step_s: float | None
+    cuda_peak_gib: float | None = None      # this rank's peak CUDA memory so far (rank 0's), None on the CPU
 
 
 class Reporter:
@@ -57,8 +58,9 @@ class Reporter:
         with open(self.path, "a", newline="") as fh:
             fh.write(row.getvalue())            # one write per row: an interrupted run leaves whole rows
         if self.tensorboard is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
-                self.tensorboard.add_scalar(f"train/{k}", getattr(m, k), m.step)
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "cuda_peak_gib"):
+                if getattr(m, k) is not None:
+                    self.tensorboard.add_scalar(f"train/{k}", getattr(m, k), m.step)
         if show or m.step == self.total:
             print(self.line(m), end="\r" if self.tty and m.step < self.total else "\n", flush=True)
 
@@ -66,8 +68,9 @@ class Reporter:
         done = m.step / self.total
         bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
         est = "" if m.estimated_step_s is None else f" (cost model: {m.estimated_step_s:.3g} s on {self.hardware})"
+        memory = "" if m.cuda_peak_gib is None else f"  {m.cuda_peak_gib:.2f} GiB peak"
         return (f"[{bar}] step {m.step}/{self.total}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad norm {m.grad_norm:.3f}  "
-                f"{m.tokens_per_s:,.0f} tok/s  {m.step_s:.3f} s/step{est}")
+                f"{m.tokens_per_s:,.0f} tok/s  {m.step_s:.3f} s/step{memory}{est}")
 
     def close(self) -> None:
         if self.tensorboard is not None:

@@ -36,10 +36,11 @@ class TrainOptions:
     microbatches: int | None
     plan: bool
     sequence_parallel: bool
-    fuse: bool
+    fuse: bool | None
     recompute: str | None
     distributed_optimizer: bool
-    precision: str
+    precision: str | None
+    device: str
     seq_len: int
     batch: int
     steps: int
@@ -91,7 +92,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank and step (default: 2 x pp)")
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--fuse", action="store_true", help="fused ops (CUDA kernels on a GPU)")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused ops (CUDA kernels on a GPU; default: on with --device cuda, off on the CPU)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="where each rank runs: cuda (the GPU of its local rank, NCCL), cpu (gloo); auto: cuda "
+                        "when a GPU is visible")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                    help="activation recomputation (default: none; with --plan, the planner's choice)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="launch torchrun with this many processes")
@@ -105,9 +110,9 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--distributed-optimizer", action="store_true",
                    help="AdamW's state and fp32 gradients' reduction sharded over data-parallel ranks (ZeRO-1)")
-    o.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+    o.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                    help="compute dtype; bf16/fp16 keep fp32 main weights and gradients in the optimizer "
-                        "(fp16: dynamic loss scaling)")
+                        "(fp16: dynamic loss scaling). Default: bf16 on GPUs, fp32 on the CPU")
     r = ap.add_argument_group("output")
     r.add_argument("--out", required=True, help="the run's folder: checkpoints/, metrics.csv, loss.png")
     r.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")

@@ -21,11 +21,11 @@ __all__ = ["histc_on_cpu", "retarget_device"]
 _META = torch.device("meta")
 
 
-def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> int:
-    """Replace the meta device by `device` in `gm` and its nested graph modules, in place; returns
-    the number of nodes changed."""
-    device = torch.device(device)
-    swap = lambda a: device if isinstance(a, torch.device) and a == _META else a   # noqa: E731
+def retarget_device(gm: fx.GraphModule, device: torch.device | str, source: torch.device | str = _META) -> int:
+    """Replace the `source` device (the meta device unless given) by `device` in `gm` and its nested
+    graph modules, in place; returns the number of nodes changed."""
+    device, source = torch.device(device), torch.device(source)
+    swap = lambda a: device if isinstance(a, torch.device) and a == source else a   # noqa: E731
     changed = 0
     for n in gm.graph.nodes:
         args, kwargs = fx.node.map_aggregate(n.args, swap), fx.node.map_aggregate(n.kwargs, swap)
@@ -36,7 +36,7 @@ def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> int:
         changed += _histc_in_float(gm)
     for sub in gm.modules():
         if sub is not gm and isinstance(sub, fx.GraphModule):
-            changed += retarget_device(sub, device)
+            changed += retarget_device(sub, device, source)
     if changed:
         gm.graph.lint()
         gm.recompile()

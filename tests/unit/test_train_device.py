@@ -1,0 +1,51 @@
+"""Where `autoshard train` puts each rank (autoshard/train/device.py), decided without a GPU: the
+device of the local rank, the backend, bf16 and fused kernels by default on GPUs, what was given
+kept, too few GPUs named; a runtime moved to another device entirely (tested on the meta device)."""
+import pytest
+import torch
+
+from autoshard import autoshard
+from autoshard.testing.models import build_model
+from autoshard.train.device import Placement, move_runtime, placement
+from autoshard.train.options import TrainError, parse
+
+
+def _opts(tmp_path, *extra):
+    data = tmp_path / "d.txt"
+    data.write_text("text")
+    return parse(["--model", "llama", "--data", str(data), "--out", str(tmp_path / "o"), *extra])
+
+
+def test_auto_takes_the_gpus_when_there_are_any(tmp_path):
+    opts = _opts(tmp_path)
+    assert placement(opts, {}, cuda_devices=0) == Placement("cpu", "gloo", "fp32", False)
+    env = {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}
+    assert placement(opts, env, cuda_devices=8) == Placement("cuda:3", "nccl", "bf16", True)
+
+
+def test_what_is_given_is_kept(tmp_path):
+    opts = _opts(tmp_path, "--precision", "fp32", "--no-fuse")
+    assert placement(opts, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2) == Placement("cuda:1", "nccl", "fp32", False)
+    cpu = _opts(tmp_path, "--device", "cpu", "--precision", "bf16", "--fuse")
+    assert placement(cpu, {}, cuda_devices=8) == Placement("cpu", "gloo", "bf16", True)
+
+
+def test_too_few_gpus_are_named(tmp_path):
+    with pytest.raises(TrainError, match=r"--device cuda: no CUDA GPU is visible here"):
+        placement(_opts(tmp_path, "--device", "cuda"), {}, cuda_devices=0)
+    with pytest.raises(TrainError, match=r"4 processes on this node but 2 GPU\(s\) visible"):
+        placement(_opts(tmp_path), {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, cuda_devices=2)
+
+
+def test_a_runtime_moves_to_another_device_with_its_graphs(one_process_group):
+    """What train does with a model loaded on the CPU from a folder when its ranks run on a GPU:
+    here to the meta device, which needs no GPU; every tensor and every device a graph names moves."""
+    ids = torch.randint(0, 128, (2, 16))
+    rt = autoshard(build_model("llama", layers=2), example_kwargs={"input_ids": ids, "labels": ids}).distributed(mesh=True)
+    move_runtime(rt, "meta")
+    tensors = list(rt.parameters()) + list(rt.buffers())
+    assert tensors and all(t.is_meta for t in tensors)
+    named = [a for gm in rt.graph_modules() for n in gm.graph.nodes for a in n.kwargs.values()
+             if isinstance(a, torch.device)]
+    assert named and all(d.type == "meta" for d in named)
+    assert all(p.requires_grad for p in rt.parameters())
