@@ -1,0 +1,38 @@
+"""The GPU acceptance command (`./run gpu-check`, benchmarks/gpu_check.py): every file a stage runs
+exists (the script it replaced named test files a redesign had moved), the stages that need a GPU
+are skipped without one and said so, and an unknown stage is refused."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod              # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_path_a_stage_runs_exists():
+    mod = _module()
+    for stage in mod.STAGES:
+        assert stage.paths, stage.name
+        for path in stage.paths:
+            assert os.path.isfile(os.path.join(ROOT, path)), f"stage {stage.name} runs {path}, which does not exist"
+            assert any(path in part for part in stage.command), (stage.name, path)
+
+
+def test_without_a_gpu_only_the_cpu_stages_run():
+    mod = _module()
+    run, skipped = mod.plan([], gpu=False)
+    assert [s.name for s in run] == ["cpu"]
+    assert {s.name for s in skipped} == {"kernels", "fused", "train", "bench-kernels", "bench-mfu"}
+    run, skipped = mod.plan(["train", "cpu"], gpu=True)
+    assert [s.name for s in run] == ["cpu", "train"] and skipped == []
+    with pytest.raises(SystemExit, match="unknown stage"):
+        mod.plan(["check"], gpu=True)
