@@ -53,31 +53,36 @@ def _flat(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _wide(a):
-    return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+_CHUNK = 1 << 24                    # elements widened to float64 at a time (128 MiB), on the tensor's device
+
+
+def _pieces(t: torch.Tensor):
+    flat = t.detach().reshape(-1)
+    for i in range(0, flat.numel(), _CHUNK):
+        yield flat[i:i + _CHUNK].double()
 
 
 def _largest(call: tuple) -> float:
     """The largest finite magnitude among the call's floating-point tensors."""
-    tops = [t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max().item() for t in call
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-    return max(tops, default=0.0)
+    return max((float(p.nan_to_num(0.0, 0.0, 0.0).abs().max()) for t in call
+                if isinstance(t, torch.Tensor) and t.is_floating_point() for p in _pieces(t)), default=0.0)
 
 
-def _difference(got, exact, inputs: float) -> float:
-    """The kernel's error against `exact` (the torch implementation in float64), norm-wise, over the
-    larger of the exact result's norm and sqrt(n) times the inputs' largest magnitude: an output
-    small by cancellation (softmax's backward of a constant gradient) is judged by the size of what
-    cancelled. Elements equal in both (an infinity, NaN from a NaN input) agree; a NaN in the
-    kernel's alone (an unwritten element) fails."""
+def _difference(got, want, inputs: float) -> float:
+    """The kernel's results against the torch implementation's, norm-wise, over the larger of the
+    latter's norm and sqrt(n) times the inputs' largest magnitude: an output small by cancellation
+    (softmax's backward of a constant gradient) is judged by the size of what cancelled, not by its
+    own rounding. Elements equal in both (an infinity, NaN from a NaN input) agree; a NaN in the
+    kernel's alone (an unwritten element) fails. Float64 a chunk at a time, on the device."""
     worst = 0.0
-    for g, e in zip(_flat(got), _flat(exact)):
-        g, e = g.detach().double().cpu(), e.detach().double().cpu()
-        if g.shape != e.shape:
+    for g, w in zip(_flat(got), _flat(want)):
+        if g.shape != w.shape:
             return float("inf")
-        off = torch.where((g == e) | (g.isnan() & e.isnan()), 0.0, g - e).norm()
-        floor = max(torch.where(e.isfinite(), e, 0.0).norm().item(), e.numel() ** 0.5 * inputs)
-        err = off.item() / max(floor, 1e-30)
+        off = norm = 0.0
+        for a, b in zip(_pieces(g), _pieces(w)):
+            off += float(torch.where((a == b) | (a.isnan() & b.isnan()), 0.0, a - b).square().sum())
+            norm += float(torch.where(b.isfinite(), b, 0.0).square().sum())
+        err = off ** 0.5 / max(norm ** 0.5, w.numel() ** 0.5 * inputs, 1e-30)
         worst = max(worst, err if err == err else float("inf"))
     return worst
 
@@ -115,8 +120,8 @@ def _variant(args: tuple) -> tuple:
 
 def checked(name: str, args: tuple, kernel: Callable[[], object], reference: Callable, call: tuple) -> object:
     """Op `name` on `call` (the call's arguments; `args`, the kernel's): `kernel()` where its check
-    for this key passed (or is off), else `reference(*call)`. The first call of a key runs both, and
-    the torch implementation in float64, and compares (module doc)."""
+    for this key passed (or is off), else `reference(*call)`. The first call of a key runs both and
+    compares (module doc)."""
     first = args[0]
     key = (name, first.dtype, str(first.device), _variant(args))
     if key in RESULTS:
@@ -133,7 +138,7 @@ def checked(name: str, args: tuple, kernel: Callable[[], object], reference: Cal
         problem = f"it raised {type(e).__name__}: {e}"
     want = reference(*call)
     if got is not None:
-        err = _difference(got, reference(*map(_wide, call)), _largest(call))
+        err = _difference(got, want, _largest(call))
         problem = None if err <= TOLERANCE[first.dtype] else (
             f"relative difference {err:.2e} > {TOLERANCE[first.dtype]:.0e} from its torch implementation")
     RESULTS[key] = (problem is None, time.perf_counter() - start)
