@@ -82,12 +82,12 @@ def _peak_gib(place: Placement) -> float | None:
     return torch.cuda.max_memory_allocated(place.device) / 2**30 if place.is_cuda else None
 
 
-def check_data(opts: TrainOptions, tokenizer, extra: int = 0) -> str:
+def check_data(opts: TrainOptions, tokenizer) -> str:
     """The token file of --data (tokenized once, cached under --out), after checking it holds at
-    least one sequence; TrainError otherwise. `extra`: tokens a row reads past --seq-len."""
+    least one sequence of --seq-len; TrainError otherwise. (A model that reads one token past each
+    sequence for its targets needs one more: said when the ranks open their batches.)"""
     token_file = prepare_tokens(opts.data, tokenizer, opts.text_field, os.path.join(opts.out, "data"))
-    Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=1, dp_rank=0, seed=opts.seed,
-                 extra=extra)
+    Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=1, dp_rank=0, seed=opts.seed)
     return token_file
 
 
@@ -203,9 +203,9 @@ def run(opts: TrainOptions) -> int:
     if not opts.plan:
         split_of(opts, world)
     tokenizer = tokenizer_for(opts.model)
+    token_file = _on_rank0(lambda: check_data(opts, tokenizer))     # the launcher tokenized it already
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
     _check_fit(opts, source, tokenizer)
-    token_file = _on_rank0(lambda: check_data(opts, tokenizer, extra=int(source.shifted)))
     if opts.precision != "fp32":        # compiled as cast (Megatron's way); fp32 main weights in the optimizer
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
     if source.weights is None:          # captured on its device (a folder's model stays on meta: loaded below)
