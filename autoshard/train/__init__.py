@@ -6,7 +6,8 @@ resumable, sharded run.
 
 Files: options.py (the command line and its checks), model_source.py (--model: a transformers
 model type, a local folder, module:factory), data.py (tokenizing, packing, per-rank batches),
-lr.py (warm-up + cosine), loop.py (the job on each rank), metrics.py (progress, metrics.csv,
+lr.py (warm-up + cosine), device.py (where each rank runs: GPU and NCCL or CPU and gloo, and the
+defaults that follow), loop.py (the job on each rank), metrics.py (progress, metrics.csv,
 TensorBoard), plot.py (loss.png).
 """
 from __future__ import annotations
