@@ -17,8 +17,9 @@ def _traced_check(ok: torch.Tensor, message: str) -> None:
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`ids`, after checking that each is in [0, vocab_size) as nn.Embedding requires."""
     if torch.compiler.is_compiling():
-        _traced_check((ids >= 0) & (ids < vocab_size), f"a token id is out of range for the embedding's "
-                                                       f"vocabulary of {vocab_size} rows (ids must be in [0, {vocab_size}))")
+        in_range = (ids >= 0) & (ids < vocab_size)
+        _traced_check(in_range, f"a token id is out of range for the embedding's vocabulary of {vocab_size} rows "
+                                f"(ids must be in [0, {vocab_size}))")
         return ids
     if ids.numel():
         low, high = torch.stack(torch.aminmax(ids)).tolist()       # one pass, one device sync

@@ -38,12 +38,14 @@ def _pytest(*paths: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     return ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *extra, *paths)
 
 
-_CPU_TESTS = ("tests/unit/test_cpu_executor.py", "tests/unit/test_kernel_slots.py", "tests/simulation/test_fusion_fuzz.py")
+_CPU_TESTS = ("tests/unit/test_cpu_executor.py", "tests/unit/test_kernel_slots.py",
+              "tests/simulation/test_fusion_fuzz.py")
 _KERNEL_TESTS = ("tests/gpu/test_cuda_kernels.py", "tests/gpu/test_fusion_fuzz_cuda.py")
 STAGES = (
     Stage("cpu", False, _pytest(*_CPU_TESTS), _CPU_TESTS),
     Stage("kernels", True, _pytest(*_KERNEL_TESTS), _KERNEL_TESTS),
-    Stage("fused", True, _pytest("tests/simulation/test_fuse.py", extra=("-k", "cuda")), ("tests/simulation/test_fuse.py",)),
+    Stage("fused", True, _pytest("tests/simulation/test_fuse.py", extra=("-k", "cuda")),
+          ("tests/simulation/test_fuse.py",)),
     Stage("train", True, _pytest("tests/gpu/test_train_cuda.py"), ("tests/gpu/test_train_cuda.py",)),
     Stage("bench-kernels", True, ("benchmarks/kernels.py", "--append"), ("benchmarks/kernels.py",)),
     Stage("bench-mfu", True, ("benchmarks/mfu.py", "--append"), ("benchmarks/mfu.py",)),

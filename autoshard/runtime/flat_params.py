@@ -37,6 +37,7 @@ class FlatParams:
         self.shard_rank = rank if shard else 0
         self.layout = plan_layout([p.numel() for p in params], self.shards, max(1, bucket_bytes // 4), set(tied))
         dtype, device = params[0].dtype, params[0].device
+        wide = main_dtype(dtype)                       # of the gradients and the main pieces
         self.flat = torch.zeros(self.layout.numel, dtype=dtype, device=device)     # the parameters' storage
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -44,13 +45,13 @@ class FlatParams:
                 self.flat[o: o + p.numel()].copy_(p.reshape(-1))
                 p.data = self.flat[o: o + p.numel()].view(p.shape)
         self.grads = GradBuffer(params, self.layout, group, self.shard_rank, size, tied, overlap,
-                                dtype=main_dtype(dtype))
+                                dtype=wide)
         self.pieces: dict[int, tuple[int, int, torch.Tensor]] = {}
         for i in range(len(params)):
             span = self.layout.owned_piece(i, self.shard_rank)
             if span is not None:
                 lo, hi = span
-                main = self.flat[lo:hi] if dtype == main_dtype(dtype) else self.flat[lo:hi].to(main_dtype(dtype))
+                main = self.flat[lo:hi] if dtype == wide else self.flat[lo:hi].to(wide)
                 main.requires_grad_(True)
                 main.grad = self.grads.data[lo:hi]
                 self.pieces[i] = (lo, hi, main)

@@ -1,5 +1,6 @@
-"""Gradients in one flat buffer (fp32, or fp64 for an fp64 model), reduced over data-parallel ranks bucket by bucket as backward
-finishes them (Megatron's main_grad and its overlapped reduction; DDP's buckets).
+"""Gradients in one flat buffer (fp32, or fp64 for an fp64 model), reduced over data-parallel ranks
+bucket by bucket as backward finishes them (Megatron's main_grad and its overlapped reduction;
+DDP's buckets).
 
 Layout (`plan_layout`): the parameters are laid out in reverse order (backward finishes the last
 layers first), packed into buckets of at most `bucket_numel` elements (a larger parameter is a

@@ -13,7 +13,8 @@ import torch.fx as fx
 from autoshard.passes.fusion.pattern import Test
 
 __all__ = [
-    "captured_value", "equals", "is_bias_of", "is_shaped_like", "is_constant_table", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
+    "captured_value", "equals", "is_bias_of", "is_shaped_like",
+    "is_constant_table", "is_causal_buffer", "is_dim", "is_dim_3", "is_heads_unsqueezed_table",
     "is_input_dtype", "is_int", "is_last_dim", "is_last_dim_only", "is_like_input", "is_neg_inf",
     "is_no_draw_or_region", "is_no_grad_table", "is_none", "is_number", "is_one_plus_weight",
     "is_scores_length", "is_slice_start", "is_to_end", "is_to_fp32", "is_true", "is_vector_param",
