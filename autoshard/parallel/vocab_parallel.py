@@ -37,13 +37,15 @@ class _VocabCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, red: Reducer, shards: list[VocabShard], target: torch.Tensor, ignore_index: int,
                 reduction: int, *logits: torch.Tensor):
-        real = [x[..., :s.valid].float() for x, s in zip(logits, shards)]   # padded rows are not classes
+        # at least fp32 (half-precision logits are upcast, as F.cross_entropy's kernel does), never narrower
+        wide = torch.promote_types(logits[0].dtype, torch.float32)
+        real = [x[..., :s.valid].to(wide) for x, s in zip(logits, shards)]   # padded rows are not classes
         maxes = red.max([x.amax(-1) if x.shape[-1] else torch.full(x.shape[:-1], float("-inf"))
                          for x in real])
         keep = target != ignore_index
         softmaxes, picked, onehots = [], [], []
         for x, s, m in zip(logits, shards, maxes):
-            e = x.float() - m.unsqueeze(-1)          # the one shard-sized buffer
+            e = x.to(wide) - m.unsqueeze(-1)          # the one shard-sized buffer
             local = target - s.start
             inside = keep & (local >= 0) & (local < s.valid)
             idx = torch.where(inside, local, torch.zeros_like(local))

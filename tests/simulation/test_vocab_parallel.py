@@ -4,6 +4,7 @@ import torch
 
 from autoshard import autoshard
 from autoshard.testing import grad_errors, max_rel
+from autoshard.testing.models import build_model
 
 hf = pytest.importorskip("transformers")
 
@@ -157,3 +158,14 @@ def test_gathered_logits_use_all_gather_of_the_shard(vocab):
     assert ("all_gather", (2, 8, 64)) in comm.calls
     assert not [c for c in comm.calls if c[0] == "all_reduce" and c[1][-1] >= vocab]
     assert max_rel(prog.simulate(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-5
+
+
+def test_float64_logits_keep_float64_in_the_vocab_parallel_loss():
+    """nanoGPT's F.cross_entropy on fp64 logits computes in fp64; the vocabulary-parallel loss cast
+    them to fp32 (before: loss 4.0e-5 off at tp=2, returned as fp32)."""
+    model, ref = (build_model("nanogpt").double() for _ in range(2))
+    ids = torch.randint(0, 128, (2, 16))
+    kw = {"idx": ids, "targets": (ids * 7 + 3) % 128}
+    out, want = autoshard(model, tp=2, example_kwargs=kw).simulate(**kw), ref(**kw)
+    assert out[1].dtype == torch.float64
+    assert max_rel(out[1], want[1]) < 1e-12
