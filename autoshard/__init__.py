@@ -4,13 +4,12 @@ The layout (docs/ARCHITECTURE.md tells the data flow):
   api.py        autoshard(): the compile as a straight line of passes
   compile/      capture, the compiler's passes per signature and rank, ShardedProgram, RankProgram, simulator
   parallel/     the collectives: autograd functions, modules, simulated forms, the specs the rewrite emits
-  runtime/      one process of a job: mesh, executor, schedules, p2p, gradient sync, distributed optimizer, traces
+  runtime/      one process of a job: mesh, executor, schedules, p2p, gradients, distributed optimizer, traces
   planning/     cost model, formulas, GEMM timing, hardware, planner
   checkpoint/   sharded safetensors checkpoints, consolidation, materialization
   passes/       (installed as autoshard.passes) sharding analysis, rank rewrite, stages, fusion
   kernels/      (installed as autoshard.kernels) fused ops: CUDA sources and exact torch references
 """
-from autoshard._deprecated import install_moved_modules, renamed_attribute
 from autoshard.api import autoshard
 from autoshard.compile.program import ShardedProgram
 from autoshard.compile.rank import RankProgram
@@ -23,6 +22,3 @@ from autoshard.runtime.executor import MeshRuntime
 __all__ = ["autoshard", "plan", "estimate", "ModelShape", "ShardedProgram", "RankProgram", "MeshRuntime", "DistributedOptimizer",
            "AutoshardError", "CaptureError", "ShardingError"]
 __version__ = "0.1.0"
-
-install_moved_modules()
-__getattr__ = renamed_attribute(__name__, {"PipelineRuntime": ("MeshRuntime", MeshRuntime)})

@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None) -> None:
     sch = verbs.add_parser("schedule", parents=[common], help="draw a pipeline schedule")
     sch.add_argument("--pp", type=int, default=4)
     sch.add_argument("--virtual", type=int, default=2, help="pipeline chunks per rank (interleaving)")
-    sch.add_argument("--chunks", type=int, default=None, help=argparse.SUPPRESS)     # deprecated: --virtual
     sch.add_argument("--microbatches", type=int, default=8)
     sch.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     sch.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png")
@@ -146,10 +145,6 @@ def main(argv: list[str] | None = None) -> None:
     pl.set_defaults(run=plan_verb)
     verbs.add_parser("train", help="train a model on text, sharded (autoshard train --help)", add_help=False)
     args = ap.parse_args(argv)
-    if getattr(args, "chunks", None) is not None:
-        print("autoshard schedule: --chunks is deprecated and will be removed in the next release; use --virtual",
-              file=sys.stderr)
-        args.virtual = args.chunks
     with one_line_errors(f"autoshard {args.verb}", args.debug):
         args.run(args)
 

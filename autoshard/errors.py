@@ -1,9 +1,8 @@
 """Errors autoshard raises on bad input; each message names the node, module and numbers involved."""
 from __future__ import annotations
 
-import warnings
 
-__all__ = ["AutoshardError", "CaptureError", "ShardingError", "require_positive_int", "warn_renamed"]
+__all__ = ["AutoshardError", "CaptureError", "ShardingError", "require_positive_int"]
 
 
 class AutoshardError(Exception):
@@ -24,9 +23,3 @@ def require_positive_int(name: str, value: object) -> int:
         raise ShardingError(f"{name} must be a positive integer, got {value!r}")
     return value
 
-
-def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """A deprecated name was used: it still works for this release, and says what to use instead.
-    The default stacklevel points at the caller of the function or property that calls this."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
-                  stacklevel=stacklevel)

@@ -21,7 +21,7 @@ from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import check_state_dict, copy_into_rank, meta_like, rank_slice
-from autoshard.errors import ShardingError, warn_renamed
+from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr
 from autoshard.passes.rewrite.rank_rewrite import RankGraph
 from autoshard.passes.sharding.annotate import ShardingPlan
@@ -84,18 +84,6 @@ class ShardedProgram:
     def sharding(self) -> ShardingPlan:
         """The sharding decided on the example inputs: each parameter's dim and per-rank layout."""
         return self._compiler.compiled[0].plan
-
-    @property
-    def plan(self) -> ShardingPlan:
-        """Deprecated: `sharding` (`autoshard.plan()` is the planner, which returns estimates)."""
-        warn_renamed("ShardedProgram.plan", "ShardedProgram.sharding")
-        return self.sharding
-
-    @property
-    def estimate(self):
-        """Deprecated: `planned` (`autoshard.estimate()` is the cost model's function)."""
-        warn_renamed("ShardedProgram.estimate", "ShardedProgram.planned")
-        return self.planned
 
     @property
     def world_size(self) -> int:

@@ -17,7 +17,6 @@ from autoshard.compile.capture import Signature, autocast_state
 from autoshard.compile.experts import ExpertsCall, weightless_copy
 from autoshard.compile.recompute import Recompute
 from autoshard.compile.tables import TableCache
-from autoshard.errors import warn_renamed
 from autoshard.module_paths import assign_attr, has_attr
 from autoshard.parallel.comm import CommHandle, Communicator, ProcessGroupComm
 from autoshard.parallel.registry import ModuleSpec, build_module
@@ -71,13 +70,6 @@ class RankProgram(nn.Module):
         self._normalize = normalize
         self._compile_for = compile_for     # the program's compile: (named inputs, training) -> new graph
         self.expert_group = None            # expert parallelism's group, once bound (bind_experts)
-
-    @property
-    def world_size(self) -> int:
-        """Deprecated: this is `tp` (a RankProgram is one tensor-parallel rank); the program's world
-        size is `ShardedProgram.world_size`."""
-        warn_renamed("RankProgram.world_size", "RankProgram.tp")
-        return self.tp
 
     # ---- graphs ------------------------------------------------------------------------------
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autoshard.errors import require_positive_int, warn_renamed
+from autoshard.errors import require_positive_int
 from autoshard.planning.collective_timing import allreduce_seconds, tp_allreduce_seconds
 from autoshard.planning.cost_formulas import evaluate
 from autoshard.planning.gemm_timing import (
@@ -70,12 +70,6 @@ class Estimate:
     memory_gib_total: float = 0.0       # the hardware's memory per device
     ep: int = 1                         # expert-parallel ranks (inside dp) of a mixture-of-experts model
     moe: MoEShape | None = None
-
-    @property
-    def v(self) -> int:
-        """Deprecated: `virtual`."""
-        warn_renamed("Estimate.v", "Estimate.virtual")
-        return self.virtual
 
     @property
     def gpus(self) -> int:
@@ -156,7 +150,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              global_batch: int, microbatch: int | None = None, virtual: int | None = None,
              hardware: str | Hardware = "a100-80gb", recompute: str = "full",
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
-             v: int | None = None, distributed_optimizer: bool = False, moe: MoEShape | None = None,
+             distributed_optimizer: bool = False, moe: MoEShape | None = None,
              ep: int = 1) -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
@@ -172,11 +166,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
 
     `microbatch=None` or `virtual=None` (pipeline chunks per rank, the paper's v) choose the fastest
     legal value that fits memory (if none fits, the configuration with the least memory, marked
-    `fits=False`). `v` is the deprecated name of `virtual`.
+    `fits=False`).
     """
-    if v is not None:
-        warn_renamed("estimate(v=...)", "estimate(virtual=...)")
-        virtual = v if virtual is None else virtual
     v = virtual
     for name, x in dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
                         dp=dp, global_batch=global_batch).items():

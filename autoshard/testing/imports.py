@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 _DIRS = {"autoshard": "autoshard", "passes": "autoshard.passes", "kernels": "autoshard.kernels"}
 
 # subsystem -> the subsystems it may import (besides itself and the leaf modules below)
-LEAVES = {"errors", "bounds", "module_paths", "_deprecated", "factory", "png"}
+LEAVES = {"errors", "bounds", "module_paths", "factory", "png"}
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "parallel": set(),
