@@ -2,7 +2,7 @@
 
 A gradient element held by k ranks (shared kv-head rows on tensor-parallel ranks, a tied embedding
 on two pipeline ranks, a replicated weight on every tp rank) must count once in the norm, so each
-holder weighs its square by 1 / k (runtime/grad_sync.py's global_grad_norm sums them).
+holder weighs its square by 1 / k (runtime/gradients.py's global_grad_norm sums them).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Cutting a global batch into data-parallel slices and microbatches, and finding a model's loss."""
+"""Cutting a global batch into data-parallel slices and microbatches, finding a model's loss, and
+train_step's checks of its loss arguments."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.errors import ShardingError
 
-__all__ = ["TARGETS", "split_batch", "pick_loss"]
+__all__ = ["TARGETS", "check_loss_options", "pick_loss", "refuse_num_items", "split_batch"]
 
 
 TARGETS = "__autoshard_targets__"      # loss_fn's targets ride along with the inputs while splitting
@@ -38,3 +39,19 @@ def pick_loss(outputs: object) -> torch.Tensor:
                                 f"pass the labels so that the model returns its loss")
         loss = scalars[0]
     return loss
+
+
+def check_loss_options(has_loss_fn: bool, loss_reduction: str) -> None:
+    """train_step's loss arguments: a reduction it knows, "sum" only for a loss_fn."""
+    if loss_reduction not in ("mean", "sum"):
+        raise ShardingError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if loss_reduction == "sum" and not has_loss_fn:
+        raise ShardingError("loss_reduction='sum' describes a loss_fn; the model's own loss is counted per token "
+                            "when it is a mean cross-entropy")
+
+
+def refuse_num_items(named: dict[str, object]) -> None:
+    """Hugging Face's num_items_in_batch: train_step counts the global batch's tokens itself."""
+    if named.get("num_items_in_batch") is not None:
+        raise ShardingError("train_step averages the loss over the global batch's tokens itself; drop "
+                            "num_items_in_batch (it would divide each microbatch's sum by it again)")

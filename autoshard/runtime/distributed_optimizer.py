@@ -8,14 +8,19 @@ sharded over the data-parallel group.
         opt.step()                                            # local step, then parameters all-gathered
         opt.zero_grad()
 
-Gradients live in one flat fp32 buffer (runtime/grad_buffer.py): they accumulate there in fp32
-across microbatches and are reduce-scattered over dp bucket by bucket, overlapped with backward.
-Each dp rank owns 1/dp of every bucket; the wrapped optimizer (any element-wise torch.optim class:
-AdamW, Adam, SGD: `ELEMENTWISE`; others are refused) sees only the owned pieces, one flat tensor per
-parameter piece, so its state is 1/dp of the unsharded optimizer's. An lr scheduler takes
-`opt.optimizer` (the wrapped torch optimizer; its param_groups are this one's). After its step the parameters' owned ranges are all-gathered,
-into the parameters' own storage: they are views of one flat buffer laid out like the gradients.
-With fp32 parameters the main parameters are those owned ranges themselves (no extra copy).
+Gradients are the runtime's (runtime/gradients.py): building the optimizer asks the runtime to lay
+them out sharded (`MeshRuntime.shard_gradients`), so they accumulate in an fp32 buffer across
+microbatches and are reduce-scattered over dp bucket by bucket, overlapped with backward; the
+runtime also checks them for inf/NaN, takes the global norm and clips. This class is what is left:
+the wrapped optimizer (any element-wise torch.optim class: AdamW, Adam, SGD: `ELEMENTWISE`; others
+are refused) over the owned pieces (runtime/flat_params.py: one flat tensor per parameter piece, so
+its state is 1/dp of the unsharded optimizer's), the all-gather that publishes them after its step,
+and its checkpoint view. Each dp rank owns 1/dp of every bucket. An lr scheduler takes
+`opt.optimizer` (the wrapped torch optimizer; its param_groups are this one's). The parameters'
+owned ranges are all-gathered into the parameters' own storage: they are views of one flat buffer
+laid out like the gradients. With fp32 parameters the main parameters are those owned ranges
+themselves (no extra copy). Frozen parameters (requires_grad=False) are left out: no piece, no
+state, never written.
 
 Mixed precision, as Megatron does it: cast the model before compiling (`model.to(torch.bfloat16)`
 or `.half()`; the graph then computes in that dtype, with the fp32 upcasts the model writes itself:
@@ -31,9 +36,9 @@ reduction runs beside the compute; on gloo it runs on the CPU cores the ranks' b
 and measured side by side it made steps 2-4% slower here (2 cores, dp=2; benchmarks/RESULTS.md),
 so gloo reduces after backward unless asked.
 
-Expert parallelism (ep > 1): the rank's experts are a second flat buffer (runtime/flat_params.py),
-reduced and sharded over the dp/ep ranks holding the same experts (MeshGroups.expert_dp), the
-rest over dp; in the global norm an expert element counts as often as the others do.
+Expert parallelism (ep > 1): the rank's experts are a second part of the gradients and a second
+flat storage, reduced and sharded over the dp/ep ranks holding the same experts
+(MeshGroups.expert_dp), the rest over dp.
 
 `shard=False` keeps everything on every rank (buckets all-reduced; the same numbers, 16 bytes a
 parameter): the baseline the sharded one is checked against. Clipping by the global norm counts
@@ -52,7 +57,6 @@ import torch.distributed as dist
 
 from autoshard.errors import ShardingError
 from autoshard.runtime.flat_params import FlatParams
-from autoshard.runtime.grad_sync import global_grad_norm
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.loss_scale import LossScaler
 
@@ -72,7 +76,7 @@ _USE_CHECKPOINTS = (
 
 
 class DistributedOptimizer:
-    """`optimizer_class(**defaults)` over this rank's owned shard of `runtime`'s parameters."""
+    """`optimizer_class(**defaults)` over this rank's owned shard of `runtime`'s trainable parameters."""
 
     def __init__(self, runtime, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, *,
                  shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20,
@@ -81,109 +85,49 @@ class DistributedOptimizer:
             raise ShardingError(f"DistributedOptimizer steps flat pieces of parameters, which only an element-wise "
                                 f"optimizer does exactly; got {getattr(optimizer_class, '__name__', optimizer_class)!r}, "
                                 f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)} (or a subclass)")
-        named = list(runtime.named_parameters())
-        if not named:
-            raise ShardingError("DistributedOptimizer: the runtime holds no parameters")
-        dtypes = {p.dtype for _, p in named}
+        trainable = [(n, p) for n, p in runtime.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ShardingError("DistributedOptimizer: the runtime holds no trainable parameters")
+        dtypes = {p.dtype for _, p in trainable}
         if len(dtypes) > 1:
-            raise ShardingError(f"DistributedOptimizer needs one parameter dtype; this rank holds {sorted(map(str, dtypes))}")
-        self.runtime, self.names = runtime, [n for n, _ in named]
-        self.params = [p for _, p in named]
-        dims = runtime.dims
-        self.base_replicas = 1 if shard else dims.dp                 # ranks holding each non-expert element
-        index = {n: i for i, n in enumerate(self.names)}
-        tied = {index[n]: group for pps, group in runtime.groups.shared.items()
-                for n in runtime._prog.shared_params.get(pps, []) if n in index}
-        if overlap is None:       # see the module doc: on gloo the reduction costs the cores backward runs on
-            overlap = dims.dp > 1 and dist.get_backend(runtime.groups.dp) != "gloo"
-        experts = set(getattr(runtime, "expert_params", ())) if getattr(dims, "ep", 1) > 1 else set()
-        spans = [([i for i, n in enumerate(self.names) if n not in experts], runtime.groups.dp, dims.dp, runtime.dp_rank)]
-        if experts:           # experts: over the ranks holding the same experts (dp / ep of them)
-            spans.append(([i for i, n in enumerate(self.names) if n in experts], runtime.groups.expert_dp,
-                          dims.dp // dims.ep, runtime.dp_rank // dims.ep))
-        self.parts: list[tuple[FlatParams, list[int]]] = [
-            (FlatParams([self.params[i] for i in idx], group, size, rank, shard=shard, bucket_bytes=bucket_bytes,
-                        tied={idx.index(i): g for i, g in tied.items() if i in idx}, overlap=overlap), idx)
-            for idx, group, size, rank in spans if idx]
-        runtime.grad_buffer = self
-        self.optimizer = optimizer_class([m for part, _ in self.parts for _, _, m in part.pieces.values()], **defaults)
+            raise ShardingError(f"DistributedOptimizer needs one parameter dtype; this rank's trainable parameters "
+                                f"are {sorted(map(str, dtypes))}")
+        self.runtime = runtime
+        self.grads = runtime.shard_gradients(shard=shard, bucket_bytes=bucket_bytes, overlap=overlap)
+        self.parts = [FlatParams(part) for part in self.grads.parts]
+        self.grads.pin()                 # the parameters now live in the parts' flat storage
+        self.names = [n for part in self.grads.parts for n in part.names]
+        self.params = [p for part in self.grads.parts for p in part.params]
+        self.optimizer = optimizer_class([m for flat in self.parts for _, _, m in flat.pieces.values()], **defaults)
         # fp16: dynamic loss scaling unless a scaler is given; bf16 and fp32 need none
-        self.scaler = loss_scaler if loss_scaler is not None else (LossScaler() if named[0][1].dtype == torch.float16 else None)
-        self._skip = False
+        self.grads.scaler = loss_scaler if loss_scaler is not None else \
+            (LossScaler() if trainable[0][1].dtype == torch.float16 else None)
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        return self.grads.scaler
 
     def _owned(self):
-        """(part, local index, global index, lo, hi, main) for every piece this rank owns."""
-        for part, idx in self.parts:
-            for li, (lo, hi, main) in part.pieces.items():
-                yield part, li, idx[li], lo, hi, main
+        """(flat params, local index, global index, lo, hi, main) for every piece this rank owns."""
+        first = 0
+        for flat in self.parts:
+            for li, (lo, hi, main) in flat.pieces.items():
+                yield flat, li, first + li, lo, hi, main
+            first += len(flat.params)
 
     @property
     def buckets(self) -> int:
         """Reductions per step (buckets over all parts)."""
-        return sum(len(part.layout.buckets) for part, _ in self.parts)
+        return self.grads.buckets
 
     @property
     def overlap(self) -> bool:
-        return all(part.grads.overlap for part, _ in self.parts)
+        return all(part.buffer.overlap for part in self.grads.parts)
 
     @overlap.setter
     def overlap(self, value: bool) -> None:
-        for part, _ in self.parts:
-            part.grads.overlap = value
-
-    # ---- what the runtime calls ----------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        """What the runtime multiplies the loss by before backward (1 without a loss scaler)."""
-        return self.scaler.scale if self.scaler is not None else 1.0
-
-    def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float) -> None:
-        """A step starts: gradients are multiplied by `scale` once reduced (the runtime's loss
-        normalisation over the loss scale)."""
-        if any(part.grads.reduced for part, _ in self.parts):
-            raise ShardingError("DistributedOptimizer: the gradient buffer still holds the last step's reduced "
-                                "gradients; call opt.step() and opt.zero_grad() before the next train_step "
-                                "(accumulating over several train_steps is done with microbatches)")
-        current = dict(self.runtime.named_parameters())
-        for part, idx in self.parts:
-            for li, i in enumerate(idx):
-                if current.get(self.names[i]) is not self.params[i] or not part.is_storage(li, self.params[i]):
-                    raise ShardingError(f"DistributedOptimizer: parameter {self.names[i]} was replaced after the "
-                                        f"optimizer was built (set_tensors, .to(), load_state_dict with assign?); "
-                                        f"build the optimizer after moving or loading the runtime")
-        for part, _ in self.parts:
-            part.grads.begin(microbatches, scale, origin)
-
-    def reduce_records(self) -> list:
-        """The last step's bucket reductions (runtime/grad_buffer.py's ReduceRecord), part by part."""
-        return [r for part, _ in self.parts for r in part.grads.records]
-
-    def finish(self, max_norm: float | None) -> torch.Tensor | None:
-        """Reduce the step's gradients; with a loss scaler, skip the step on every rank if any
-        gradient is inf or NaN (the norm is then inf); clip by the global norm if `max_norm`; return
-        the norm."""
-        for part, _ in self.parts:
-            part.grads.finish()
-        if self.scaler is not None:
-            self._skip = self.scaler.found_inf([main.grad for *_, main in self._owned()])
-            self.scaler.update(self._skip)
-            if self._skip:
-                return torch.tensor(float("inf"))
-        if max_norm is None:
-            return None
-        weighted = []
-        for part, li, i, lo, hi, main in self._owned():
-            w = self.runtime._prog.param_weight(self.names[i], self.runtime.tp_rank)
-            if isinstance(w, torch.Tensor):       # per row: spread over the parameter, then cut like the piece
-                o = part.layout.offsets[li]
-                w = w.expand(self.params[i].shape).reshape(-1)[lo - o: hi - o]
-            # an element held by fewer ranks than the rest (experts, unsharded) counts as often as they do
-            weighted.append((main.grad, w * (self.base_replicas // part.replicas)))
-        norm = global_grad_norm(weighted, self.runtime.dims, replicas=self.base_replicas)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for *_, main in self._owned():
-            main.grad.mul_(coef.to(main.grad.dtype))
-        return norm
+        for part in self.grads.parts:
+            part.buffer.overlap = value
 
     # ---- the optimizer's interface -------------------------------------------------------------
     @property
@@ -194,16 +138,15 @@ class DistributedOptimizer:
     def step(self) -> None:
         """The wrapped optimizer's step on this rank's pieces, then the parameters all-gathered;
         nothing when the loss scaler found an inf or NaN gradient in this step."""
-        if self._skip:
-            self._skip = False
+        if self.grads.skipped:
+            self.grads.skipped = False
             return
         self.optimizer.step()
-        for part, _ in self.parts:
-            part.publish()
+        for flat in self.parts:
+            flat.publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for part, _ in self.parts:
-            part.grads.zero()
+        self.grads.zero()
 
     def state_dict(self) -> dict:
         """Refused: this rank's state is flat pieces of the parameters, laid out for this mesh and
@@ -219,20 +162,21 @@ class DistributedOptimizer:
         parameters themselves, fp32 gradients, the parameters (padding included)."""
         state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        main = sum(m.numel() * m.element_size() for part, _, _, lo, hi, m in self._owned()
-                   if m.data_ptr() != part.flat[lo:hi].data_ptr())
+        main = sum(m.numel() * m.element_size() for flat, _, _, lo, hi, m in self._owned()
+                   if m.data_ptr() != flat.flat[lo:hi].data_ptr())
         return {"optimizer_state": state, "main_params": main,
-                "grads": sum(part.grads.data.numel() * 4 for part, _ in self.parts),
-                "params": sum(part.flat.numel() * part.flat.element_size() for part, _ in self.parts)}
+                "grads": sum(part.buffer.data.numel() * part.buffer.data.element_size() for part in self.grads.parts),
+                "params": sum(flat.flat.numel() * flat.flat.element_size() for flat in self.parts)}
 
     # ---- checkpoints: the state whole per parameter ----------------------------------------------
     def _wholes(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each parameter's `value_of(main)` by its index, whole (gathered over its part's group), in fp32."""
-        out = {}
-        for part, idx in self.parts:
-            full = part.whole(value_of)
-            for li, i in enumerate(idx):
-                out[i] = part.view(full, li)
+        out, first = {}, 0
+        for flat in self.parts:
+            full = flat.whole(value_of)
+            for li in range(len(flat.params)):
+                out[first + li] = flat.view(full, li)
+            first += len(flat.params)
         return out
 
     def main_params(self) -> dict[str, torch.Tensor]:
@@ -245,7 +189,7 @@ class DistributedOptimizer:
         themselves (bf16, fp16), and the loss scaler's state in the parameter groups. Every dp rank
         must call it (it all-reduces)."""
         mine = {k: isinstance(v, torch.Tensor) and v.dim() > 0 for s in self.optimizer.state.values() for k, v in s.items()}
-        sharded = self.base_replicas == 1 and self.runtime.dims.dp > 1
+        sharded = self.grads.sharded and self.runtime.dims.dp > 1
         kinds: dict[str, bool] = {}
         for part in (all_gather_json(mine, self.runtime.groups.dp) if sharded else [mine]):
             kinds.update(part)          # a rank may own no piece: every rank takes every key
@@ -253,7 +197,7 @@ class DistributedOptimizer:
         for k in sorted(k for k in kinds if kinds[k]):
             for i, t in self._wholes(lambda m, k=k: self.optimizer.state[m][k]).items():
                 state[self.params[i]][k] = t
-        if any(part.separate_main() for part, _ in self.parts):
+        if any(flat.separate_main() for flat in self.parts):
             for i, t in self._wholes(lambda m: m).items():
                 state[self.params[i]]["main"] = t
         for k in sorted(k for k in kinds if not kinds[k]):        # scalars (AdamW's step): the same on every piece
@@ -276,14 +220,14 @@ class DistributedOptimizer:
         """Take the owned pieces of a whole-per-parameter state (what checkpoint.load filled in): the
         optimizer's state, the fp32 main parameters (saved ones, else the loaded parameters), the
         loss scaler's state."""
-        for part, li, i, lo, hi, main in self._owned():
-            p, o = self.params[i], part.layout.offsets[li]
+        for flat, li, i, lo, hi, main in self._owned():
+            p, o = self.params[i], flat.layout.offsets[li]
             whole = dict(view.state.get(p, {}))
             saved_main = whole.pop("main", None)
             self.optimizer.state[main] = {
                 k: (v.reshape(-1)[lo - o: hi - o].clone().to(main.dtype)
                     if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in whole.items()}
-            if main.data_ptr() != part.flat[lo:hi].data_ptr():
-                main.copy_(part.flat[lo:hi] if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
+            if main.data_ptr() != flat.flat[lo:hi].data_ptr():
+                main.copy_(flat.flat[lo:hi] if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
         if self.scaler is not None:
             self.scaler.load(self.optimizer.param_groups[0])

@@ -4,8 +4,9 @@
 and runs its schedule's action list: a forward receives its stage's inputs from the previous
 stage (unless it is stage 0), runs the stage graph on the microbatch, sends the outputs on and
 keeps what backward needs; a backward receives the output gradients (the last stage starts from its
-loss), back-propagates, sends its input gradients back and frees the microbatch's state. Then
-gradients are synchronised (grad_sync.py). Each action's start and end are recorded for tracing.
+loss), back-propagates, sends its input gradients back and frees the microbatch's state. Backward
+adds each gradient into the runtime's gradient buffers (gradients.py), which reduce, check and clip
+them once the schedule ends. Each action's start and end are recorded for tracing.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from torch import nn
 from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
 from autoshard.passes.stages import StageGraph
-from autoshard.runtime.batching import TARGETS, pick_loss, split_batch
+from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
 from autoshard.runtime.experts import cut_experts
-from autoshard.runtime.grad_sync import clip_grads, global_grad_norm, sync_grads
-from autoshard.runtime.loss_tokens import loss_tokens
+from autoshard.runtime.gradients import Gradients, refuse_changed
+from autoshard.runtime.loss_tokens import loss_factors, loss_tokens
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
 from autoshard.runtime.schedules import Action, stage_index, stage_owner
@@ -81,7 +82,7 @@ class MeshRuntime(nn.Module):
         self.actions = schedule[self.pp_rank]
         self.records: list[ActionRecord] = []
         self.last_grad_norm: torch.Tensor | None = None
-        self.grad_buffer = None       # set by a DistributedOptimizer (runtime/distributed_optimizer.py)
+        self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         program = prog.rank(self.tp_rank).bind(groups.tp)
         self._prog = prog
@@ -162,17 +163,11 @@ class MeshRuntime(nn.Module):
         microbatch's samples; the step averages the microbatches' means, which equals the per-token
         mean only when every microbatch counts the same tokens). Any other loss of the model is
         averaged over microbatches the same way."""
-        if loss_reduction not in ("mean", "sum"):
-            raise ShardingError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if loss_reduction == "sum" and loss_fn is None:
-            raise ShardingError("loss_reduction='sum' describes a loss_fn; the model's own loss is counted per token "
-                                "when it is a mean cross-entropy")
+        check_loss_options(loss_fn is not None, loss_reduction)
         if loss_fn is None and targets is not None:     # the model's own input (nanoGPT's `targets`)
             kwargs["targets"] = targets
         named = self._program.bind_inputs(args, kwargs)
-        if "num_items_in_batch" in named and named["num_items_in_batch"] is not None:
-            raise ShardingError("train_step averages the loss over the global batch's tokens itself; drop "
-                                "num_items_in_batch (it would divide each microbatch's sum by it again)")
+        refuse_num_items(named)
         if loss_fn is not None:
             named = {**named, TARGETS: targets}
         mine = named if local_batch else split_batch(named, self.dims.dp, "dp")[self.dp_rank]
@@ -187,50 +182,32 @@ class MeshRuntime(nn.Module):
             flats.append(flat)
         scales, per_token = self._loss_scales(gm, flats, goals, loss_fn, loss_reduction, ignore_index)
         chunks = self._chunks_for(gm)
-        self._origin, gain = time.time(), 1.0
-        if self.grad_buffer is not None:        # a DistributedOptimizer's buffer: reduced as backward ends
-            gain = self.grad_buffer.loss_scale                   # fp16: the loss is scaled for backward
-            scales = [s * gain for s in scales]
-            self.grad_buffer.begin(self.microbatches, (1.0 if per_token else 1.0 / self.dims.dp) / gain, self._origin)
+        self._origin = time.time()
+        grads = self._gradients()
+        gain = grads.loss_scale                      # fp16: the loss is scaled for backward
+        scales = [s * gain for s in scales]
+        # per token, the loss factors already sum to one over the dp ranks; else each rank's sum to one
+        averaged_over = 1 if per_token else self.dims.dp
+        grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin)
         losses = self._run(chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
-        if self.grad_buffer is not None:
-            self.last_grad_norm = self.grad_buffer.finish(max_norm)
-            self.records += [ActionRecord(self.global_rank, self.pp_rank, -1, Action(REDUCE, 0, r.bucket),
-                                          r.launched, r.done) for r in self.grad_buffer.reduce_records()]
-        else:
-            self._sync_grads(max_norm, 1.0 if per_token else 1.0 / self.dims.dp)
+        self.last_grad_norm = grads.end(max_norm)
+        self.records += [ActionRecord(self.global_rank, self.pp_rank, -1, Action(REDUCE, 0, k), r.launched, r.done)
+                         for k, r in grads.records()]
         total = torch.zeros((), device=self.device)
         if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
-            total = torch.stack(losses).sum() / (1 if per_token else self.dims.dp) / gain
+            total = torch.stack(losses).sum() / averaged_over / gain
         dist.all_reduce(total)          # the last stages' parts, on every rank
         return total
 
     def _loss_scales(self, gm: fx.GraphModule, flats: list[list], goals: list, loss_fn, reduction: str,
                      ignore_index: int) -> tuple[list[torch.Tensor | float], bool]:
-        """Each microbatch's loss factor, and whether they average per token over the global batch
-        (then they already sum to one over all data-parallel ranks)."""
-        m = self.microbatches
-        if loss_fn is None:
-            if id(gm) not in self._tokens:
-                self._tokens[id(gm)] = loss_tokens(gm)
-            counter = self._tokens[id(gm)]
-            if counter is None:
-                return [1.0 / m] * m, False
-            counts = [counter.count(*flat).to(torch.float64) for flat in flats]
-        elif reduction == "sum":
-            counts = [sum(((t != ignore_index).sum() for t in pytree.tree_leaves(goal)
-                           if isinstance(t, torch.Tensor)), torch.zeros((), dtype=torch.int64)).to(torch.float64)
-                      for goal in goals]
-        else:
-            return [1.0 / m] * m, False
-        counts_t = torch.stack(counts).to(self.device)
-        total = counts_t.sum()
-        if self.dims.dp > 1:
-            dist.all_reduce(total, group=self.groups.dp)
-        if loss_fn is None:        # the model's mean over n_i tokens, weighted n_i / N
-            return [c / total for c in counts_t], True
-        return [1.0 / total] * m, True       # loss_fn's sum, over N
+        """Each microbatch's loss factor, and whether they average per token (loss_tokens.py)."""
+        if loss_fn is None and id(gm) not in self._tokens:
+            self._tokens[id(gm)] = loss_tokens(gm)
+        counter = self._tokens[id(gm)] if loss_fn is None else None
+        return loss_factors(counter, flats, goals, loss_fn is not None, reduction, ignore_index,
+                            self.groups.dp if self.dims.dp > 1 else None, self.device)
 
     def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec,
              loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
@@ -285,16 +262,33 @@ class MeshRuntime(nn.Module):
         return losses
 
     # ---- gradients ---------------------------------------------------------------------------
-    def _sync_grads(self, max_norm: float | None, dp_scale: float) -> None:
-        sync_grads(dict(self.named_parameters()), self.groups, self._prog.shared_params, self.expert_params, dp_scale)
-        if max_norm is not None:
-            self.last_grad_norm = self.clip_grad_norm_(max_norm)
+    def _gradients(self) -> Gradients:
+        """The gradient buffers for the parameters as they are now: rebuilt (unsharded) when the
+        trainable parameters changed since the last step; a sharded one cannot be."""
+        trainable = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        if self.grads is not None and not self.grads.matches(trainable):
+            if self.grads.sharded:
+                refuse_changed(trainable, self.grads)
+            self.grads.remove_hooks()
+            self.grads = None
+        return self.grads or self.shard_gradients(shard=False)
+
+    def shard_gradients(self, *, shard: bool = True, bucket_bytes: int = 25 * 2 ** 20,
+                        overlap: bool | None = None) -> Gradients:
+        """Lay the trainable parameters' gradients out anew: each part reduce-scattered over its group
+        for a distributed optimizer (all-reduced with shard=False) in buckets of `bucket_bytes`;
+        `overlap` starts each bucket's reduction inside backward (default: on, except on gloo)."""
+        if self.grads is not None:
+            self.grads.remove_hooks()
+        tied = {n: group for pps, group in self.groups.shared.items() for n in self._prog.shared_params.get(pps, [])}
+        self.grads = Gradients([(n, p) for n, p in self.named_parameters() if p.requires_grad], self.groups,
+                               tied=tied, experts=self.expert_params, shard=shard, bucket_bytes=bucket_bytes,
+                               overlap=overlap, weight_of=lambda name: self._prog.param_weight(name, self.tp_rank))
+        return self.grads
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip this rank's gradients by the global norm over all tp x pp x dp ranks; returns the norm."""
-        # an expert's gradient is held by dp / ep ranks, not dp: counted ep times over
-        weighted = [(p.grad, self._prog.param_weight(name, self.tp_rank) * (self.dims.ep if name in self.expert_params else 1))
-                    for name, p in self.named_parameters() if p.grad is not None]
-        norm = global_grad_norm(weighted, self.dims)
-        clip_grads([g for g, _ in weighted], norm, max_norm)
-        return norm
+        """Clip the last step's reduced gradients by the global norm over all tp x pp x dp ranks
+        (train_step's `max_norm` does it too); returns the norm."""
+        if self.grads is None:
+            raise ShardingError("clip_grad_norm_: no train_step has run, there are no gradients to clip")
+        return self.grads.clip(max_norm)

@@ -12,8 +12,8 @@ buckets are reduce-scattered and each rank's optimizer steps only what it owns (
 `GradBuffer` keeps the buffer: a hook on each parameter adds its gradient (in any dtype) into the
 parameter's slice after autograd accumulates it and frees the parameter's own `.grad`, so
 gradients accumulate in fp32 (at least) across microbatches. With `overlap`, a bucket's reduction starts (async)
-as soon as each of its parameters has had its last microbatch's gradient; `finish()` starts the rest
-and waits for all. Each launch and completion time is recorded (`records`) for the trace.
+as soon as each of its parameters has had its last microbatch's gradient; `reduce()` starts the rest
+and waits for all. runtime/gradients.py builds one per group of parameters. Each launch and completion time is recorded (`records`) for the trace.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class GradBuffer:
         device = params[0].device if params else None
         self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.records: list[ReduceRecord] = []
-        self.reduced = False          # finish() ran and zero() did not since: the data is a reduced step's
+        self.reduced = False          # reduce() ran and zero() did not since: the data is a reduced step's
         self._seen = [0] * len(params)
         self._expected, self._scale, self._origin = 0, 1.0, 0.0
         self._launched: set[int] = set()
@@ -163,7 +163,7 @@ class GradBuffer:
             if p.record.done is None and p.work.is_completed():
                 p.record.done = time.time() - self._origin
 
-    def finish(self) -> None:
+    def reduce(self) -> None:
         """Sum tied parameters over their pipeline ranks, start every reduction not started yet, wait
         for all and scale: afterwards this rank's owned ranges hold the data-parallel result."""
         for i, group in self.tied_groups.items():

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
-__all__ = ["LossTokens", "loss_tokens"]
+__all__ = ["LossTokens", "loss_factors", "loss_tokens"]
 
 aten = torch.ops.aten
 
@@ -89,3 +91,28 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def loss_factors(counter: LossTokens | None, flats: list[list], goals: list, has_loss_fn: bool, reduction: str,
+                 ignore_index: int, dp_group: dist.ProcessGroup | None, device: torch.device | None
+                 ) -> tuple[list[torch.Tensor | float], bool]:
+    """Each microbatch's loss factor, and whether they average per token over the global batch (then
+    they sum to one over all data-parallel ranks, whose counts are summed over `dp_group`; else
+    they sum to one on each rank). `counter` reads the model's own mean cross-entropy (None: the
+    model's loss is not one); a loss_fn's "sum" counts the targets not equal to `ignore_index`."""
+    m = len(flats)
+    if not has_loss_fn and counter is not None:
+        counts = [counter.count(*flat).to(torch.float64) for flat in flats]
+    elif has_loss_fn and reduction == "sum":
+        counts = [sum(((t != ignore_index).sum() for t in pytree.tree_leaves(goal)
+                       if isinstance(t, torch.Tensor)), torch.zeros((), dtype=torch.int64)).to(torch.float64)
+                  for goal in goals]
+    else:
+        return [1.0 / m] * m, False
+    counts_t = torch.stack(counts).to(device)
+    total = counts_t.sum()
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    if not has_loss_fn:        # the model's mean over n_i tokens, weighted n_i / N
+        return [c / total for c in counts_t], True
+    return [1.0 / total] * m, True       # loss_fn's sum, over N

@@ -10,7 +10,6 @@ from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path
 from autoshard.passes.stages import layers_per_stage
 from autoshard.runtime.batching import pick_loss, split_batch
-from autoshard.runtime.grad_sync import all_reduce_buckets
 from autoshard.testing.graphs import fused_ops
 from autoshard.testing.metrics import grad_errors, max_rel
 from autoshard.testing.models import build_model, input_name, label_name
@@ -123,21 +122,13 @@ def test_executor_accumulates_microbatches(one_process_group):
     assert max_rel(rt.last_grad_norm.float(), ref_norm) < 1e-6
     errs = grad_errors({n: p.grad for n, p in rt.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
     assert max(errs.values()) < 1e-5
-    assert [str(r.action) for r in rt.records] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert [str(r.action) for r in rt.records if r.action.kind in "FB"] == ["F0", "B0", "F1", "B1", "F2", "B2",
+                                                                          "F3", "B3"]
     with pytest.raises(ShardingError, match="a batch of 6 samples cannot be split into microbatches = 4"):
         rt.train_step(**_kwargs("llama", ids[:6]))
     two = autoshard(build_model("llama", layers=2), pp=2, microbatches=2, example_kwargs=_kwargs("llama", ids[:2]))
     with pytest.raises(ShardingError, match="the process group has 1 ranks but .* tp=1 x pp=2 x dp=1 = 2"):
         two.distributed()
-
-
-def test_gradient_buckets(one_process_group):
-    """Buckets fill up to the byte limit in order; a larger tensor is a bucket of its own; a new
-    dtype starts a new bucket; every element is scaled once."""
-    grads = [torch.ones(10), torch.ones(10), torch.ones(100), torch.ones(5), torch.ones(5, dtype=torch.float64)]
-    calls = all_reduce_buckets(grads, None, 0.5, bucket_bytes=120)
-    assert calls == 4          # [10, 10] [100] [5] [5 (float64)]
-    assert all(bool((g == 0.5).all()) for g in grads)
 
 
 @pytest.mark.parametrize("name,sp", [("bert", False), ("gpt2", True), ("llama", True), ("nanogpt", False)])

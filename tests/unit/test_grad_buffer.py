@@ -39,7 +39,7 @@ def test_gradients_accumulate_in_fp32_and_leave_no_bf16_grad():
     for x in xs:
         loss(x, w, b).backward()
         assert w.grad is None and b.grad is None          # moved into the fp32 buffer
-    buf.finish()
+    buf.reduce()
     assert buf.view(0).dtype == torch.float32
     assert torch.equal(buf.view(0), 0.5 * want_w)     # summed in fp32, not rounded to bf16 in between
     assert [r.bucket for r in buf.records] == [0]

@@ -8,7 +8,7 @@ import torch
 from autoshard.parallel.comm import SIMULATED, CommHandle, distributed_reducer
 from autoshard.runtime import mesh as mesh_module
 from autoshard.runtime import p2p
-from autoshard.runtime.grad_sync import global_grad_norm
+from autoshard.runtime.gradients import global_grad_norm
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 
 
