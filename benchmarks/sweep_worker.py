@@ -58,7 +58,9 @@ def main() -> None:
     for _ in range(2):
         step()
     params = list(rt.parameters())
-    base = state_bytes(params + [t for s in opt.state.values() for t in s.values()])
+    # what a rank holds between steps: parameters, optimizer state, the runtime's gradient buffers
+    grads = [part.buffer.data for part in rt.grads.parts]
+    base = state_bytes(params + [t for s in opt.state.values() for t in s.values()] + grads)
     with PeakBytes(base=base) as peak:
         step()
     times = []

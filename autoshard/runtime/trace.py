@@ -4,7 +4,7 @@ Both take `ActionRecord`s: the executor's measured ones (`MeshRuntime.records`, 
 every rank by `export_trace`) or a schedule's unit-cost run (`records_of(check(...))`). The PNG has
 one row per pipeline rank, time to the right; forwards are blue, backwards green, a darker shade
 for each later chunk, and each box is labelled with its microbatch number; a data-parallel gradient
-reduction (a DistributedOptimizer's bucket, action kind "R") is a thin orange bar along the bottom of
+reduction (one bucket of runtime/gradients.py, action kind "R") is a thin orange bar along the bottom of
 its row, so its overlap with backward shows. It is drawn with the standard library alone (autoshard/png.py), so no plotting package is needed.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ MESHES = {"dp2-tp2": (["--dp", "2", "--tp", "2", "--models", "gpt2"], 4),
 
 
 def _run(args: list[str], world: int) -> list[dict]:
-    return torchrun_lines("autoshard.testing.zero_check", args, world)
+    return torchrun_lines("tests.harness.zero_check", args, world)
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))

@@ -1,4 +1,4 @@
-"""Expert parallelism on gloo processes against single-device training (autoshard/testing/expert_check.py):
+"""Expert parallelism on gloo processes against single-device training (tests/harness/expert_check.py):
 10 AdamW steps' losses and final parameters (and the clipped gradient norm on one mesh), each rank
 holding only its experts, and the bytes each rank sends through the all-to-alls equal to the formula
 over the routing the model chooses; checkpoints across tp and ep; models built on the meta device
@@ -39,7 +39,7 @@ def _values(args: list[str], flag: str, default: list[str]) -> list[str]:
 
 
 def run_expert_check(args: list[str], world: int) -> list[dict]:
-    return torchrun_lines("autoshard.testing.expert_check", args, world)
+    return torchrun_lines("tests.harness.expert_check", args, world)
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))

@@ -3,7 +3,7 @@ Without a GPU these skip (tests/unit/test_cpu_executor.py runs the same checks o
 import pytest
 import torch
 
-from autoshard.testing.kernel_accuracy import check_deterministic, check_kernel_case
+from tests.harness.kernel_accuracy import check_deterministic, check_kernel_case
 from autoshard.testing.kernel_cases import CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

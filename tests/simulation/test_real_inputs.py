@@ -223,11 +223,11 @@ def test_autocast_on_a_hugging_face_model_with_its_loss():
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_real_use_sweep(name, tp, pp):
     """Padding masks both sides, -100 labels (whole rows too), position_ids, **kwargs, new shapes,
-    length 1, a train/eval switch and bf16 autocast (autoshard/testing/real_inputs.py): each case
+    length 1, a train/eval switch and bf16 autocast (tests/harness/real_inputs.py): each case
     matches the single-device model or is refused with a message. Before: position_ids (and BERT's
     token_type_ids) were split like a vocabulary when given, so calls with and without them were
     refused; logits compiled with labels came back fp32 under autocast (the model's are bf16)."""
-    from autoshard.testing.real_inputs import sweep
+    from tests.harness.real_inputs import sweep
     cases = sweep(name, tp=tp, pp=pp)
     assert len(cases) == 9
     for case in cases:

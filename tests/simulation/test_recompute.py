@@ -8,7 +8,7 @@ import autoshard.compile.recompute as recompute_module
 from autoshard import autoshard
 from autoshard.errors import ShardingError
 from autoshard.testing import build_model
-from autoshard.testing.recompute_check import compare_simulated
+from tests.harness.recompute_check import compare_simulated
 
 pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import torch
 from autoshard.kernels import cpu_executor, launch, ops, self_check
 from autoshard.kernels.cpu_executor import KernelExecutionError
 from autoshard.kernels.cpu_executor.config import _from_environment
-from autoshard.testing.kernel_accuracy import TOL, check_deterministic, check_kernel_case, errors_against_float64
+from tests.harness.kernel_accuracy import TOL, check_deterministic, check_kernel_case, errors_against_float64
 from autoshard.testing.kernel_cases import CASES, make_inputs
 
 pytestmark = pytest.mark.skipif(cpu_executor.compiler() is None,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.kernels import build, ops, reference
-from autoshard.testing.kernel_accuracy import TOL, assert_within, errors_against_float64, rel_norm
+from tests.harness.kernel_accuracy import TOL, assert_within, errors_against_float64, rel_norm
 from autoshard.testing.kernel_cases import CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,9 +1,9 @@
 """The import graph: no cycles between modules, and subsystems import one way only.
 
 The check reads every `import` in autoshard/, passes/ and kernels/ (function-level and
-TYPE_CHECKING imports included), the same way `python -m autoshard.testing.imports` prints it.
+TYPE_CHECKING imports included), the same way `python -m tests.harness.imports` prints it.
 """
-from autoshard.testing.imports import ALLOWED, TOP_LEVEL, cycles, import_graph, layer_violations, long_files
+from tests.harness.imports import ALLOWED, TOP_LEVEL, cycles, import_graph, layer_violations, long_files
 
 
 def test_no_module_imports_itself_through_others():

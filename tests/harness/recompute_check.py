@@ -3,7 +3,7 @@ program without, dropout on, same seed.
 
 In one process (`compare_simulated`) and under torchrun, every schedule and mesh:
 
-    torchrun --standalone --nproc-per-node 4 -m autoshard.testing.recompute_check --tp 2 --pp 2
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.recompute_check --tp 2 --pp 2
 
 Each rank builds the model twice (recompute "none" and the mode asked), trains both through
 `MeshRuntime.train_step` for a few SGD steps on the same batches and seeds, and compares per-step

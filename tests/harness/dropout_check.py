@@ -1,6 +1,6 @@
 """Run under torchrun: training with dropout on gloo keeps the tensor-parallel replicas equal, fused or not.
 
-    torchrun --standalone --nproc-per-node 2 -m autoshard.testing.dropout_check
+    torchrun --standalone --nproc-per-node 2 -m tests.harness.dropout_check
 
 Dropout masks of a sharded program cannot be the single-device model's, so this checks Megatron's
 invariant instead. Each rank compiles the same seeded GPT-2 (dropout 0.3 on embeddings, attention

@@ -1,6 +1,6 @@
 """Run under torchrun: pipeline training that checkpoints, can be killed, and resumes.
 
-    torchrun --standalone --nproc-per-node 4 --max-restarts 1 -m autoshard.testing.checkpoint_check \\
+    torchrun --standalone --nproc-per-node 4 --max-restarts 1 -m tests.harness.checkpoint_check \\
         --tp 2 --pp 2 --root /tmp/ckpt --kill-at 3
 
 Every rank resumes from the newest complete checkpoint under --root (if any), trains up to --steps

@@ -1,6 +1,6 @@
 """The package's import graph, read from the source: cycles, layer rules and file lengths.
 
-    python -m autoshard.testing.imports      # prints each module's imports, then cycles and violations
+    python -m tests.harness.imports      # prints each module's imports, then cycles and violations
 
 Modules are named as installed: autoshard/x.py is autoshard.x, passes/x.py autoshard.passes.x,
 kernels/x.py autoshard.kernels.x. Every import statement counts, wherever it is in the file.

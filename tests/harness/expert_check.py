@@ -1,6 +1,6 @@
 """Expert parallelism on real processes, against single-device training of the same model:
 
-    torchrun --standalone --nproc-per-node 4 -m autoshard.testing.expert_check --dp 4 --ep 4
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.expert_check --dp 4 --ep 4
 
 Every rank builds the same seeded MoE decoder twice: one compiled with autoshard(tp, pp, dp, ep) and
 trained through `train_step` with AdamW, one kept whole and trained with AdamW on the same global

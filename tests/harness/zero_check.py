@@ -1,6 +1,6 @@
 """The distributed optimizer against the unsharded one, on real processes:
 
-    torchrun --standalone --nproc-per-node 4 -m autoshard.testing.zero_check --dp 2 --tp 2
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.zero_check --dp 2 --tp 2
 
 Each rank builds the model twice on the same (tp, pp, dp) mesh: one trained with plain AdamW over
 `rt.parameters()` (gradients all-reduced after the whole backward), one with
@@ -37,7 +37,7 @@ from autoshard.runtime.trace import REDUCE
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import norm_rel
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
-from autoshard.testing.recompute_check import worst
+from tests.harness.recompute_check import worst
 
 LR, ROWS, SEQ = 1e-2, 8, 16
 
