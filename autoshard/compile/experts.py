@@ -26,8 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard.compile.simulate import run_lockstep
-from autoshard.errors import ShardingError
-from autoshard.parallel.expert_parallel import ExpertGroup, dispatch_combine
+from autoshard.parallel.expert_parallel import ExpertGroup, RunLocal, dispatch_combine
 from autoshard.passes.experts import ExpertRegion
 
 __all__ = ["EXPERT_MODULES", "ExpertsCall", "expert_modules", "weightless_copy"]
@@ -69,6 +68,7 @@ def weightless_copy(module: nn.Module) -> nn.Module:
 class ExpertsCall(nn.Module):
     """One experts call of a rank graph (see the module docstring)."""
 
+    spans_groups = True      # simulated: one call across every expert-parallel rank's tp group, given the groups
     def __init__(self, body: fx.GraphModule, region: ExpertRegion, experts: nn.Module,
                  f: nn.Module | None, g: nn.Module | None):
         super().__init__()
@@ -85,36 +85,63 @@ class ExpertsCall(nn.Module):
         self.ep = ep
         self._experts.num_experts = ep.per_rank
 
-    def forward(self, *args):
-        if self.ep is None:
-            return self.body(*args)
+    def _inputs(self, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunLocal]:
         r = self.region
-        x, idx, w = args[r.hidden], args[r.index], args[r.weights]
         weights = {name.rsplit(".", 1)[-1]: args[i] for name, i in r.params.items()}
-        f, g = self._sync
-        if r.tensor_parallel:
-            x, w = f(x), f(w)
 
         def run_local(xs, ids, ws):
             return torch.func.functional_call(self._experts, weights, (xs, ids, ws))
+        return args[r.hidden], args[r.index], args[r.weights], run_local
 
-        out = dispatch_combine(x, idx, w, run_local, self.ep)
-        if r.tensor_parallel:
+    def forward(self, *args):
+        if self.ep is None:
+            return self.body(*args)
+        x, idx, w, run_local = self._inputs(args)
+        f, g = self._sync
+        if self.region.tensor_parallel:
+            x, w = f(x), f(w)
+        out, = dispatch_combine(self.ep.reducer(), [x], [idx], [w], [run_local], self.ep.per_rank, self.ep.size)
+        if self.region.tensor_parallel:
             out = g(out)
         return (out.to(x.dtype),)
 
     @staticmethod
-    def simulate(mods: list["ExpertsCall"], rank_args: list[list[object]]) -> list[object]:
-        """Every tensor-parallel rank's call at once (the region's f and g meet in lockstep)."""
+    def simulate(mods: list["ExpertsCall"], rank_args: list[list[object]],
+                 groups: list[list[int]] | None = None) -> list[object]:
+        """Every rank's call at once. Unbound: the tensor-parallel ranks' exported graphs (the
+        region's f and g meet in lockstep). Bound (prog.simulate() at ep > 1): mods are the ep x tp
+        ranks, expert-parallel rank major; each tp position's ep ranks exchange tokens through the
+        simulator's all-to-all, each ep rank's tp ranks meet in f and g."""
         if all(m.ep is None for m in mods):
-            return [tuple(out) for out in run_lockstep([m.body for m in mods], rank_args, per_rank=True)]
-        if len(mods) == 1:
-            return [mods[0](*rank_args[0])]
-        raise ShardingError(f"{mods[0].region.path}: a bound expert-parallel call with tp={len(mods)} runs "
-                            "under torch.distributed only")
+            return [tuple(out) for out in run_lockstep([m.body for m in mods], rank_args, per_rank=True, groups=groups)]
+        ep = mods[0].ep
+        tp = len(mods) // ep.size
+        inputs = [m._inputs(a) for m, a in zip(mods, rank_args)]
+        xs, ws = [i[0] for i in inputs], [i[2] for i in inputs]
+        if mods[0].region.tensor_parallel:
+            xs, ws = _per_tp_group(mods, 0, xs, tp), _per_tp_group(mods, 0, ws, tp)
+        outs: list = [None] * len(mods)
+        for t in range(tp):
+            members = [e * tp + t for e in range(ep.size)]
+            got = dispatch_combine(ep.reducer(), [xs[i] for i in members], [inputs[i][1] for i in members],
+                                   [ws[i] for i in members], [inputs[i][3] for i in members], ep.per_rank, ep.size)
+            for i, o in zip(members, got):
+                outs[i] = o
+        if mods[0].region.tensor_parallel:
+            outs = _per_tp_group(mods, 1, outs, tp)
+        return [(o.to(x.dtype),) for o, x in zip(outs, xs)]
 
     def extra_repr(self) -> str:
         where = "not bound: the exported graph" if self.ep is None else \
             f"experts {self.ep.rank * self.ep.per_rank}..{(self.ep.rank + 1) * self.ep.per_rank - 1} of " \
             f"{self.region.experts} here, tokens exchanged over {self.ep.size} ranks"
         return f"{self.region.path}: {where}"
+
+
+def _per_tp_group(mods: list[ExpertsCall], which: int, values: list, tp: int) -> list:
+    """f (which=0) or g (which=1) of each expert-parallel rank's tensor-parallel ranks, simulated."""
+    out = []
+    for e in range(len(mods) // tp):
+        sync = [mods[e * tp + t]._sync[which] for t in range(tp)]
+        out += type(sync[0]).simulate(sync, [(v,) for v in values[e * tp:(e + 1) * tp]])
+    return out

@@ -15,6 +15,7 @@ from torch import nn
 from autoshard.compile.capture import InputBinder
 from autoshard.compile.compiler import Compiled, Compiler
 from autoshard.compile.describe import describe
+from autoshard.compile.expert_replicas import ExpertReplicas
 from autoshard.compile.norm_weights import NormWeights
 from autoshard.compile.rank import RankProgram
 from autoshard.compile.reassemble import assemble
@@ -73,6 +74,7 @@ class ShardedProgram:
         self._stages = stages
         self._names_with_ties = stages.names_with_ties
         self._simulator = ProgramSimulator(stages)
+        self._expert_replicas: ExpertReplicas | None = None      # prog.simulate() at ep > 1
         self.param_weight = NormWeights(self.sharding, stages.param_holders, self.param_shapes)
 
     @property
@@ -111,7 +113,8 @@ class ShardedProgram:
     def _compile(self, named: dict[str, object], training: bool | None = None) -> Compiled:
         with _building():
             entry = self._compiler.compile_signature(named, training)
-            for rank in self._ranks.values():
+            replicas = self._expert_replicas.ranks() if self._expert_replicas is not None else []
+            for rank in [*self._ranks.values(), *replicas]:
                 self._add_graph(rank, entry)
         return entry
 
@@ -241,23 +244,42 @@ class ShardedProgram:
         """Run all ranks in this process; returns what `model(*args, **kwargs)` returns.
 
         Outputs are replicated, so every rank holds the same values; a loss computed from the result
-        back-propagates into every rank, as each rank's own loss does under torch.distributed.
-        """
-        outs, out_spec = self._simulator.run(self.ranks(), args, kwargs)
+        back-propagates into every rank, as each rank's own loss does under torch.distributed. At
+        ep > 1 the ep expert-parallel ranks run too, each on its slice of the batch, exchanging tokens
+        (compile/expert_replicas.py)."""
+        if self.dims.ep > 1:
+            replicas = self._replicas()
+            return replicas.join(*replicas.run(self._simulator, args, kwargs))
+        outs, out_spec = self._simulator.run(self.ranks(), [(args, kwargs)] * self.tp)
         return pytree.tree_unflatten([join_replicated(list(leaf)) for leaf in zip(*outs)], out_spec)
 
     def simulate_all(self, *args, **kwargs) -> list[object]:
-        """Every rank's own output, unjoined (for checking that the copies agree)."""
-        outs, out_spec = self._simulator.run(self.ranks(), args, kwargs)
+        """Every rank's own output, unjoined (for checking that the copies agree; at ep > 1 every
+        expert-parallel rank's on its slice of the batch, expert-parallel rank major)."""
+        if self.dims.ep > 1:
+            outs, out_spec = self._replicas().run(self._simulator, args, kwargs)
+        else:
+            outs, out_spec = self._simulator.run(self.ranks(), [(args, kwargs)] * self.tp)
         return [pytree.tree_unflatten(list(o), out_spec) for o in outs]
+
+    def _replicas(self) -> ExpertReplicas:
+        if self._expert_replicas is None:
+            with _building():
+                self._expert_replicas = ExpertReplicas(self, self._build_rank)
+        return self._expert_replicas
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Gradients reassembled to full shapes, keyed by the model's own parameter names."""
-        return assemble(self.ranks(), self.sharding, self.param_shapes,
-                        lambda p: None if p.grad is None else p.grad.detach())
+        def read(p):
+            return None if p.grad is None else p.grad.detach()
+        if self._expert_replicas is not None:
+            return self._expert_replicas.assemble(read, summed=True)
+        return assemble(self.ranks(), self.sharding, self.param_shapes, read)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters reassembled to full shapes, keyed by the model's own parameter names."""
+        if self._expert_replicas is not None:
+            return self._expert_replicas.assemble(lambda p: p.detach(), summed=False)
         return assemble(self.ranks(), self.sharding, self.param_shapes, lambda p: p.detach())
 
     def __str__(self) -> str:

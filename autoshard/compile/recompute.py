@@ -64,14 +64,17 @@ class Recompute(nn.Module):
         return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=lambda: _replaying([self.rng]))
 
+    spans_groups = True     # simulated: its body's collectives run per group (compile/simulate.py)
+
     @staticmethod
-    def simulate(mods: list["Recompute"], rank_args: list[list[object]]) -> list[object]:
+    def simulate(mods: list["Recompute"], rank_args: list[list[object]],
+                 groups: list[list[int]] | None = None) -> list[object]:
         """Every rank's region at once, one checkpoint around the lockstep run."""
         n = len(rank_args[0])
 
         def run(*flat):
             per_rank = [list(flat[r * n:(r + 1) * n]) for r in range(len(mods))]
-            return tuple(run_lockstep([m.body for m in mods], per_rank, per_rank=True))
+            return tuple(run_lockstep([m.body for m in mods], per_rank, per_rank=True, groups=groups))
 
         flat = [a for args in rank_args for a in args]
         if not torch.is_grad_enabled():

@@ -37,9 +37,12 @@ class _JoinN(torch.autograd.Function):
         return tuple(grad for _ in range(ctx.n))
 
 
-def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list, *, per_rank: bool = False) -> list[object]:
+def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list, *, per_rank: bool = False,
+                 groups: list[list[int]] | None = None) -> list[object]:
     """Run rank graphs `gms` on the same flat inputs (or, with per_rank, `flat_inputs[r]` for
-    rank r); returns each rank's flat outputs."""
+    rank r); returns each rank's flat outputs. `groups`: the tensor-parallel groups among the ranks
+    (default: all of them one group); a collective runs once per group, unless its module spans
+    groups itself (`spans_groups`: expert parallelism's calls)."""
     node_lists = [list(gm.graph.nodes) for gm in gms]
     if len({len(n) for n in node_lists}) != 1:
         raise RuntimeError("rank graphs differ in length; they cannot run in lockstep")
@@ -59,8 +62,8 @@ def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list, *, per_rank: bool
         if lead.op == "call_module":
             mods = [gm.get_submodule(n.target) for gm, n in zip(gms, column)]
             simulate = getattr(type(mods[0]), "simulate", None)
-            if simulate is not None:      # a collective: one call across all ranks
-                outs = simulate(mods, [a for a, _ in args])
+            if simulate is not None:      # a collective: one call across the ranks of each group
+                outs = _per_group(simulate, mods, [a for a, _ in args], groups)
             else:
                 outs = [m(*a, **kw) for m, (a, kw) in zip(mods, args)]
             for env, n, o in zip(envs, column, outs):
@@ -71,25 +74,41 @@ def run_lockstep(gms: list[fx.GraphModule], flat_inputs: list, *, per_rank: bool
     raise RuntimeError("graph has no output node")
 
 
+def _per_group(simulate, mods: list, rank_args: list, groups: list[list[int]] | None) -> list[object]:
+    if getattr(type(mods[0]), "spans_groups", False):      # it runs every rank itself, given the groups
+        return simulate(mods, rank_args, groups=groups)
+    if groups is None:
+        return simulate(mods, rank_args)
+    outs: list[object] = [None] * len(mods)
+    for group in groups:
+        for i, o in zip(group, simulate([mods[i] for i in group], [rank_args[i] for i in group])):
+            outs[i] = o
+    return outs
+
+
 class ProgramSimulator:
-    """Runs a program's tensor-parallel ranks in lockstep; with pipeline stages, stage after stage,
-    each rank's stage outputs carried into its next stage (stage modules cached per rank graph)."""
+    """Runs a program's ranks in lockstep (its tensor-parallel ranks; at ep > 1 those of every
+    expert-parallel rank, each on its own inputs); with pipeline stages, stage after stage, each
+    rank's stage outputs carried into its next stage (stage modules cached per rank graph)."""
 
     def __init__(self, stages: StageLayout):
         self.stages = stages
         self._modules: dict[int, list[fx.GraphModule]] = {}
 
-    def run(self, ranks: list[nn.Module], args: tuple, kwargs: dict) -> tuple[list[list[object]], object]:
-        """Every rank's flat outputs, and the output spec to unflatten them with."""
-        picked = [rank.graph_for(args, kwargs) for rank in ranks]
-        flat, out_spec = picked[0][1], picked[0][2]
+    def run(self, ranks: list[nn.Module], calls: list[tuple[tuple, dict]],
+            groups: list[list[int]] | None = None) -> tuple[list[list[object]], object]:
+        """Every rank's flat outputs (rank i called with `calls[i]`: args and kwargs), and the output
+        spec to unflatten them with; `groups` as run_lockstep's."""
+        picked = [rank.graph_for(args, kwargs) for rank, (args, kwargs) in zip(ranks, calls)]
+        flats, out_spec = [p[1] for p in picked], picked[0][2]
         n_stages = self.stages.pp * self.stages.virtual
         if n_stages == 1:
-            return run_lockstep([p[0] for p in picked], flat), out_spec
-        carried: list[list[object]] = [[] for _ in picked]     # each tp rank's values between stages
+            return run_lockstep([p[0] for p in picked], flats, per_rank=True, groups=groups), out_spec
+        carried: list[list[object]] = [[] for _ in picked]     # each rank's values between stages
         stage_gms = [self._stage_modules(rank, gm) for rank, (gm, _, _) in zip(ranks, picked)]
         for s in range(n_stages):
-            carried = run_lockstep([gms[s] for gms in stage_gms], [list(flat) + list(c) for c in carried], per_rank=True)
+            carried = run_lockstep([gms[s] for gms in stage_gms], [list(f) + list(c) for f, c in zip(flats, carried)],
+                                   per_rank=True, groups=groups)
         return carried, out_spec
 
     def _stage_modules(self, rank: nn.Module, gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -37,12 +37,17 @@ class Communicator(Protocol):
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's equal chunk of `dim`, concatenated in rank order."""
 
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows send[j] of `t` (in order) to rank j; the rows received, rank by rank (recv[j] from j)."""
+
 
 class ProcessGroupComm:
-    """The collectives on a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """The collectives on a torch.distributed process group (gloo on CPU, NCCL on GPU).
+    `sent_bytes` counts what all_to_all sent to other ranks (expert parallelism's traffic)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
+        self.sent_bytes = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         out = t.contiguous().clone()
@@ -65,6 +70,14 @@ class ProcessGroupComm:
         out = x.new_empty((x.shape[0] * dist.get_world_size(self.group), *x.shape[1:]))
         _all_gather_single(out, x, group=self.group)
         return out.movedim(0, dim)
+
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        t = t.contiguous()
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send, group=self.group)
+        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+        self.sent_bytes += row * (sum(send) - send[dist.get_rank(self.group)])
+        return out
 
 
 class CommHandle:
@@ -94,14 +107,37 @@ class Reducer:
     all_gather: Callable[[Ranked, int], Ranked]       # equal chunks along a dim, in rank order
     reduce_scatter: Callable[[Ranked, int], Ranked]   # the sum, each rank keeping its equal chunk of dim
     split: Callable[[Ranked, int], Ranked]            # each rank's own chunk of its (replicated) tensor
+    # rows of each rank's tensor sent to the others (sends[i][j]: rows rank i sends to j) -> the rows
+    # each received in sender order, and recvs[j][i] (known already: pass them, else exchanged)
+    all_to_all: Callable[[Ranked, list[list[int]], list[list[int]] | None], tuple[Ranked, list[list[int]]]]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged over a group; backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, comm: Communicator, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        ctx.args = (comm, send, recv)
+        return comm.all_to_all(x, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm, send, recv = ctx.args
+        return None, comm.all_to_all(grad, recv, send), None, None
 
 
 def distributed_reducer(handle: CommHandle) -> Reducer:
     comm, rank, world = handle.get(), handle.rank, handle.world
+
+    def all_to_all(xs: Ranked, sends: list[list[int]], recvs: list[list[int]] | None):
+        if recvs is None:          # each rank tells each other how many rows to expect
+            ones = [1] * world
+            recvs = [comm.all_to_all(torch.tensor(sends[0]), ones, ones).tolist()]
+        return [_AllToAll.apply(comm, xs[0], sends[0], recvs[0])], recvs
     return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])],
                    all_gather=lambda xs, d: [comm.all_gather(xs[0], d)],
                    reduce_scatter=lambda xs, d: [comm.reduce_scatter(xs[0], d)],
-                   split=lambda xs, d: [xs[0].chunk(world, d)[rank].contiguous()])
+                   split=lambda xs, d: [xs[0].chunk(world, d)[rank].contiguous()], all_to_all=all_to_all)
 
 
 def _dim_major(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -130,8 +166,16 @@ def _sim_reduce_scatter(xs: Ranked, d: int) -> Ranked:
     return [_dim_major(c, d) for c in total.chunk(len(xs), d)]
 
 
+def _sim_all_to_all(xs: Ranked, sends: list[list[int]], recvs: list[list[int]] | None):
+    """A permutation of the ranks' rows: rank j receives chunk j of every rank's tensor, in rank order."""
+    chunks = [list(x.split(send)) for x, send in zip(xs, sends)]          # chunks[i][j]: from i to j
+    outs = [torch.cat([chunks[i][j] for i in range(len(xs))]) for j in range(len(xs))]
+    return outs, [[sends[i][j] for i in range(len(xs))] for j in range(len(xs))]
+
+
 SIMULATED = Reducer(sum=_sim_sum, max=_sim_max, all_gather=_sim_all_gather, reduce_scatter=_sim_reduce_scatter,
-                    split=lambda xs, d: [x.chunk(len(xs), d)[i].contiguous() for i, x in enumerate(xs)])
+                    split=lambda xs, d: [x.chunk(len(xs), d)[i].contiguous() for i, x in enumerate(xs)],
+                    all_to_all=_sim_all_to_all)
 
 
 class Collective(nn.Module):

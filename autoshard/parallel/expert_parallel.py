@@ -1,80 +1,78 @@
 """Expert parallelism's collective: tokens sent to the ranks that own their experts and back.
 
-    out = dispatch_combine(x, idx, w, run_local, ep)        # x [n, H], idx / w [n, k] -> out [n, H]
+    outs = dispatch_combine(red, xs, idxs, ws, run_locals, per_rank)   # per rank: x [n, H], idx / w [n, k]
 
-`ep` (an `ExpertGroup`) holds the expert-parallel process group, this rank's place in it and how
-many experts each rank owns (owner of expert e: e // per_rank). Each of the n * k (token, slot)
-pairs goes to its expert's owner with one all-to-all of uneven splits (dropless: every pair is
-sent, however unbalanced the routing); the owner runs `run_local(x_recv [m, H], local ids [m, 1],
-weights [m, 1])` (the model's own experts module on its local experts) and a second all-to-all
-brings each result back to the pair's rank, where the k results of a token are summed.
+Written once over the ranks present, like every collective (parallel/comm.py): `red` is the
+expert-parallel group's Reducer, whose all-to-all is `dist.all_to_all_single` under torch.distributed
+(one rank present) and a permutation of the per-rank lists in the simulator (every rank present).
+Each of a rank's n * k (token, slot) pairs goes to its expert's owner (expert e: rank e // per_rank,
+`owner_of`) with one all-to-all of uneven splits (dropless: every pair is sent, however unbalanced
+the routing); the owner runs `run_local(x_recv [m, H], local ids [m, 1], weights [m, 1])` (the
+model's own experts module on its local experts) and a second all-to-all brings each result back to
+the pair's rank, where the k results of a token are summed. The all-to-all's backward is the same
+exchange with the splits swapped.
 
-`AllToAll` is the autograd function: its backward is the same exchange with the splits swapped. It
-counts the bytes this rank sends to other ranks (`ExpertGroup.sent_bytes`, forward and backward).
+`ExpertGroup` is one rank's view of its group: its place, the experts each rank owns, its Reducer
+(`reducer()`) and the bytes it sent to other ranks (`sent_bytes`, forward and backward).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertGroup", "AllToAll", "dispatch_combine"]
+from autoshard.parallel.comm import SIMULATED, CommHandle, ProcessGroupComm, Reducer, distributed_reducer
+
+__all__ = ["ExpertGroup", "RunLocal", "dispatch_combine", "owner_of"]
+
+RunLocal = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
 class ExpertGroup:
-    """The expert-parallel group of one rank: `size` ranks, this one `rank`, each owning
-    `per_rank` consecutive experts; `sent_bytes` counts payload this rank sent to the others."""
+    """Rank `rank` of an expert-parallel group of `size` ranks, each owning `per_rank` consecutive
+    experts. With a process group its exchanges are collectives on it; without one they are the
+    simulator's (every rank of the group in one process, or a group of one)."""
 
-    group: dist.ProcessGroup | None
-    rank: int
-    size: int
-    per_rank: int
-    sent_bytes: int = 0
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, per_rank: int):
+        self.group, self.rank, self.size, self.per_rank = group, rank, size, per_rank
+        self.handle = CommHandle(rank, size)
+        self.handle.comm = ProcessGroupComm(group) if group is not None else None
 
-    def _exchange(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        """Rows send[j] of `t` (in order) go to rank j; returns the rows received, rank by rank."""
-        t = t.contiguous()
-        if self.size == 1:          # a group of one (the in-process check): nothing leaves the rank
-            return t.clone()
-        out = t.new_empty((sum(recv), *t.shape[1:]))
-        dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send, group=self.group)
-        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
-        self.sent_bytes += row * (sum(send) - send[self.rank])
-        return out
+    def reducer(self) -> Reducer:
+        return SIMULATED if self.handle.comm is None else distributed_reducer(self.handle)
 
+    @property
+    def sent_bytes(self) -> int:
+        """Payload this rank sent to the other ranks so far (0 when simulated)."""
+        return getattr(self.handle.comm, "sent_bytes", 0)
 
-class AllToAll(torch.autograd.Function):
-    """Rows of x exchanged over the expert-parallel group (send / recv: rows per rank)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ep: ExpertGroup, send: list[int], recv: list[int]) -> torch.Tensor:
-        ctx.args = (ep, send, recv)
-        return ep._exchange(x, send, recv)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ep, send, recv = ctx.args
-        return ep._exchange(grad, recv, send), None, None, None
+    def __repr__(self) -> str:
+        return f"ExpertGroup(rank={self.rank}, size={self.size}, per_rank={self.per_rank})"
 
 
-def dispatch_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                     run_local: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                     ep: ExpertGroup) -> torch.Tensor:
-    """The experts' output for the tokens of this rank, computed by the experts' owners (see above)."""
-    n, k = idx.shape
-    flat = idx.reshape(-1)                                   # [n * k] expert of each (token, slot)
-    owner = torch.div(flat, ep.per_rank, rounding_mode="floor")
-    order = torch.argsort(owner, stable=True)                # pairs grouped by owner rank
-    rows = torch.div(order, k, rounding_mode="floor")         # the token of each sent pair
-    send = torch.bincount(owner, minlength=ep.size)                          # [ep] pairs per owner
-    ones = [1] * ep.size
-    send_l, recv_l = send.tolist(), ep._exchange(send, ones, ones).tolist()
-    local_ids = ep._exchange((flat - owner * ep.per_rank)[order], send_l, recv_l)     # [m] no gradient
-    x_in = AllToAll.apply(x[rows], ep, send_l, recv_l)                               # [m, H]
-    w_in = AllToAll.apply(w.reshape(-1)[order], ep, send_l, recv_l)                  # [m]
-    y = run_local(x_in, local_ids[:, None], w_in[:, None])                           # [m, H] weighted
-    back = AllToAll.apply(y, ep, recv_l, send_l)                                     # [n * k, H], `order`'s order
-    return torch.zeros((n, x.shape[-1]), dtype=back.dtype, device=back.device).index_add(0, rows, back)
+def owner_of(flat_ids: torch.Tensor, per_rank: int) -> torch.Tensor:
+    """The rank owning each expert id: experts are laid out per_rank at a time, in rank order."""
+    return torch.div(flat_ids, per_rank, rounding_mode="floor")
+
+
+def dispatch_combine(red: Reducer, xs: list[torch.Tensor], idxs: list[torch.Tensor], ws: list[torch.Tensor],
+                     run_locals: list[RunLocal], per_rank: int, size: int) -> list[torch.Tensor]:
+    """The experts' output for each present rank's tokens, computed by the experts' owners (see above)."""
+    plans = []
+    for idx in idxs:
+        flat = idx.reshape(-1)                                   # [n * k] expert of each (token, slot)
+        owner = owner_of(flat, per_rank)
+        order = torch.argsort(owner, stable=True)                # pairs grouped by owner rank
+        rows = torch.div(order, idx.shape[1], rounding_mode="floor")      # the token of each sent pair
+        send = torch.bincount(owner, minlength=size).tolist()    # [size] pairs per owner
+        plans.append((flat, owner, order, rows, send))
+    sends = [p[4] for p in plans]
+    local_ids, recvs = red.all_to_all([(flat - owner * per_rank)[order]
+                                       for flat, owner, order, _, _ in plans], sends, None)   # [m], no gradient
+    x_in, _ = red.all_to_all([x[p[3]] for x, p in zip(xs, plans)], sends, recvs)            # [m, H]
+    w_in, _ = red.all_to_all([w.reshape(-1)[p[2]] for w, p in zip(ws, plans)], sends, recvs)  # [m]
+    ys = [run(xi, ids[:, None], wi[:, None]) for run, xi, ids, wi in zip(run_locals, x_in, local_ids, w_in)]
+    back, _ = red.all_to_all(ys, recvs, sends)                  # [n * k, H] each, in `order`'s order
+    return [torch.zeros((x.shape[0], x.shape[-1]), dtype=b.dtype, device=b.device).index_add(0, p[3], b)
+            for x, p, b in zip(xs, plans, back)]

@@ -7,8 +7,11 @@ import torch
 
 from autoshard import autoshard
 from autoshard.errors import ShardingError
-from autoshard.parallel.expert_parallel import ExpertGroup, dispatch_combine
+from autoshard.parallel import expert_parallel
+from autoshard.parallel.comm import SIMULATED
+from autoshard.parallel.expert_parallel import dispatch_combine
 from autoshard.testing import grad_errors, max_rel
+from autoshard.testing.metrics import scaled_errors
 from autoshard.testing.models import VOCAB, build_model, build_moe
 
 
@@ -38,20 +41,23 @@ def test_each_experts_call_is_one_module_and_the_graph_is_unchanged(name):
 
 @pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("olmoe", "grouped_mm"), ("mixtral", "batched_mm")])
 def test_the_expert_parallel_path_equals_the_model(name, impl):
-    """Bound to a group of one rank, each call dispatches, runs the model's experts module on the
-    received rows with its parameters, and combines: outputs and gradients equal the model's."""
+    """Simulated at ep=2, each call dispatches, runs the model's experts module on the received rows
+    with its parameters, and combines: the loss (per token over both slices, -100 labels unevenly
+    spread), logits and gradients equal the model's, on a new shape too; the exported graph never runs."""
     model = build_moe(name)
     model.config._experts_implementation = impl
     prog = autoshard(model, dp=2, ep=2, example_kwargs=_call())
-    rank = prog.rank(0)
-    rank.bind_experts(ExpertGroup(None, 0, 1, 4))
+    call = _call(rows=4, seq=12, seed=2)                    # a new shape as well
+    call["labels"][1, :9] = -100                            # slice 0 counts fewer tokens than slice 1
+    prog.simulate(**call)
     ran = []
-    for c in rank.expert_calls():           # the exported graph must not run
-        c.body.register_forward_pre_hook(lambda *a: ran.append(1))
-    call = _call(rows=3, seq=12, seed=2)                    # a new shape as well
+    for rank in prog._replicas().ranks():                  # the exported graph must not run
+        assert all(c.ep is not None for c in rank.expert_calls())
+        for c in rank.expert_calls():
+            c.body.register_forward_pre_hook(lambda *a: ran.append(1))
     out, ref = prog.simulate(**call), model(**call)
-    assert not ran and all(c.ep is not None for c in rank.expert_calls())
-    assert max_rel(out.logits, ref.logits) <= 1e-5
+    assert not ran
+    assert max_rel(out.logits, ref.logits) <= 1e-5 and max_rel(out.loss, ref.loss) <= 1e-6
     out.loss.backward()
     ref.loss.backward()
     errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
@@ -63,7 +69,7 @@ def test_dispatch_combine_sums_each_tokens_weighted_experts():
     x, w = torch.randn(5, 3), torch.rand(5, 2)
     idx = torch.tensor([[0, 3], [2, 1], [3, 3], [1, 0], [2, 0]])
     scale = torch.tensor([1.0, 2.0, 3.0, 4.0])                  # expert e multiplies by scale[e]
-    out = dispatch_combine(x, idx, w, lambda xs, ids, ws: xs * scale[ids] * ws, ExpertGroup(None, 0, 1, 4))
+    out, = dispatch_combine(SIMULATED, [x], [idx], [w], [lambda xs, ids, ws: xs * scale[ids] * ws], 4, 1)
     want = sum(x * scale[idx[:, j], None] * w[:, j, None] for j in range(2))
     assert torch.allclose(out, want)
 
@@ -94,3 +100,41 @@ def test_pipeline_stages_with_full_recompute_receive_only_tensors(ep):
     assert stage1.receives and all(isinstance(captured[name].meta["val"], torch.Tensor) for name in stage1.receives)
     call = _call(seed=4)
     assert max_rel(prog.simulate(**call).loss, prog.model(**call).loss) <= 1e-6
+
+
+def _ep_check(name: str, ep: int, tp: int) -> tuple[float, float]:
+    """prog.simulate() at ep (with tp) against the model: logits, and gradients of a loss on them."""
+    model, ref = build_moe(name), build_moe(name)
+    prog = autoshard(model, tp=tp, dp=ep, ep=ep, example_kwargs={"input_ids": _call()["input_ids"]})
+    ids = _call(rows=2 * ep, seed=3)["input_ids"]
+    out, want = prog.simulate(input_ids=ids), ref(input_ids=ids)
+    probe = torch.randn(want.logits.shape, generator=torch.Generator().manual_seed(5))
+    (out.logits * probe).sum().backward()
+    (want.logits * probe).sum().backward()
+    errs = scaled_errors(prog.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    return max_rel(out.logits, want.logits), max(errs.values())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_simulate_runs_expert_parallelism_with_tensor_parallelism(name, ep):
+    """ep x tp=2 ranks in one process, each expert-parallel rank on its slice of the batch, tokens
+    exchanged by the simulator's all-to-all (before: simulate() ran every ep program as ep=1)."""
+    logits, grads = _ep_check(name, ep, tp=2)
+    assert logits <= 1e-5 and grads <= 1e-4, (logits, grads)
+
+
+def test_a_token_sent_to_the_wrong_owner_is_caught(monkeypatch):
+    """Mutation: the dispatch sends the first (token, slot) pair to the next rank's copy of its
+    expert; the simulated check must fail (the logits move), so it does test the exchange."""
+    right = expert_parallel.owner_of
+
+    def wrong(flat, per_rank):
+        owner = right(flat, per_rank)
+        return torch.cat([(owner[:1] + 1) % 2, owner[1:]])
+    monkeypatch.setattr(expert_parallel, "owner_of", wrong)
+    try:
+        logits, _ = _ep_check("mixtral", 2, tp=1)
+    except (RuntimeError, IndexError):       # a local expert id out of range on the receiving rank
+        return
+    assert logits > 1e-3, logits

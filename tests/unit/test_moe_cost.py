@@ -4,6 +4,7 @@ bytes the runtime's all-to-all counts, and the planner's search over ep."""
 import pytest
 import torch
 
+from autoshard.parallel.comm import ProcessGroupComm
 from autoshard.parallel.expert_parallel import ExpertGroup, dispatch_combine
 from autoshard.planning.cost_formulas import evaluate
 from autoshard.planning.costmodel import estimate
@@ -59,13 +60,13 @@ def test_distributed_optimizer_divides_expert_state_over_dp_over_ep_only():
     assert saved == pytest.approx(want, rel=1e-6)
 
 
-class _Loopback(ExpertGroup):
-    """A group of two whose peer routes exactly as this rank does: it receives what it sends."""
+class _Loopback(ProcessGroupComm):
+    """Rank 0 of a group of two whose peer routes exactly as it does: it receives what it sends."""
 
-    def _exchange(self, t, send, recv):
+    def all_to_all(self, t, send, recv):
         assert send == recv
         row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
-        self.sent_bytes += row * (sum(send) - send[self.rank])
+        self.sent_bytes += row * (sum(send) - send[0])
         return t.contiguous().clone()
 
 
@@ -74,8 +75,10 @@ def test_the_all_to_all_formula_is_what_the_runtime_sends_under_even_routing():
     idx = torch.tensor([[0, 2], [1, 3]] * (b * s // 2))         # half the rows to each rank's experts
     x = torch.randn(b * s, h, requires_grad=True)
     w = torch.rand(b * s, k, requires_grad=True)
-    group = _Loopback(None, 0, 2, 2)
-    dispatch_combine(x, idx, w, lambda xs, ids, ws: xs * ws, group).sum().backward()
+    group = ExpertGroup(None, 0, 2, 2)
+    group.handle.comm = _Loopback()
+    out, = dispatch_combine(group.reducer(), [x], [idx], [w], [lambda xs, ids, ws: xs * ws], 2, 2)
+    out.sum().backward()
     remote = b * s * k // 2
     tokens = evaluate("moe_all_to_all_bytes", b=b, s=s, K=k, h=h, ep=2) * 2      # formula: 2-byte values; fp32
     assert tokens == remote * h * 4
