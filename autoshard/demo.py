@@ -13,8 +13,6 @@
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import torch
@@ -24,6 +22,7 @@ from autoshard import autoshard
 from autoshard.runtime.schedules import bubble_fraction, check, interleaved_1f1b
 from autoshard.runtime.trace import text_timeline
 from autoshard.testing import grad_errors, max_rel
+from autoshard.testing.launch import torchrun
 
 
 def gpt2_shaped():
@@ -43,9 +42,7 @@ def attention_block(code: str) -> str:
 
 
 def _torchrun(nproc: int, module: str, *args: str) -> bool:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(module, list(args), nproc, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             print("  " + line)

@@ -30,9 +30,53 @@ def one_process_group():
 # each holds.
 TIERS = ("unit", "simulation", "distributed", "gpu")
 
+# The fast tier (`./run test --fast`, i.e. `-m fast`): what a developer runs between changes, about two
+# minutes on two cores. Every subsystem at least once: the unit tier without its subprocess launches,
+# one simulation check per feature, and one real torchrun launch. A row is a node-id prefix; a row
+# that matches nothing in a whole-suite collection is an error (a renamed test must be renamed here).
+FAST_UNIT_EXCEPT = ("test_cli.py::test_installed_command", "test_cli.py::test_errors_are_one_line",
+                    "test_train_inputs.py::test_an_error_on_the_ranks", "test_train_inputs.py::test_the_command_line",
+                    "test_train_inputs.py::test_an_empty_data_file", "test_moe_cost.py::test_the_planner_searches",
+                    "test_costmodel.py::test_planner_ranks_the_papers", "test_cpu_executor.py::test_every_kernel_case")
+FAST = (
+    "tests/unit/",
+    "tests/unit/test_cpu_executor.py::test_every_kernel_case_matches_float64_on_the_cpu_executor[bias_gelu_tanh-torch.float32",
+    "tests/simulation/test_equivalence.py::test_outputs_and_gradients_match[2-",         # sharding, rewrite
+    "tests/simulation/test_equivalence.py::test_several_optimizer_steps_match[llama]",
+    "tests/simulation/test_vocab_parallel.py::test_tied_weight_is_sharded_once_and_stays_tied",
+    "tests/simulation/test_sequence_parallel.py::test_norms_and_residuals_run_on_local_tokens",
+    "tests/simulation/test_dropout_rng.py::test_masks_differ_across_ranks_inside_tp_regions",
+    "tests/simulation/test_pipeline.py::test_executor_accumulates_microbatches",          # runtime, one rank
+    "tests/simulation/test_pipeline.py::test_each_stage_holds_its_layers_and_the_ends",
+    "tests/simulation/test_distributed_optimizer_one_rank.py::test_equals_plain_adamw",
+    "tests/simulation/test_fuse.py::test_rules_are_a_table_a_new_row_is_a_new_fusion",
+    "tests/simulation/test_recompute.py::test_recomputation_runs_in_backward",
+    "tests/simulation/test_cached_tables.py::test_microbatches_share_one_table",
+    "tests/simulation/test_checkpoint.py::test_checkpoint_writes_each_row_once_and_atomically",
+    "tests/simulation/test_expert_parallel_program.py::test_simulate_runs_expert_parallelism_with_tensor_parallelism[2-mixtral]",
+    "tests/simulation/test_real_inputs.py::test_microbatch_losses_average_per_token",
+    "tests/simulation/test_shapes_and_capture.py::test_other_batch_and_sequence_sizes_reuse_the_graph",
+    "tests/simulation/test_weights_and_modes.py::test_a_first_call_under_inference_mode",
+    "tests/simulation/test_half_precision_programs.py::test_half_precision_program_matches_the_half_precision_model[llama-bf16-full]",
+    "tests/distributed/test_distributed.py::test_gloo_training_matches_single_device[2-vocab-parallel-loss]",
+)
+
+
+def _is_fast(nodeid: str) -> bool:
+    if nodeid.startswith("tests/unit/") and any(e in nodeid for e in FAST_UNIT_EXCEPT):
+        return any(nodeid.startswith(row) for row in FAST[1:])
+    return any(nodeid.startswith(row) for row in FAST)
+
 
 def pytest_collection_modifyitems(config, items):
+    ids = [item.nodeid for item in items]
+    if {i.split("/")[1] for i in ids if i.count("/") >= 2} >= {"unit", "simulation", "distributed"}:
+        stale = [row for row in FAST if not any(i.startswith(row) for i in ids)]
+        if stale:
+            raise pytest.UsageError(f"tests/conftest.py FAST rows match no test: {stale}")
     for item in items:
+        if _is_fast(item.nodeid):
+            item.add_marker(pytest.mark.fast)
         if not any(item.get_closest_marker(t) for t in TIERS):
             folder = item.path.parent.name
             if folder in TIERS:

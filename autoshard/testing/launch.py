@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "run_checker", "torchrun_lines"]
+__all__ = ["agree", "json_lines", "run_checker", "torchrun", "torchrun_lines"]
 
 
 def agree(result: dict, good: bool) -> bool:
@@ -49,13 +49,27 @@ def run_checker(main: Callable[[], bool]) -> None:
     os._exit(0 if ok else 1)
 
 
-def torchrun_lines(module: str, args: list[str], world: int, timeout: int = 600) -> list[dict]:
-    """Run checker `module` under torchrun on `world` gloo processes (one thread each); asserts it
-    exits 0 and returns the JSON lines rank 0 printed."""
+def torchrun(target: str, args: list[str], world: int, *, timeout: int = 600, max_restarts: int = 0,
+             cwd: str | None = None) -> "subprocess.CompletedProcess[str]":
+    """Run `target` under torchrun on `world` gloo processes (one thread each): a module name
+    (`tests.harness.zero_check`, run with -m) or a script path (ending in .py). Every test and the
+    demo launch through here, so the command is built in one place."""
     import subprocess
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", module, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+    run = [target] if target.endswith(".py") else ["-m", target]
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *restarts,
+           *run, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def json_lines(stdout: str) -> list[dict]:
+    """The JSON lines a checker's rank 0 printed."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def torchrun_lines(target: str, args: list[str], world: int, **options) -> list[dict]:
+    """`torchrun(...)`, asserting it exits 0; returns the JSON lines rank 0 printed."""
+    proc = torchrun(target, args, world, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json_lines(proc.stdout)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from autoshard.testing.launch import torchrun, torchrun_lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -50,13 +52,9 @@ def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):
 def test_pipeline_overhead_benchmark_runs_all_four_programs_on_the_same_losses():
     """autoshard's 1F1B and interleaved against torch.distributed.pipelining's, tiny sizes: the four
     programs agree on the losses before anything is timed, and each step's ops and sends are counted."""
-    import json
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(ROOT, "benchmarks", "pipeline_overhead.py"), "--layers", "4", "--hidden", "64",
-                           "--vocab", "256", "--seq", "32", "--rounds", "2", "--warmup", "0"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    result = torchrun_lines(os.path.join(ROOT, "benchmarks", "pipeline_overhead.py"),
+                            ["--layers", "4", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
+                             "--warmup", "0"], 2, cwd=ROOT)[0]
     assert result["all_ranks_ok"] and result["loss_rel"] <= 1e-5
     names = ("autoshard 1f1b", "autoshard interleaved", "torch 1f1b", "torch interleaved")
     assert all(result["ops"][n] > 0 and result["sends"][n] > 0 and result["cpu_ms"][n] > 0 for n in names)
@@ -65,11 +63,9 @@ def test_pipeline_overhead_benchmark_runs_all_four_programs_on_the_same_losses()
 def test_expert_parallel_benchmark_runs_both_programs():
     """Replicated experts against ep=2 at tiny sizes: both rows, the experts' memory per rank halved
     (8 experts, 4 a rank) and all-to-all bytes only where the experts are divided."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(ROOT, "benchmarks", "expert_parallel.py"), "--layers", "2", "--hidden", "64",
-                           "--ffn", "64", "--vocab", "256", "--seq", "32", "--rounds", "2", "--warmup", "0"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(os.path.join(ROOT, "benchmarks", "expert_parallel.py"),
+                    ["--layers", "2", "--hidden", "64", "--ffn", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
+                     "--warmup", "0"], 2, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
                               if line.startswith("| replicated") or line.startswith("| divided"))}

@@ -1,10 +1,9 @@
 """Tier (c): real processes on gloo, launched by torchrun, each running only its own rank."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from autoshard.testing.launch import torchrun_lines
 
 MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
          "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"],
@@ -20,12 +19,7 @@ WORLD_MODES = [(2, mode) for mode in sorted(MODES)] + [(4, "vocab-parallel-loss"
 @pytest.mark.slow
 @pytest.mark.parametrize("world,mode", WORLD_MODES, ids=[f"{w}-{m}" for w, m in WORLD_MODES])
 def test_gloo_training_matches_single_device(world, mode):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "autoshard.testing.dist_check", "--steps", "3", *MODES[mode]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = torchrun_lines("autoshard.testing.dist_check", ["--steps", "3", *MODES[mode]], world)
     assert {r["model"] for r in lines} == {"nanogpt", "gpt2", "llama", "bert"}
     for r in lines:
         assert r["world"] == world and r["all_ranks_ok"], r
@@ -38,11 +32,7 @@ def test_gloo_training_with_dropout_keeps_replicas_equal_fused_or_not():
     """GPT-2 with dropout 0.3 at tp=2, plain and fused, with and without sequence parallelism: every
     rank computes the same losses and the replicated parameters stay bitwise equal (a fused dropout
     draws its mask in its region, as the plain one does)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.harness.dropout_check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = torchrun_lines("tests.harness.dropout_check", [], 2)
     assert {(r["fuse"], r["sequence_parallel"]) for r in lines} == {(f, sp) for f in (0, 1) for sp in (0, 1)}
     for r in lines:
         assert r["all_ranks_ok"] and r["same_loss"] and r["differ"] == [], r
@@ -58,17 +48,13 @@ FUSED_TOO = "tp2-pp2-dp1-v2"             # trains fused as well (interleaved sta
 def test_gloo_pipeline_training_matches_single_device(config, tmp_path):
     """GPT-2 and Llama, 8 layers, 10 AdamW steps with gradient clipping on one global batch per step."""
     tp, pp, dp, v = (int(part[2:] if part[0] != "v" else part[1:]) for part in config.split("-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
-           "-m", "autoshard.testing.pipeline_check", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-           "--virtual-pipeline", str(v), "--microbatches", str(2 * pp), "--steps", "10", "--trace", str(tmp_path)]
+    args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
+            "--microbatches", str(2 * pp), "--steps", "10", "--trace", str(tmp_path)]
     if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
-        cmd += ["--optim", "adamw", "sgd"]
+        args += ["--optim", "adamw", "sgd"]
     if config == FUSED_TOO:
-        cmd += ["--fuse", "both"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        args += ["--fuse", "both"]
+    lines = torchrun_lines("autoshard.testing.pipeline_check", args, tp * pp * dp, timeout=900)
     assert {(r["model"], r["optim"], r["fuse"]) for r in lines} >= {
         (m, "adamw", f) for m in ("gpt2", "llama") for f in ((False, True) if config == FUSED_TOO else (False,))}
     for r in lines:
@@ -88,12 +74,9 @@ def test_gloo_pipeline_training_matches_single_device(config, tmp_path):
 
 
 def _checkpoint_job(root, name, kill_at=-1):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
-           "-m", "tests.harness.checkpoint_check", "--tp", "2", "--pp", "2", "--meta", "--root", str(root),
-           "--kill-at", str(kill_at), "--model", name]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_lines("tests.harness.checkpoint_check", ["--tp", "2", "--pp", "2", "--meta", "--root", str(root),
+                                                      "--kill-at", str(kill_at), "--model", name], 4,
+                   max_restarts=1, timeout=900)
     return [json.loads(line) for line in open(root / "losses.jsonl")]
 
 
@@ -143,11 +126,7 @@ def test_gloo_recompute_matches_no_recompute(mesh):
     interleaved, sequence parallelism): per-step losses and this rank's gradients equal."""
     args = RECOMPUTE_MESHES[mesh]
     world = 4 if mesh == "tp2-pp2" else 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tests.harness.recompute_check", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = torchrun_lines("tests.harness.recompute_check", args, world)
     assert {(r["model"], r["mode"]) for r in lines} == {(m, x) for m in ("gpt2", "llama") for x in ("full", "selective")}
     for r in lines:
         assert r["all_ranks_ok"] and r["regions"] > 0 and r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 1e-6, r

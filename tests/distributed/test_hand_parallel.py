@@ -1,13 +1,11 @@
 """The hand-parallel baseline computes what the single-device model and autoshard compute."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from autoshard.models import GPT, GPTConfig
+from autoshard.testing.launch import torchrun_lines
 from benchmarks.hand_parallel.layers import vocab_parallel_cross_entropy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,13 +60,9 @@ def test_run_all_launches_each_config_with_its_world_size():
 
 
 def _step_time(*args: str, nproc: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "benchmarks", "step_time.py"), *args, "--rounds", "2", "--warmup", "0",
-           "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32", "--lr", "0.5",
-           "--batch", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (r,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (r,) = torchrun_lines(os.path.join(ROOT, "benchmarks", "step_time.py"),
+                          [*args, "--rounds", "2", "--warmup", "0", "--layers", "4", "--hidden", "64", "--heads", "4",
+                           "--vocab", "256", "--seq", "32", "--lr", "0.5", "--batch", "8"], nproc)
     assert r["all_ranks_ok"] and r["loss_rel"] <= 1e-5
     first, _, last = (a for a, _ in r["losses"])
     assert first != last            # the steps trained: the comparison is of moving values

@@ -5,12 +5,9 @@ equal a one-process reference with the same casts (<= 1e-6), and under fp16 an i
 rank skips the step on every rank and halves the loss scale.
 The suite runs each mesh with a rotation of models and precisions; benchmarks/RESULTS.md has the
 full matrix (autoshard/testing/mixed_precision_check.py)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from autoshard.testing.launch import torchrun_lines
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +23,8 @@ def test_half_precision_tracks_fp32_with_exact_fp32_main_weights(mesh):
     args, world, combos = MESHES[mesh]
     lines = []
     for model, precision in combos:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "autoshard.testing.mixed_precision_check", *args, "--models", model, "--precisions", precision, "--steps", "30"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        lines += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        lines += torchrun_lines("autoshard.testing.mixed_precision_check",
+                                [*args, "--models", model, "--precisions", precision, "--steps", "30"], world, timeout=900)
     assert {(r["model"], r["precision"]) for r in lines} == set(combos)
     for r in lines:
         assert r["all_ranks_ok"] and r["loss_rel_vs_fp32"] <= 2e-2 and r["main_rel_step1"] <= 1e-6, r
