@@ -1,9 +1,11 @@
 """The passes called on their own, without autoshard(): capture -> annotate -> rewrite -> stages."""
+import pytest
 import torch
 import torch.fx as fx
 from torch import nn
 
 from autoshard.compile.capture import capture, normalize_inputs
+from autoshard.errors import ShardingError
 from autoshard.passes.rewrite.rank_rewrite import rewrite_rank
 from autoshard.passes.sharding.annotate import annotate
 from autoshard.passes.sharding.placement import ColumnInput, RowParallel, Shard
@@ -76,6 +78,29 @@ def test_rank_rewrite_inserts_f_and_g_and_adds_the_bias_once_after_g():
         assert rg.modules == []          # no collective beyond f and g
         nodes = [n.op for n in rg.graph.nodes]
         assert nodes == [n.op for n in rewrite_rank(cap.gm, plan, cap.param_names, 1 - r).graph.nodes]   # lockstep
+
+
+def test_every_edit_kind_is_a_row_of_the_edit_table_and_an_unknown_one_is_refused():
+    """The rewrite applies edits through passes/rewrite/edits.py's EDITS: every edit class the
+    analysis can write has a row; an edit without one names its node instead of being skipped."""
+    import dataclasses
+    import typing
+
+    from autoshard.passes.rewrite.edits import EDITS
+    from autoshard.passes.sharding.placement import NodeSharding
+    (edit_union,) = typing.get_args(typing.get_type_hints(NodeSharding)["edits"])    # list[A | B | ...]
+    assert set(typing.get_args(edit_union)) == set(EDITS)
+
+    class NewEdit:
+        pass
+    cap = _captured(Block())
+    plan = annotate(cap.gm, 2, cap.param_names)
+    up = next(n for n in cap.gm.graph.nodes if n.meta.get("sharding") and any(
+        isinstance(e, ColumnInput) for e in n.meta["sharding"].edits))
+    up.meta["sharding"] = dataclasses.replace(up.meta["sharding"], edits=[*up.meta["sharding"].edits, NewEdit()])
+    with pytest.raises(ShardingError, match=f"node {up.name}: the analysis wrote an edit NewEdit that "
+                                            "passes/rewrite/edits.py's EDITS has no row for"):
+        rewrite_rank(cap.gm, plan, cap.param_names, 0)
 
 
 def test_split_stages_cuts_the_layers_evenly_and_sends_only_between_neighbours():
