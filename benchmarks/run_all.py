@@ -9,7 +9,9 @@
 2. Compile time against bare torch.export on meta-device models: GPT-2 width from 8 to 128 layers
    (tp=4); the 1T shape (hidden 25600, 160 heads) from 16 to 128 layers at tp=8, pp=8, v=2 and at
    128 layers with pp=64, v=2; GPT-3 175B (96 layers, hidden 12288, 96 heads) at tp=8, pp=8, v=2.
-3. The kernels' first-use self-check cost (on the CPU executor without a GPU).
+3. The kernels' first-use self-check cost (on the CPU executor without a GPU), and the single-process
+   pairs as pytest-benchmark tests (bench_single_process.py: compile against torch.export, a
+   simulated step against the model's, fused kernels against eager on CUDA).
 4. The planner's memory and step-time predictions against our CPU gloo runs (planner_sweep.py),
    and the activation bytes one layer saves per recompute mode (activation_memory.py, printed).
 5. The distributed optimizer at dp=2 and 4, fp32 and bf16 weights: bytes per parameter per rank
@@ -62,6 +64,9 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
     for cfg in COMPILE_TINY if quick else COMPILE_CONFIGS:
         out.append([py, str(HERE / "compile_scaling.py"), *cfg, *extra])
     out.append([py, str(HERE / "self_check_cost.py"), *extra])
+    # single-process pairs (compile, simulated step, kernels on CUDA) as pytest-benchmark tests
+    out.append([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "bench_single_process.py"),
+                "-o", "python_files=bench_*.py", *(["--benchmark-disable"] if quick else [])])
     # the planner against our own runs (quick: two configurations), activation bytes per recompute mode
     out.append([py, str(HERE / "planner_sweep.py"), *(["--configs", "0", "2"] if quick else []), *extra])
     if not quick:

@@ -71,3 +71,12 @@ def test_expert_parallel_benchmark_runs_both_programs():
                               if line.startswith("| replicated") or line.startswith("| divided"))}
     full, divided = rows["replicated (ep=1)"], rows["divided over ep=2"]
     assert float(divided[4]) == float(full[4]) / 2 and float(full[5]) == 0 < float(divided[5])
+
+
+def test_single_process_pytest_benchmarks_run_and_check_what_they_time():
+    """benchmarks/bench_single_process.py once per body (--benchmark-disable): each pair runs and its
+    own checks pass (the simulated loss equals the model's); the CUDA kernels skip here."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join(ROOT, "benchmarks", "bench_single_process.py"), "-o", "python_files=bench_*.py",
+                           "--benchmark-disable"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
