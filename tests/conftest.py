@@ -1,4 +1,5 @@
 import socket
+import subprocess
 import warnings
 
 import pytest
@@ -85,3 +86,24 @@ def pytest_collection_modifyitems(config, items):
                          for m in item.iter_markers())
         if needs_cuda or "cuda" in getattr(getattr(item, "callspec", None), "params", {}).values():
             item.add_marker(pytest.mark.gpu)
+
+
+# How many multi-process launches the run made (torchrun, and `autoshard train`, which launches its
+# ranks itself): counted where they start, in this process, and said at the end of the run.
+_LAUNCHES: list[str] = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_init(self, args, *rest, **kwargs):
+    words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if "torch.distributed.run" in words or "autoshard.train" in words or "train" in words[2:4]:
+        _LAUNCHES.append(" ".join(words[:6]))
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _counting_init
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LAUNCHES:
+        terminalreporter.write_line(f"multi-process launches: {len(_LAUNCHES)} (torchrun and autoshard train)")
