@@ -12,11 +12,11 @@ from torch import nn
 
 from autoshard.compile.capture import infer_example_inputs, normalize_inputs
 from autoshard.compile.compiler import Compiler
-from autoshard.compile.experts import EXPERT_MODULES, expert_modules
+from autoshard.compile.experts_call import EXPERT_MODULES, expert_modules
 from autoshard.compile.program import ShardedProgram
 from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import WeightSource
-from autoshard.errors import ShardingError, require_positive_int
+from autoshard.errors import ShardingError, expert_split_problem, require_positive_int
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.passes.sharding.options import ShardOptions
 from autoshard.planning.costmodel import Estimate
@@ -129,12 +129,11 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel
     """ep > 1 needs experts modules, an ep dividing dp, and (for now) no sequence parallelism."""
     if ep == 1:
         return
-    if dp % ep:
-        raise ShardingError(f"ep={ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks "
-                            f"(dp=ep: one group of every replica)")
+    if (problem := expert_split_problem(dp, ep)) is not None:
+        raise ShardingError(f"{problem} (dp=ep: one group of every replica)")
     if not expert_modules(model):
         raise ShardingError(f"ep={ep}: {type(model).__name__} has no experts module expert parallelism knows "
-                            f"(autoshard/compile/experts.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
+                            f"(autoshard/compile/experts_call.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
     if sequence_parallel:
         raise ShardingError(f"ep={ep} is not built with sequence_parallel=True yet (untested: refused rather than "
                             "risk a wrong result)")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-__all__ = ["AutoshardError", "CaptureError", "ShardingError", "require_positive_int"]
+__all__ = ["AutoshardError", "CaptureError", "ShardingError", "expert_split_problem", "require_positive_int"]
 
 
 class AutoshardError(Exception):
@@ -23,3 +23,12 @@ def require_positive_int(name: str, value: object) -> int:
         raise ShardingError(f"{name} must be a positive integer, got {value!r}")
     return value
 
+
+def expert_split_problem(dp: int, ep: int, experts: int | None = None) -> str | None:
+    """Why `ep` cannot split `dp` data-parallel ranks (and `experts` experts, when given) into
+    expert-parallel groups, or None when it can; each caller raises it as its own kind of error."""
+    if dp % ep:
+        return f"ep={ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks"
+    if experts is not None and experts % ep:
+        return f"ep={ep} must divide the {experts} experts of each MoE layer"
+    return None

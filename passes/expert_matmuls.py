@@ -2,7 +2,7 @@
 
     rewrite_expert_matmuls(gm, param_names)          # the captured graph, edited in place
 
-Two forms, each becoming one op of kernels/experts.py with the weight read as [experts, in, out]
+Two forms, each becoming one op of kernels/expert_matmul_ops.py with the weight read as [experts, in, out]
 (directly or through a transpose of its last two dims, as `grouped_mm_fallback` reads it), which
 passes/sharding/rules_experts.py splits like a linear layer (column-parallel on out, row-parallel
 on in; the experts dim untouched):
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard.kernels.experts import einsum_linear, gathered_linear
+from autoshard.kernels.expert_matmul_ops import einsum_linear, gathered_linear
 from autoshard.passes.graph_reading import op_name
 
 __all__ = ["rewrite_expert_matmuls"]

@@ -6,7 +6,7 @@ The body's placeholders are the region's inputs (values made outside it, in grap
 a tuple of the values read outside it. In the graph, one `call_module` node takes the inputs and
 getitem nodes give back the outputs under the names they had, so later passes (stage splitting,
 printing) see the same names. Used by recomputation (passes/recompute.py), size-only tables
-(passes/tables.py) and expert parallelism (passes/experts.py).
+(passes/tables.py) and expert parallelism (passes/outline_experts.py).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from autoshard.checkpoint.expert_layouts import legacy_name, read_legacy_experts
-from autoshard.checkpoint.experts import ExpertRows
+from autoshard.checkpoint.expert_rows import ExpertRows
 from autoshard.checkpoint.index import SEP, CheckpointError, PieceReader, read_index
 from autoshard.checkpoint.sharded import layout_of
 from autoshard.compile.rank import slice_layout

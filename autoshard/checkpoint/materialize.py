@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from autoshard.checkpoint.experts import ExpertRows
+from autoshard.checkpoint.expert_rows import ExpertRows
 from autoshard.compile.program import ShardedProgram
 from autoshard.compile.rank import slice_layout
 from autoshard.errors import ShardingError

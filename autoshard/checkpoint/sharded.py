@@ -8,7 +8,7 @@
 - `load(folder, prog, module, optimizer)`: reads exactly the rows this rank's program holds, from
   whichever files have them, so a checkpoint written at (tp, pp) loads at any other (tp', pp').
   Expert parameters under expert parallelism are written and read on their experts dim
-  (checkpoint/experts.py), so the ep may change too.
+  (checkpoint/expert_rows.py), so the ep may change too.
   Everything is read and checked before any parameter is touched.
 - `latest(root)`: the newest complete checkpoint under a folder (what a restarted job resumes from).
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from autoshard.checkpoint.experts import ExpertRows
+from autoshard.checkpoint.expert_rows import ExpertRows
 from autoshard.checkpoint.index import (
     FORMAT,
     INDEX,

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autoshard.compile.capture import Captured, capture
-from autoshard.compile.experts import expert_count, expert_modules, weightless_copy
+from autoshard.compile.experts_call import expert_count, expert_modules, weightless_copy
 from autoshard.compile.new_signature import new_plan_refusal, sharding_clash
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
 from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
-from autoshard.passes.experts import outline_experts
+from autoshard.passes.outline_experts import outline_experts
 from autoshard.passes.fusion.fuse import fuse
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank

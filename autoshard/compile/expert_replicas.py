@@ -2,7 +2,7 @@
 
 Expert parallelism lives inside data parallelism, so each of the ep ranks trains on its own slice of
 the batch. The simulator therefore holds ep replicas of the tensor-parallel rank programs (built
-like any rank, then each cut to its experts by runtime/experts.py's `cut_experts` and bound to a
+like any rank, then each cut to its experts by runtime/expert_slices.py's `cut_experts` and bound to a
 simulated group) and runs all ep x tp of them in lockstep, replica e on batch slice e. The experts
 calls meet in `ExpertsCall.simulate`, whose all-to-all is the simulator's permutation of the ranks'
 lists (parallel/comm.py), so what is checked is the dispatch a real run does.
@@ -25,7 +25,7 @@ from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.errors import ShardingError
 from autoshard.runtime.batching import split_batch
-from autoshard.runtime.experts import cut_experts
+from autoshard.runtime.expert_slices import cut_experts
 from autoshard.runtime.loss_tokens import loss_tokens
 
 __all__ = ["ExpertReplicas"]

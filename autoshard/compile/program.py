@@ -140,9 +140,9 @@ class ShardedProgram:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
                 obj = cap.gm.get_submodule(n.target) if n.op == "call_module" else fetch_attr(cap.gm, n.target)
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
-        templates = self._compiler.expert_templates
-        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, rg.regions, rg.tables,
-                       [(region, templates[region.path]) for region in rg.experts])
+        rank.expert_templates = self._compiler.expert_templates
+        regions = [*rg.experts, *rg.regions, *([rg.tables] if rg.tables is not None else [])]
+        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, regions)
 
     # ---- ranks -------------------------------------------------------------------------------
     def rank(self, r: int) -> RankProgram:

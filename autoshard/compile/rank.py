@@ -14,17 +14,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.compile.capture import Signature, autocast_state
-from autoshard.compile.experts import ExpertsCall, weightless_copy
-from autoshard.compile.recompute import Recompute
-from autoshard.compile.tables import TableCache
+from autoshard.compile.experts_call import ExpertsCall
+from autoshard.compile.region_modules import REGION_MODULES, build_region_module
 from autoshard.module_paths import assign_attr, has_attr
 from autoshard.parallel.comm import CommHandle, Communicator, ProcessGroupComm
 from autoshard.parallel.registry import ModuleSpec, build_module
 from autoshard.parallel.rng import RNGTracker
 from autoshard.parallel.tensor_parallel import CopyToTensorParallelRegion, ReduceFromTensorParallelRegion
-from autoshard.passes.experts import ExpertRegion
-from autoshard.passes.recompute import RecomputeRegion
-from autoshard.passes.tables import TableRegion
 
 __all__ = ["RankProgram", "slice_layout"]
 
@@ -70,28 +66,22 @@ class RankProgram(nn.Module):
         self._normalize = normalize
         self._compile_for = compile_for     # the program's compile: (named inputs, training) -> new graph
         self.expert_group = None            # expert parallelism's group, once bound (bind_experts)
+        self.expert_templates: dict[str, nn.Module] = {}     # path -> experts module (set by the program)
 
     # ---- graphs ------------------------------------------------------------------------------
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec,
-                  regions: list[RecomputeRegion] = (), tables: TableRegion | None = None,
-                  experts: list[tuple[ExpertRegion, nn.Module]] = ()) -> fx.GraphModule:
+                  regions: list = ()) -> fx.GraphModule:
+        """A graph for `sig`, with the modules it calls: the collectives of `specs`
+        (parallel/registry.py) and the outlined `regions` (compile/region_modules.py)."""
         for name, value in attrs.items():
             if not has_attr(self, name):
                 assign_attr(self, name, value)
         for spec in specs:
             if not hasattr(self, spec.module):
                 self.add_module(spec.module, build_module(spec, self))
-        for region, template in experts:
-            body = fx.GraphModule(self, region.graph, class_name="ExpertsRegion")
-            call = ExpertsCall(body, region, weightless_copy(template), self.f, self.g)
-            if self.expert_group is not None:
-                call.bind(self.expert_group)
-            self.add_module(region.name, call)
-        for region in regions:      # after the modules its body calls
-            body = fx.GraphModule(self, region.graph, class_name="RecomputedRegion")
-            self.add_module(region.name, Recompute(body, self.rng, region.layer, region.mode))
-        if tables is not None:
-            self.add_module(tables.name, TableCache(fx.GraphModule(self, tables.graph, class_name="Tables")))
+        order = list(REGION_MODULES)           # experts calls before the recomputed layers that call them
+        for region in sorted(regions, key=lambda r: order.index(type(r)) if type(r) in order else len(order)):
+            self.add_module(region.name, build_region_module(region, self))
         gm = fx.GraphModule(self, graph, class_name=f"Rank{self.rank}Program")
         self._graphs.append((sig, gm, out_spec))
         return gm

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autoshard.errors import require_positive_int
+from autoshard.errors import expert_split_problem, require_positive_int
 from autoshard.planning.collective_timing import allreduce_seconds, tp_allreduce_seconds
 from autoshard.planning.cost_formulas import evaluate
 from autoshard.planning.gemm_timing import (
@@ -186,9 +186,10 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
             raise ValueError(f"microbatch={microbatch} does not divide the per-replica batch "
                              f"global_batch/dp = {global_batch}/{dp} = {global_batch // dp}")
     require_positive_int("ep", ep)
-    if dp % ep or (ep > 1 and (moe is None or moe.experts % ep)):
-        raise ValueError(f"ep={ep} must divide dp={dp} and the experts "
-                         f"({moe.experts if moe else 'none: a dense model has ep=1'})")
+    if ep > 1 and moe is None:
+        raise ValueError(f"ep={ep} needs experts: a dense model has ep=1")
+    if (problem := expert_split_problem(dp, ep, moe.experts if moe else None)) is not None:
+        raise ValueError(problem)
     if v is not None:
         require_positive_int("virtual", v)
         if v > 1 and (pp == 1 or layers % (pp * v)):

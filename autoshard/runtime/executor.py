@@ -23,7 +23,7 @@ from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
-from autoshard.runtime.experts import cut_experts
+from autoshard.runtime.expert_slices import cut_experts
 from autoshard.runtime.gradients import Gradients, refuse_changed
 from autoshard.runtime.loss_tokens import loss_factors, loss_tokens
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
@@ -128,7 +128,7 @@ class MeshRuntime(nn.Module):
         return self._chunk_modules() + self._program.graph_modules()
 
     def expert_calls(self) -> list:
-        """The expert-parallel calls this rank's stages run (compile/experts.py's ExpertsCall)."""
+        """The expert-parallel calls this rank's stages run (compile/experts_call.py's ExpertsCall)."""
         mine = dict(self.named_parameters())
         return [c for c in self._program.expert_calls() if set(c.region.params) <= set(mine)]
 

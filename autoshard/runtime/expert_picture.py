@@ -12,6 +12,7 @@ is dp ranks g*ep ... g*ep+ep-1; rank e of a group owns experts e*E/ep ... (e+1)*
 """
 from __future__ import annotations
 
+from autoshard.errors import expert_split_problem
 from autoshard.png import Image, blank, draw_line, draw_text, text_width
 
 __all__ = ["expert_parallel_picture", "expert_color", "COLUMN", "BAR_Y", "BOX_Y"]
@@ -33,8 +34,8 @@ def _fill(img: Image, x0: int, y0: int, x1: int, y1: int, color: tuple[int, int,
 def expert_parallel_picture(routing: list[list[int]], experts: int, ep: int) -> Image:
     """`routing[d]`: the expert of each (token, slot) pair on data-parallel rank d (one layer)."""
     dp, per = len(routing), experts // ep
-    if dp % ep or experts % ep:
-        raise ValueError(f"ep={ep} must divide dp={dp} and experts={experts}")
+    if (problem := expert_split_problem(dp, ep, experts)) is not None:
+        raise ValueError(problem)
     img = blank(dp * COLUMN + 20, BOX_Y + SQUARE + 40)
     most = max(len(r) for r in routing) or 1
     for d, pairs in enumerate(routing):

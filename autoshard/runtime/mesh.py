@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from autoshard.errors import require_positive_int
+from autoshard.errors import expert_split_problem, require_positive_int
 
 __all__ = ["ParallelDims", "MeshGroups"]
 
@@ -32,9 +32,8 @@ class ParallelDims:
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "ep"):
             require_positive_int(name, getattr(self, name))
-        if self.dp % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups are made of "
-                             f"data-parallel ranks")
+        if (problem := expert_split_problem(self.dp, self.ep)) is not None:
+            raise ValueError(problem)
 
     def ep_rank(self, dp_rank: int) -> int:
         """This data-parallel rank's place in its expert-parallel group."""

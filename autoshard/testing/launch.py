@@ -1,15 +1,18 @@
-"""What every torchrun checker does around its checks: agree on verdicts, report, leave cleanly."""
+"""What every torchrun checker does around its checks (agree on verdicts, report, leave cleanly), and
+the one way tests and the demo launch them (torchrun, torchrun_lines, torchrun_jobs)."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "json_lines", "run_checker", "torchrun", "torchrun_lines"]
+__all__ = ["agree", "init_gloo", "json_lines", "run_checker", "shared_ok", "start_shared", "torchrun", "torchrun_jobs",
+           "torchrun_lines"]
 
 
 def agree(result: dict, good: bool) -> bool:
@@ -22,7 +25,7 @@ def agree(result: dict, good: bool) -> bool:
     return everyone
 
 
-def _init_gloo() -> None:
+def init_gloo() -> None:
     """The WORLD group. Under torchrun --max-restarts, a restarted job reuses the agent's store, where
     the first attempt's ranks left their addresses; a fast rank could read a dead peer's address
     before the peer rewrites it. Keys are therefore prefixed with the attempt number."""
@@ -35,9 +38,29 @@ def _init_gloo() -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world)
 
 
+_SHARED: list[bool] = []       # inside tests/harness/jobs.py: the verdicts of the checks run so far
+
+
+def start_shared() -> None:
+    """One process group for several checkers in turn (tests/harness/jobs.py): from here on
+    run_checker records each verdict (`shared_ok`) instead of making a group and exiting."""
+    init_gloo()
+    _SHARED.append(True)
+
+
+def shared_ok() -> bool:
+    return all(_SHARED)
+
+
 def run_checker(main: Callable[[], bool]) -> None:
-    """Run `main` in a gloo process group and exit 0 if it returns True on every rank."""
-    _init_gloo()
+    """Run `main` in a gloo process group and exit 0 if it returns True on every rank. Inside a
+    launch that runs several checks (tests/harness/jobs.py) the group is already there: the verdict
+    is recorded and the process goes on to the next check."""
+    if _SHARED:
+        _SHARED.append(bool(main()))
+        dist.barrier()
+        return
+    init_gloo()
     ok = main()
     dist.barrier()
     dist.destroy_process_group()
@@ -50,11 +73,10 @@ def run_checker(main: Callable[[], bool]) -> None:
 
 
 def torchrun(target: str, args: list[str], world: int, *, timeout: int = 600, max_restarts: int = 0,
-             cwd: str | None = None) -> "subprocess.CompletedProcess[str]":
+             cwd: str | None = None) -> subprocess.CompletedProcess:
     """Run `target` under torchrun on `world` gloo processes (one thread each): a module name
     (`tests.harness.zero_check`, run with -m) or a script path (ending in .py). Every test and the
     demo launch through here, so the command is built in one place."""
-    import subprocess
     run = [target] if target.endswith(".py") else ["-m", target]
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *restarts,
@@ -66,6 +88,27 @@ def torchrun(target: str, args: list[str], world: int, *, timeout: int = 600, ma
 def json_lines(stdout: str) -> list[dict]:
     """The JSON lines a checker's rank 0 printed."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def torchrun_jobs(jobs: list[tuple[str, list[str]]], world: int, **options) -> list[list[dict]]:
+    """Several checkers in one launch of `world` processes (tests/harness/jobs.py): one process
+    group, torch and the models' code imported once. Returns each job's JSON lines, in order; a job
+    that printed none (the launch died in it or before) fails here with the launch's output."""
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(jobs, f)
+    proc = torchrun("tests.harness.jobs", [f.name], world, **options)
+    os.unlink(f.name)
+    per_job: list[list[dict]] = [[] for _ in jobs]
+    current = None
+    for line in json_lines(proc.stdout):
+        if set(line) == {"job"}:
+            current = line["job"]
+        elif current is not None:
+            per_job[current].append(line)
+    missing = [jobs[i] for i, lines in enumerate(per_job) if not lines]
+    assert not missing, f"no result from {missing}:\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return per_job
 
 
 def torchrun_lines(target: str, args: list[str], world: int, **options) -> list[dict]:

@@ -17,6 +17,7 @@ from autoshard import checkpoint as ck
 from autoshard.checkpoint.convert import consolidate, load_from_file
 from autoshard.checkpoint.index import INDEX, CheckpointError
 from autoshard.checkpoint.materialize import materialize
+from autoshard.errors import expert_split_problem
 from autoshard.planning.costmodel import estimate
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
@@ -72,8 +73,8 @@ def split_of(opts: TrainOptions, world: int) -> dict:
     micro = opts.microbatches or (2 * pp if pp > 1 else 1)
     if opts.batch % (dp * micro):
         raise TrainError(f"--batch {opts.batch} cannot be split into dp={dp} x microbatches={micro} equal parts")
-    if dp % opts.ep:
-        raise TrainError(f"--ep {opts.ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks")
+    if (problem := expert_split_problem(dp, opts.ep)) is not None:
+        raise TrainError(f"--ep: {problem}")
     return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, virtual=opts.virtual, microbatches=micro)
 
 

@@ -36,7 +36,7 @@ class RankGraph:
     restrict_buffers: dict[str, torch.Tensor]
     regions: list = field(default_factory=list)     # passes/recompute.py's RecomputeRegion, once outlined
     tables: object = None                           # passes/tables.py's TableRegion, once outlined
-    experts: list = field(default_factory=list)     # passes/experts.py's ExpertRegion, once outlined
+    experts: list = field(default_factory=list)     # passes/outline_experts.py's ExpertRegion, once outlined
 
 
 def _edited(rw: RankRewrite, node: fx.Node, ns: NodeSharding) -> fx.Node:

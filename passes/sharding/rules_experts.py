@@ -42,7 +42,7 @@ def grouped_mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
 
 
 def stacked_matmul(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    """kernels/experts.py's gathered_linear(x [S, in], W [experts, in, out], ids) and
+    """kernels/expert_matmul_ops.py's gathered_linear(x [S, in], W [experts, in, out], ids) and
     einsum_linear(x [..., in], W [experts, in, out], equation [..., out]): the features are x's last
     dim and the output's last, so the split is grouped_mm's for any rank of x."""
     weight = expert_weight(ctx, node.args[1])

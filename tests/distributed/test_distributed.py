@@ -1,9 +1,14 @@
-"""Tier (c): real processes on gloo, launched by torchrun, each running only its own rank."""
+"""Tier (c): real processes on gloo, launched by torchrun, each running only its own rank. A test
+parametrized over meshes runs all meshes of one world size in one launch (torchrun_jobs), the first
+time one of them is asked for."""
+import functools
 import json
+import pathlib
+import tempfile
 
 import pytest
 
-from autoshard.testing.launch import torchrun_lines
+from autoshard.testing.launch import torchrun_jobs, torchrun_lines
 
 MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
          "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"],
@@ -16,10 +21,17 @@ MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
 WORLD_MODES = [(2, mode) for mode in sorted(MODES)] + [(4, "vocab-parallel-loss"), (4, "fused-sequence-parallel")]
 
 
+@functools.cache
+def _training(world: int) -> dict[str, list[dict]]:
+    modes = [m for w, m in WORLD_MODES if w == world]
+    jobs = [("autoshard.testing.dist_check", ["--steps", "3", *MODES[m]]) for m in modes]
+    return dict(zip(modes, torchrun_jobs(jobs, world)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,mode", WORLD_MODES, ids=[f"{w}-{m}" for w, m in WORLD_MODES])
 def test_gloo_training_matches_single_device(world, mode):
-    lines = torchrun_lines("autoshard.testing.dist_check", ["--steps", "3", *MODES[mode]], world)
+    lines = _training(world)[mode]
     assert {r["model"] for r in lines} == {"nanogpt", "gpt2", "llama", "bert"}
     for r in lines:
         assert r["world"] == world and r["all_ranks_ok"], r
@@ -43,18 +55,35 @@ PIPELINES = ["tp1-pp2-dp1-v1", "tp1-pp4-dp1-v2", "tp2-pp2-dp1-v2", "tp2-pp2-dp2-
 FUSED_TOO = "tp2-pp2-dp1-v2"             # trains fused as well (interleaved stages holding fused ops)
 
 
+def _dims(config: str) -> tuple[int, int, int, int]:
+    return tuple(int(part[2:] if part[0] != "v" else part[1:]) for part in config.split("-"))
+
+
+@functools.cache
+def _pipelines(world: int) -> tuple[dict[str, list[dict]], str]:
+    """Every pipeline config of this world size in one launch; their traces go to one folder."""
+    folder = tempfile.mkdtemp(prefix="pipelines-")
+    configs = [c for c in PIPELINES if _dims(c)[0] * _dims(c)[1] * _dims(c)[2] == world]
+    jobs = []
+    for config in configs:
+        tp, pp, dp, v = _dims(config)
+        args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
+                "--microbatches", str(2 * pp), "--steps", "10", "--trace", folder]
+        if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
+            args += ["--optim", "adamw", "sgd"]
+        if config == FUSED_TOO:
+            args += ["--fuse", "both"]
+        jobs.append(("autoshard.testing.pipeline_check", args))
+    return dict(zip(configs, torchrun_jobs(jobs, world, timeout=900))), folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", PIPELINES)
-def test_gloo_pipeline_training_matches_single_device(config, tmp_path):
+def test_gloo_pipeline_training_matches_single_device(config):
     """GPT-2 and Llama, 8 layers, 10 AdamW steps with gradient clipping on one global batch per step."""
-    tp, pp, dp, v = (int(part[2:] if part[0] != "v" else part[1:]) for part in config.split("-"))
-    args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
-            "--microbatches", str(2 * pp), "--steps", "10", "--trace", str(tmp_path)]
-    if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
-        args += ["--optim", "adamw", "sgd"]
-    if config == FUSED_TOO:
-        args += ["--fuse", "both"]
-    lines = torchrun_lines("autoshard.testing.pipeline_check", args, tp * pp * dp, timeout=900)
+    tp, pp, dp, v = _dims(config)
+    results, folder = _pipelines(tp * pp * dp)
+    lines, tmp_path = results[config], pathlib.Path(folder)
     assert {(r["model"], r["optim"], r["fuse"]) for r in lines} >= {
         (m, "adamw", f) for m in ("gpt2", "llama") for f in ((False, True) if config == FUSED_TOO else (False,))}
     for r in lines:
@@ -119,14 +148,23 @@ RECOMPUTE_MESHES = {"tp2": ["--tp", "2"], "tp2-pp2": ["--tp", "2", "--pp", "2"],
                     "pp2-v2": ["--pp", "2", "--virtual-pipeline", "2"], "tp2-sp": ["--tp", "2", "--sp"]}
 
 
+@functools.cache
+def _recompute(world: int) -> dict[str, list[dict]]:
+    meshes = [m for m in sorted(RECOMPUTE_MESHES) if _recompute_world(m) == world]
+    return dict(zip(meshes, torchrun_jobs([("tests.harness.recompute_check", RECOMPUTE_MESHES[m]) for m in meshes],
+                                          world)))
+
+
+def _recompute_world(mesh: str) -> int:
+    return 4 if mesh == "tp2-pp2" else 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", sorted(RECOMPUTE_MESHES))
 def test_gloo_recompute_matches_no_recompute(mesh):
     """GPT-2 and Llama, dropout 0.1, full and selective recompute against none on real processes (1F1B,
     interleaved, sequence parallelism): per-step losses and this rank's gradients equal."""
-    args = RECOMPUTE_MESHES[mesh]
-    world = 4 if mesh == "tp2-pp2" else 2
-    lines = torchrun_lines("tests.harness.recompute_check", args, world)
+    lines = _recompute(_recompute_world(mesh))[mesh]
     assert {(r["model"], r["mode"]) for r in lines} == {(m, x) for m in ("gpt2", "llama") for x in ("full", "selective")}
     for r in lines:
         assert r["all_ranks_ok"] and r["regions"] > 0 and r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 1e-6, r

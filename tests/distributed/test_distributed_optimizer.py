@@ -3,9 +3,11 @@
 backward (as traced), a checkpoint written at dp=4 that continues at tp=2 x dp=2 with the same losses,
 and a bf16 run whose checkpoint keeps its fp32 main weights."""
 
+import functools
+
 import pytest
 
-from autoshard.testing.launch import torchrun_lines
+from autoshard.testing.launch import torchrun_jobs, torchrun_lines
 
 pytestmark = pytest.mark.slow
 
@@ -18,10 +20,17 @@ def _run(args: list[str], world: int) -> list[dict]:
     return torchrun_lines("tests.harness.zero_check", args, world)
 
 
+@functools.cache
+def _meshes() -> dict[str, list[dict]]:
+    """Every mesh in one launch (all are four processes)."""
+    assert {world for _, world in MESHES.values()} == {4}
+    return dict(zip(sorted(MESHES), torchrun_jobs([("tests.harness.zero_check", MESHES[m][0]) for m in sorted(MESHES)], 4)))
+
+
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_sharded_adamw_equals_plain_adamw(mesh):
     args, world = MESHES[mesh]
-    lines = _run(args, world)
+    lines = _meshes()[mesh]
     assert lines
     dp = int(args[args.index("--dp") + 1])
     for r in lines:

@@ -3,11 +3,13 @@
 holding only its experts, and the bytes each rank sends through the all-to-alls equal to the formula
 over the routing the model chooses; checkpoints across tp and ep; models built on the meta device
 (each rank materializes or loads only its experts)."""
+import functools
 import os
+import tempfile
 
 import pytest
 
-from autoshard.testing.launch import torchrun_lines
+from autoshard.testing.launch import torchrun_jobs, torchrun_lines
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +44,24 @@ def run_expert_check(args: list[str], world: int) -> list[dict]:
     return torchrun_lines("tests.harness.expert_check", args, world)
 
 
+def _args(mesh: str, folder: str) -> list[str]:
+    return [folder if a == "{tmp}" else a for a in MESHES[mesh][0]]
+
+
+@functools.cache
+def _meshes(world: int) -> tuple[dict[str, list[dict]], str]:
+    """Every mesh of this world size in one launch ("{tmp}": one scratch folder for them)."""
+    folder = tempfile.mkdtemp(prefix="experts-")
+    meshes = [m for m in sorted(MESHES) if MESHES[m][1] == world]
+    jobs = [("tests.harness.expert_check", _args(m, folder)) for m in meshes]
+    return dict(zip(meshes, torchrun_jobs(jobs, world))), folder
+
+
 @pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_expert_parallel_training_equals_one_device(mesh, tmp_path):
-    args, world = MESHES[mesh]
-    args = [str(tmp_path) if a == "{tmp}" else a for a in args]
-    lines = run_expert_check(args, world)
+def test_expert_parallel_training_equals_one_device(mesh):
+    _, world = MESHES[mesh]
+    results, folder = _meshes(world)
+    args, lines = _args(mesh, folder), results[mesh]
     models = _values(args, "--models", ["mixtral"])
     optimizers = _values(args, "--optimizers", ["adamw"])
     assert [(line["model"], line["optimizer"]) for line in lines] == [(m, o) for m in models for o in optimizers]
@@ -59,7 +74,7 @@ def test_expert_parallel_training_equals_one_device(mesh, tmp_path):
 
 
 def test_checkpoint_at_tp2_ep2_continues_at_ep4_and_without_expert_parallelism(tmp_path):
-    """Experts written as rows of the experts dim, whole over tp (checkpoint/experts.py): a checkpoint
+    """Experts written as rows of the experts dim, whole over tp (checkpoint/expert_rows.py): a checkpoint
     of 4 steps at tp=2 x dp=2 x ep=2 (the distributed optimizer's state) continues at dp=4 x ep=4 (AdamW)
     and at dp=2 (ep=1, the distributed optimizer) exactly as the single-device model does (without
     --load the same check fails: loss 1e-3, parameters 4e-2)."""

@@ -156,4 +156,4 @@ def test_train_mixtral_with_expert_parallelism_gives_the_replicated_runs_losses(
     half = [float(r["loss"]) for r in _rows(tmp_path / "bf16")]
     assert max(abs(a - b) / abs(b) for a, b in zip(half, plain)) < 2e-2, (half, plain)          # bf16's rounding
     bad = _train(tmp_path / "bad", *args, "--ep", "3", nproc=2, check=False)
-    assert bad.returncode != 0 and "--ep 3 must divide dp=2" in bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "--ep: ep=3 must divide dp=2" in bad.stdout + bad.stderr

@@ -1,5 +1,5 @@
-"""Every module spec the rewrite emits has a row in the registry (parallel/registry.py), and a spec
-without one is refused naming it."""
+"""Every module spec the rewrite emits has a row in the registry (parallel/registry.py), every
+outlined region in compile/region_modules.py's, and a spec or region without one is refused naming it."""
 import pytest
 import torch
 
@@ -35,3 +35,18 @@ def test_an_unregistered_spec_is_refused_naming_the_registry():
         module = "new_thing"
     with pytest.raises(TypeError, match="no module is registered for NewSpec \\(new_thing\\).*COLLECTIVES"):
         build_module(NewSpec(), _Rank())
+
+
+def test_an_unregistered_region_is_refused_naming_its_registry():
+    """Outlined regions (experts calls, recomputed layers, tables) build their modules through
+    compile/region_modules.py's table, as the collectives do through theirs."""
+    from autoshard.compile.region_modules import REGION_MODULES, build_region_module
+    from autoshard.passes.outline_experts import ExpertRegion
+    from autoshard.passes.recompute import RecomputeRegion
+    from autoshard.passes.tables import TableRegion
+    assert list(REGION_MODULES) == [ExpertRegion, RecomputeRegion, TableRegion]     # the build order
+
+    class NewRegion:
+        name = "new_region"
+    with pytest.raises(TypeError, match=r"no module is registered for the region new_region \(NewRegion\).*REGION_MODULES"):
+        build_region_module(NewRegion(), None)

@@ -24,5 +24,5 @@ def test_each_rank_shows_its_experts_and_where_its_pairs_go():
 
 
 def test_refuses_an_ep_that_does_not_divide():
-    with pytest.raises(ValueError, match="ep=3 must divide dp=4 and experts=8"):
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4: expert-parallel groups"):
         expert_parallel_picture(ROUTING, experts=8, ep=3)

@@ -35,11 +35,11 @@ def test_grouped_mm_splits_like_a_linear_layer(grouped_mm):
 
 
 def test_gathered_linear_is_hf_batched_linear_and_splits_like_a_linear_layer():
-    """kernels/experts.py's gathered_linear (what passes/expert_matmuls.py puts in place of HF's
+    """kernels/expert_matmul_ops.py's gathered_linear (what passes/expert_matmuls.py puts in place of HF's
     batched_mm experts) against transformers' own `_batched_linear` on the stored [experts, out, in]
     weight, and its column / row split."""
     moe = pytest.importorskip("transformers.integrations.moe")
-    from autoshard.kernels.experts import gathered_linear
+    from autoshard.kernels.expert_matmul_ops import gathered_linear
     torch.manual_seed(0)
     x, w, ids = torch.randn(10, 12), torch.randn(3, 8, 12), torch.tensor([2, 0, 0, 1, 2, 2, 1, 0, 2, 1])
     full = gathered_linear(x, w.transpose(-2, -1), ids)

@@ -108,7 +108,7 @@ def test_world_size_that_does_not_match_the_split_is_named(tmp_path, text):
         split_of(_opts(text, tmp_path, "--pp", "2", "--batch", "6"), 2)
     assert split_of(_opts(text, tmp_path, "--tp", "2", "--pp", "2"), 8) == dict(tp=2, pp=2, dp=2, ep=1, virtual=1,
                                                                                  microbatches=4)
-    with pytest.raises(TrainError, match=r"--ep 2 must divide dp=3"):
+    with pytest.raises(TrainError, match=r"--ep: ep=2 must divide dp=3"):
         split_of(_opts(text, tmp_path, "--dp", "3", "--ep", "2", "--batch", "6"), 3)
 
 

@@ -1,4 +1,4 @@
-"""The module an outlined experts call runs (passes/experts.py outlines them), and which modules of a
+"""The module an outlined experts call runs (passes/outline_experts.py outlines them), and which modules of a
 model are experts modules.
 
 `EXPERT_MODULES` is the table of experts-module forms expert parallelism knows: a test on the
@@ -27,7 +27,7 @@ from torch import nn
 
 from autoshard.compile.simulate import run_lockstep
 from autoshard.parallel.expert_parallel import ExpertGroup, RunLocal, dispatch_combine
-from autoshard.passes.experts import ExpertRegion
+from autoshard.passes.outline_experts import ExpertRegion
 
 __all__ = ["EXPERT_MODULES", "ExpertsCall", "expert_modules", "weightless_copy"]
 
