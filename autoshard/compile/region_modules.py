@@ -17,6 +17,7 @@ from torch import nn
 from autoshard.compile.experts_call import ExpertsCall, weightless_copy
 from autoshard.compile.recompute import Recompute
 from autoshard.compile.tables import TableCache
+from autoshard.parallel.registry import row_for
 from autoshard.parallel.rng import RNGTracker
 from autoshard.passes.outline_experts import ExpertRegion
 from autoshard.passes.recompute import RecomputeRegion
@@ -66,9 +67,6 @@ class _RegionLike(Protocol):
 
 
 def build_region_module(region: _RegionLike, rank: RankForRegions) -> nn.Module:
-    try:
-        build = REGION_MODULES[type(region)]
-    except KeyError:
-        raise TypeError(f"no module is registered for the region {region.name} ({type(region).__name__}); add a "
-                        f"row to autoshard/compile/region_modules.py's REGION_MODULES") from None
+    build = row_for(REGION_MODULES, region, f"the region {region.name} ({type(region).__name__})",
+                    "autoshard/compile/region_modules.py's REGION_MODULES")
     return build(region, rank)

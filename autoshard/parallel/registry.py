@@ -17,7 +17,7 @@ from autoshard.parallel.sequence_parallel import SequenceSpec
 from autoshard.parallel.tensor_parallel import SyncSpec
 from autoshard.parallel.vocab_parallel import CrossEntropySpec, GatherSpec
 
-__all__ = ["RankResources", "ModuleSpec", "COLLECTIVES", "build_module"]
+__all__ = ["RankResources", "ModuleSpec", "COLLECTIVES", "build_module", "row_for"]
 
 
 class RankResources(Protocol):
@@ -39,10 +39,16 @@ COLLECTIVES: dict[type, str] = {
 }
 
 
-def build_module(spec: ModuleSpec, rank: RankResources) -> nn.Module:
+def row_for(table: dict, item: object, what: str, where: str):
+    """`table[type(item)]`, or a TypeError saying that nothing is registered for `what` and which
+    table (`where`) takes the row (compile/region_modules.py's registry reads its rows this way too)."""
     try:
-        resource = COLLECTIVES[type(spec)]
+        return table[type(item)]
     except KeyError:
-        raise TypeError(f"no module is registered for {type(spec).__name__} ({spec.module}); add a row to "
-                        f"autoshard/parallel/registry.py's COLLECTIVES") from None
+        raise TypeError(f"no module is registered for {what}; add a row to {where}") from None
+
+
+def build_module(spec: ModuleSpec, rank: RankResources) -> nn.Module:
+    resource = row_for(COLLECTIVES, spec, f"{type(spec).__name__} ({spec.module})",
+                       "autoshard/parallel/registry.py's COLLECTIVES")
     return spec.build(getattr(rank, resource))
