@@ -42,6 +42,7 @@ class ExpertReplicas:
             for rank in ranks:
                 cut_experts(rank, prog.dims, e, None)
             self.replicas.append(ranks)
+        self._counters: dict[int, object] = {}       # id(rank graph) -> its loss's token counter, or None
 
     def ranks(self) -> list[torch.nn.Module]:
         """Every replica's ranks, expert-parallel rank major."""
@@ -82,7 +83,9 @@ class ExpertReplicas:
     def _token_weights(self) -> tuple[int, list[torch.Tensor]] | None:
         rank = self.replicas[0][0]
         gm, _, _ = rank.graph_for((), self._slices[0])
-        counter = loss_tokens(gm)
+        if id(gm) not in self._counters:         # read from the graph once per graph, as MeshRuntime does
+            self._counters[id(gm)] = loss_tokens(gm)
+        counter = self._counters[id(gm)]
         if counter is None:
             return None
         counts = [counter.count(*rank.graph_for((), s)[1]).double() for s in self._slices]

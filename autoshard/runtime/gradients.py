@@ -33,6 +33,7 @@ alone, then what earlier calls left is added to it; the single-device equivalent
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -92,12 +93,19 @@ class GradPart:
         """How many ranks of the group hold each owned element (1 when sharded)."""
         return self.size // self.shards
 
-    def owned(self) -> Iterator[tuple[int, int, int]]:
-        """(index in the part, lo, hi) for each parameter range of the buffer this rank owns."""
+    @functools.cached_property
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """(index in the part, lo, hi) for each parameter range of the buffer this rank owns (the
+        layout is fixed, so this is worked out once, not on every step)."""
+        out = []
         for i in range(len(self.params)):
             span = self.buffer.layout.owned_piece(i, self.buffer.shard_rank)
             if span is not None:
-                yield (i, *span)
+                out.append((i, *span))
+        return out
+
+    def owned(self) -> Iterator[tuple[int, int, int]]:
+        return iter(self.ranges)
 
 
 class Gradients:
@@ -197,7 +205,7 @@ class Gradients:
         norm = None
         self.skipped = False
         if self.scaler is not None:
-            self.skipped = self.scaler.found_inf([g for _, _, g in self.owned_grads()])
+            self.skipped = self.scaler.found_inf([g for *_, g in self.owned_grads()])
             self.scaler.update(self.skipped)
             if self.skipped:
                 norm = torch.tensor(float("inf"))
@@ -207,20 +215,20 @@ class Gradients:
             self._publish_grads()
         return norm
 
-    def owned_grads(self) -> Iterator[tuple[GradPart, int, torch.Tensor]]:
-        """(part, index in the part, flat gradient) of every range this rank owns."""
+    def owned_grads(self) -> Iterator[tuple[GradPart, int, int, torch.Tensor]]:
+        """(part, index in the part, start in the flat buffer, flat gradient) of every range this rank owns."""
         for part in self.parts:
             for i, lo, hi in part.owned():
-                yield part, i, part.buffer.data[lo:hi]
+                yield part, i, lo, part.buffer.data[lo:hi]
 
     def norm(self) -> torch.Tensor:
         """The global L2 norm of the reduced gradient (every rank must call it)."""
         weighted = []
-        for part, i, g in self.owned_grads():
+        for part, i, lo, g in self.owned_grads():
             w = self.weight_of(part.names[i])
             if isinstance(w, torch.Tensor):       # per row: spread over the parameter, then cut like the range
-                lo = part.buffer.layout.owned_piece(i, part.buffer.shard_rank)[0] - part.buffer.layout.offsets[i]
-                w = w.expand(part.params[i].shape).reshape(-1)[lo: lo + g.numel()]
+                start = lo - part.buffer.layout.offsets[i]
+                w = w.expand(part.params[i].shape).reshape(-1)[start: start + g.numel()]
             # an element held by fewer ranks than the rest (experts) counts as often as they do
             weighted.append((g, w * (self.base_replicas // part.replicas)))
         return global_grad_norm(weighted, self.dims, replicas=self.base_replicas)
@@ -236,7 +244,7 @@ class Gradients:
     def _clip(self, max_norm: float) -> torch.Tensor:
         norm = self.norm()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for _, _, g in self.owned_grads():
+        for *_, g in self.owned_grads():
             g.mul_(coef.to(g.dtype))
         return norm
 
