@@ -12,12 +12,16 @@ torch implementation), so a fast wrong answer fails.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from autoshard import autoshard
 from autoshard.testing.metrics import max_rel
 from autoshard.testing.models import build_model
+
+os.environ.pop("AUTOSHARD_TRACE_CACHE", None)   # compile time is what is measured: every compile traces
 
 
 def _meta_gpt2(layers: int = 4):

@@ -13,6 +13,7 @@ least-squares fit of seconds against layers.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import time
 
@@ -22,6 +23,8 @@ from tabulate import tabulate
 from torch.export import Dim
 
 from autoshard import autoshard
+
+os.environ.pop("AUTOSHARD_TRACE_CACHE", None)   # compile time is what is measured: every compile traces
 
 
 def gpt2(layers: int, hidden: int = 768, heads: int = 12):

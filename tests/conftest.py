@@ -1,3 +1,4 @@
+import os
 import socket
 import subprocess
 import warnings
@@ -7,6 +8,12 @@ import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
+
+# The suite compiles the same small models hundreds of times (in this process and in every rank it
+# launches, which inherit the environment): torch.export's trace is reused within each process
+# (autoshard/compile/trace_cache.py, tested in tests/simulation/test_trace_cache.py). Tests and
+# benchmarks that time compilation turn it off.
+os.environ.setdefault("AUTOSHARD_TRACE_CACHE", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +111,16 @@ def _counting_init(self, args, *rest, **kwargs):
 
 
 subprocess.Popen.__init__ = _counting_init
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):          # a pytest-xdist worker: tell the controller
+        session.config.workeroutput["launches"] = list(_LAUNCHES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _LAUNCHES.extend(getattr(node, "workeroutput", {}).get("launches", []))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
 
+from autoshard.compile import trace_cache
 from autoshard.errors import CaptureError
 from autoshard.module_paths import fetch_attr
 
@@ -177,19 +178,12 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,
     meta = any(p.is_meta for p in model.parameters())
     named = pytree.tree_map(lambda x: (x.to("meta") if meta else x.clone(memory_format=torch.contiguous_format))
                             if isinstance(x, torch.Tensor) else x, named)
-    errors = []
-    for dyn in ((True, False) if dynamic else (False,)):
-        try:
-            with _mode(model, training):
-                ep = torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
-                                         strict=False)
-            break
-        except Exception as e:  # the tracer's own reason is what the user needs to see
-            errors.append(e)
-    else:
-        e = errors[-1]
-        raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+    key = (trace_cache.trace_key(model, named, dynamic=dynamic, training=training, autocast=autocast_state())
+           if trace_cache.enabled() else None)
+    ep = trace_cache.lookup(key, model)
+    if ep is None:
+        ep = _export(model, named, dynamic, training)
+        trace_cache.store(key, ep)
     gm = ep.module()
     # The guards leave the graph (every rank's program would carry them) and are checked where a
     # call picks its graph (Signature.matches): a call that fails one is compiled again.
@@ -229,6 +223,21 @@ def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,
             leaves.append(("const", leaf))
     return Captured(gm, param_names, Signature(spec, tuple(leaves), model.training if training is None else training,
                      autocast_state(), guards), ep.call_spec.out_spec)
+
+
+def _export(model: nn.Module, named: dict[str, object], dynamic: bool, training: bool | None
+            ) -> torch.export.ExportedProgram:
+    errors = []
+    for dyn in ((True, False) if dynamic else (False,)):
+        try:
+            with _mode(model, training):
+                return torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
+                                           strict=False)
+        except Exception as e:  # the tracer's own reason is what the user needs to see
+            errors.append(e)
+    e = errors[-1]
+    raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
 
 
 def _order(graph: fx.Graph):

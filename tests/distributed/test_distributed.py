@@ -55,6 +55,13 @@ PIPELINES = ["tp1-pp2-dp1-v1", "tp1-pp4-dp1-v2", "tp2-pp2-dp1-v2", "tp2-pp2-dp2-
 FUSED_TOO = "tp2-pp2-dp1-v2"             # trains fused as well (interleaved stages holding fused ops)
 
 
+def _layers(config: str) -> int:
+    """Two layers a model chunk, 4 to 8 in all: every stage still holds several layers, and the export
+    each rank makes of each model (most of a launch's time) stays small."""
+    _, pp, _, v = _dims(config)
+    return min(8, max(4, 2 * pp * v))
+
+
 def _dims(config: str) -> tuple[int, int, int, int]:
     return tuple(int(part[2:] if part[0] != "v" else part[1:]) for part in config.split("-"))
 
@@ -68,7 +75,7 @@ def _pipelines(world: int) -> tuple[dict[str, list[dict]], str]:
     for config in configs:
         tp, pp, dp, v = _dims(config)
         args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
-                "--microbatches", str(2 * pp), "--steps", "10", "--trace", folder]
+                "--microbatches", str(2 * pp), "--steps", "10", "--trace", folder, "--layers", str(_layers(config))]
         if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
             args += ["--optim", "adamw", "sgd"]
         if config == FUSED_TOO:
@@ -80,7 +87,7 @@ def _pipelines(world: int) -> tuple[dict[str, list[dict]], str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", PIPELINES)
 def test_gloo_pipeline_training_matches_single_device(config):
-    """GPT-2 and Llama, 8 layers, 10 AdamW steps with gradient clipping on one global batch per step."""
+    """GPT-2 and Llama, 4 or 8 layers (_layers), 10 AdamW steps with gradient clipping on one global batch per step."""
     tp, pp, dp, v = _dims(config)
     results, folder = _pipelines(tp * pp * dp)
     lines, tmp_path = results[config], pathlib.Path(folder)
