@@ -15,6 +15,10 @@ warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 # benchmarks that time compilation turn it off.
 os.environ.setdefault("AUTOSHARD_TRACE_CACHE", "1")
 
+# One thread per test process: the models here are tiny (threads buy nothing), and two pytest-xdist
+# workers each running two OpenMP threads on a 2-core machine spend CPU spinning against each other.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -1,5 +1,5 @@
-"""`autoshard train` end to end on gloo processes: a 4-layer Llama at tp=2 x pp=2 trains 30 steps
-on the README as text and its loss falls; a run stopped at step 20 (as a crash would) and resumed
+"""`autoshard train` end to end on gloo processes: a 4-layer Llama at tp=2 x pp=2 trains 20 steps
+on the README as text and its loss falls; a run stopped at step 10 (as a crash would) and resumed
 gives the uninterrupted run's losses exactly; its checkpoint resumes at another split; the exported
 folder loads with from_pretrained and gives the trained program's logits; the planner's dp=2; the
 distributed optimizer's losses are plain AdamW's; GPT-2
@@ -39,32 +39,32 @@ def _rows(out) -> list[dict]:
 @pytest.mark.slow
 def test_train_llama_tp2_pp2_resumes_exactly_reshards_and_exports(tmp_path):
     whole, halted = tmp_path / "whole", tmp_path / "halted"
-    split = ["--tp", "2", "--pp", "2", "--steps", "30", "--save-every", "10"]
+    split = ["--tp", "2", "--pp", "2", "--steps", "20", "--save-every", "5"]
     _train(whole, *LLAMA, *split, "--export", str(whole / "hf"), nproc=4)
     rows = _rows(whole)
     losses = [float(r["loss"]) for r in rows]
-    assert [int(r["step"]) for r in rows] == list(range(1, 31))
+    assert [int(r["step"]) for r in rows] == list(range(1, 21))
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses          # it learns
     assert os.path.getsize(whole / "loss.png") > 1000
 
-    proc = _train(halted, *LLAMA, *split, "--halt-after", "20", nproc=4, check=False)
-    assert proc.returncode != 0 and sorted(os.listdir(halted / "checkpoints"))[-1] == "step-00000020"
+    proc = _train(halted, *LLAMA, *split, "--halt-after", "10", nproc=4, check=False)
+    assert proc.returncode != 0 and sorted(os.listdir(halted / "checkpoints"))[-1] == "step-00000010"
     shutil.copytree(halted, tmp_path / "resharded")
     out = _train(halted, *LLAMA, *split, "--resume", nproc=4).stdout
-    assert "resumed from" in out and "step-00000020 at step 20" in out
+    assert "resumed from" in out and "step-00000010 at step 10" in out
     assert [r["loss"] for r in _rows(halted)] == [r["loss"] for r in rows]       # bit for bit (as text)
     assert [r["grad_norm"] for r in _rows(halted)] == [r["grad_norm"] for r in rows]
 
-    # at tp=1 x pp=2 x dp=2: the same run, other reduction orders. The step-20 checkpoint has a shard
-    # cut short that only the second pipeline stage's ranks read: every rank resumes from step 10
-    # (before: the first stage's ranks resumed at 20, the second's raised, the run died in a collective)
-    cut = tmp_path / "resharded" / "checkpoints" / "step-00000020" / "rank-pp1-tp1.safetensors"
+    # at tp=1 x pp=2 x dp=2: the same run, other reduction orders. The step-10 checkpoint has a shard
+    # cut short that only the second pipeline stage's ranks read: every rank resumes from step 5
+    # (before: the first stage's ranks resumed at 10, the second's raised, the run died in a collective)
+    cut = tmp_path / "resharded" / "checkpoints" / "step-00000010" / "rank-pp1-tp1.safetensors"
     cut.write_bytes(cut.read_bytes()[:-100])
-    out = _train(tmp_path / "resharded", *LLAMA, "--tp", "1", "--pp", "2", "--steps", "30", "--save-every", "10",
+    out = _train(tmp_path / "resharded", *LLAMA, "--tp", "1", "--pp", "2", "--steps", "20", "--save-every", "5",
                  "--resume", nproc=4).stdout
-    assert "step-00000010 at step 10 (skipped, unreadable on some rank: step-00000020 (CheckpointError" in out, out
+    assert "step-00000005 at step 5 (skipped, unreadable on some rank: step-00000010 (CheckpointError" in out, out
     other = [float(r["loss"]) for r in _rows(tmp_path / "resharded")]
-    assert len(other) == 30 and max(abs(a - b) / abs(b) for a, b in zip(other[10:], losses[10:])) < 1e-4
+    assert len(other) == 20 and max(abs(a - b) / abs(b) for a, b in zip(other[5:], losses[5:])) < 1e-4
 
     # the export: from_pretrained gives the logits of the final checkpoint loaded into a sharded program
     from transformers import AutoModelForCausalLM
@@ -91,20 +91,20 @@ def test_train_llama_tp2_pp2_resumes_exactly_reshards_and_exports(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_the_planner_choosing_dp2(tmp_path):
-    out = _train(tmp_path, *LLAMA, "--plan", "--steps", "50", nproc=2).stdout
+    out = _train(tmp_path, *LLAMA, "--plan", "--steps", "20", nproc=2).stdout
     assert "tp=1 pp=1 dp=2" in out
     losses = [float(r["loss"]) for r in _rows(tmp_path)]
-    assert len(losses) == 50 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert len(losses) == 20 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
 
 
 @pytest.mark.slow
 def test_train_with_the_distributed_optimizer_gives_plain_adamws_losses_and_bf16_tracks_them(tmp_path):
-    args = [*LLAMA, "--dp", "2", "--steps", "20", "--save-every", "10"]
+    args = [*LLAMA, "--dp", "2", "--steps", "10", "--save-every", "5"]
     _train(tmp_path / "plain", *args, nproc=2)
     out = _train(tmp_path / "zero", *args, "--distributed-optimizer", nproc=2).stdout
     assert "AdamW state sharded over dp=2" in out
     plain, zero = ([float(r["loss"]) for r in _rows(tmp_path / k)] for k in ("plain", "zero"))
-    assert len(zero) == 20 and max(abs(a - b) / abs(b) for a, b in zip(zero, plain)) < 1e-5, (zero, plain)
+    assert len(zero) == 10 and max(abs(a - b) / abs(b) for a, b in zip(zero, plain)) < 1e-5, (zero, plain)
     out = _train(tmp_path / "bf16", *args, "--distributed-optimizer", "--precision", "bf16", nproc=2).stdout
     assert "bf16 with fp32 main weights" in out
     half = [float(r["loss"]) for r in _rows(tmp_path / "bf16")]

@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc-per-node 4 -m tests.harness.expert_check --dp 4 --ep 4
 
-Every rank builds the same seeded MoE decoder twice: one compiled with autoshard(tp, pp, dp, ep) and
-trained through `train_step` with AdamW, one kept whole and trained with AdamW on the same global
-batches, its loss computed microbatch by microbatch as the mesh computes it: each data-parallel
+Every rank builds the same seeded MoE decoder, compiles it with autoshard(tp, pp, dp, ep) and trains
+it through `train_step` with AdamW; rank 0 alone also trains it whole with AdamW on the same global
+batches and sends every rank the result (`_reference`), its loss computed microbatch by microbatch as the mesh computes it: each data-parallel
 slice's microbatches, each mean weighted by its share of the counted tokens (equal to the global
 mean of a cross-entropy); with the model's load-balancing loss added (`--aux-loss`) the loss is no
 longer a bare cross-entropy, and train_step weights every microbatch equally, as does the reference. Checked per
@@ -113,17 +113,33 @@ def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], 
     return total
 
 
-def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict:
-    ref = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta else "cpu")
-    model = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta or args.from_file else "cpu")
-    if args.meta:
-        materialize_full(ref, seed=0)
-    folder = f"{args.from_file}/{name}" if args.from_file else None
-    if folder:
-        if dist.get_rank() == 0:
+def _reference(name: str, args: argparse.Namespace, batches: list[dict], folder: str | None) -> dict:
+    """The single-device run, on rank 0 only, sent to every rank: each step's loss, gradient norm and
+    routing, and the final parameters (before: every rank trained its own copy of the whole model).
+    With `folder`, the initial weights are saved there first, for the program to load."""
+    record = None
+    if dist.get_rank() == 0:
+        ref = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta else "cpu")
+        if args.meta:
+            materialize_full(ref, seed=0)
+        if folder:
             ref.save_pretrained(folder)      # transformers writes experts one module each
-        dist.barrier()
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        steps = [_reference_step(ref, opt, _microbatches(batch, args.dp, args.microbatches),
+                                 per_token=not args.aux_loss, max_norm=args.max_norm) for batch in batches]
+        record = {"steps": steps[args.skip:], "params": {n: p.detach() for n, p in ref.named_parameters()},
+                  "paths": list(expert_modules(ref)),
+                  "experts": [m.num_experts for m in expert_modules(ref).values()]}
+    box = [record]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict:
+    model = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta or args.from_file else "cpu")
+    folder = f"{args.from_file}/{name}" if args.from_file else None
     batches = _batches(args.skip + args.steps, ROWS // args.dp // args.microbatches if args.empty_microbatch else 0)
+    reference = _reference(name, args, batches, folder)
     example = {k: v[:2] for k, v in batches[0].items()}
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches,
                      example_kwargs=example, recompute=args.recompute)
@@ -134,26 +150,20 @@ def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict
         load_from_file(folder, prog, rt)
     opt = (DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, shard=optimizer == "sharded")
            if optimizer != "adamw" else torch.optim.AdamW(rt.parameters(), lr=LR))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    m = args.microbatches
-    for batch in batches[:args.skip]:        # where the loaded checkpoint left off
-        _reference_step(ref, ref_opt, _microbatches(batch, args.dp, m), not args.aux_loss, args.max_norm)
-    batches = batches[args.skip:]
+    batches = batches[args.skip:]            # the reference trained the first --skip steps as well
     if args.load:
         ck.load(args.load, prog, rt, opt)
-    paths = list(expert_modules(ref))
+    paths = reference["paths"]
     here = [paths.index(c.region.path) for c in rt.expert_calls()]      # the MoE layers of this rank's stages
     group = rt.expert_group
-    per_rank = group.per_rank if group else len(paths) and expert_modules(ref)[paths[0]].num_experts
+    per_rank = group.per_rank if group else len(paths) and reference["experts"][0]
     worst_loss, worst_norm, sent, expected = 0.0, 0.0, 0, 0
-    for batch in batches:
+    for batch, (ref_loss, ref_norm, routing) in zip(batches, reference["steps"]):
         before = group.sent_bytes if group else 0
         opt.zero_grad()
         loss = rt.train_step(**batch, max_norm=args.max_norm)
         opt.step()
         sent += (group.sent_bytes if group else 0) - before
-        ref_loss, ref_norm, routing = _reference_step(ref, ref_opt, _microbatches(batch, args.dp, args.microbatches),
-                                             per_token=not args.aux_loss, max_norm=args.max_norm)
         rel = max_rel(loss, torch.tensor(ref_loss))
         worst_loss = max(worst_loss, rel if rel == rel else float("inf"))      # max(0.0, nan) would be 0.0
         if ref_norm is not None:
@@ -165,7 +175,7 @@ def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict
     mine = {n: p.detach() for n, p in rt.named_parameters()}
     e = rt.dp_rank % args.ep
     want, only_mine = {}, True
-    for pname, p in ref.named_parameters():
+    for pname, p in reference["params"].items():
         if pname not in mine:
             continue
         use = prog.sharding.params.get(pname)
