@@ -8,7 +8,8 @@ hands a later call with an equal key the kept program, bound to the new model's 
 buffers and tensor attributes (`bind`); a deep copy of the graph is made per use by
 `ExportedProgram.module()`, so callers never share a graph.
 
-The key (`trace_key`): every submodule's class (by identity), mode, hooks and plain attributes
+The key (`trace_key`): every submodule's class (by identity, held by the key so that its id cannot
+be reused while the trace is kept), mode, hooks and plain attributes
 (numbers, strings, flags, configs such as a Hugging Face `PretrainedConfig`, compared by value);
 every parameter's and buffer's name, shape, dtype, device, requires_grad and which names share one
 tensor (tied weights) (values are not: export traces them as fake tensors, and a branch on one
@@ -43,6 +44,21 @@ _MODULE_FIELDS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffer
                   "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook"}
 
 
+class _Same:
+    """An object compared by identity, held: a key that names a class, function or hook keeps it
+    alive, so its id cannot be reused by another object while the trace is kept."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "") not in ("", "0")
 
@@ -60,16 +76,16 @@ def _value(x: object, depth: int = 0) -> Hashable:
     if isinstance(x, torch.Tensor):       # traced as a fake tensor: its values cannot steer the trace
         return ("tensor", tuple(x.shape), x.dtype, x.device.type)
     if isinstance(x, nn.Module):
-        return ("module", id(x))
+        return ("module", _Same(x))
     if depth < 4 and hasattr(x, "__dict__") and not callable(x):
-        return (id(type(x)), _value(vars(x), depth + 1))
-    return ("object", id(x))                  # functions, classes, anything else: the same object only
+        return (_Same(type(x)), _value(vars(x), depth + 1))
+    return ("object", _Same(x))               # functions, classes, anything else: the same object only
 
 
 def _module_part(name: str, m: nn.Module) -> Hashable:
-    hooks = tuple(id(h) for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())
+    hooks = tuple(_Same(h) for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())
     attrs = tuple(sorted((k, _value(v)) for k, v in vars(m).items() if k not in _MODULE_FIELDS))
-    return (name, id(type(m)), m.training, hooks, attrs)
+    return (name, _Same(type(m)), m.training, hooks, attrs)
 
 
 def _tensor_part(model: nn.Module) -> Hashable:

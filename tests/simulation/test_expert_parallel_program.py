@@ -137,4 +137,6 @@ def test_a_token_sent_to_the_wrong_owner_is_caught(monkeypatch):
         logits, _ = _ep_check("mixtral", 2, tp=1)
     except (RuntimeError, IndexError):       # a local expert id out of range on the receiving rank
         return
-    assert logits > 1e-3, logits
+    # the check the real test makes fails: the logits moved, or are NaN (that out-of-range id read
+    # whatever lay past the local experts; NaN <= 1e-5 is False, as the real test reads it)
+    assert not logits <= 1e-5, logits
