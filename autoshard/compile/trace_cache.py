@@ -83,7 +83,8 @@ def _value(x: object, depth: int = 0) -> Hashable:
 
 
 def _module_part(name: str, m: nn.Module) -> Hashable:
-    hooks = tuple(_Same(h) for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())
+    hooks = tuple(_Same(h) for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                       m._backward_pre_hooks) for h in d.values())
     attrs = tuple(sorted((k, _value(v)) for k, v in vars(m).items() if k not in _MODULE_FIELDS))
     return (name, _Same(type(m)), m.training, hooks, attrs)
 
@@ -102,8 +103,10 @@ def _tensor_part(model: nn.Module) -> Hashable:
 def trace_key(model: nn.Module, named: dict, *, dynamic: bool, training: bool | None,
               autocast: tuple) -> Hashable | None:
     """Everything the trace of `model` on `named` depends on that the process can see; None when
-    the call must not be cached (global module hooks are installed)."""
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+    the call must not be cached (global module hooks are installed). A module's backward hooks
+    count too: a full backward hook wraps the module's forward in the trace."""
+    if (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
+            or module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks):
         return None
     flat, spec = pytree.tree_flatten(named)
     inputs = tuple(("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)

@@ -50,15 +50,15 @@ def _hook(model):
     model.transformer.h[0].register_forward_hook(double)
 
 
-def _buffer(model):
-    model.register_buffer("scale", torch.tensor([1.0]))
+def _backward_hook(model):
+    model.transformer.h[0].mlp.register_full_backward_hook(lambda mod, grad_in, grad_out: None)
 
 
 def _eval(model):
     model.eval()
 
 
-@pytest.mark.parametrize("change", [_epsilon, _untie, _hook, _eval], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("change", [_epsilon, _untie, _hook, _backward_hook, _eval], ids=lambda f: f.__name__[1:])
 def test_what_the_trace_reads_differs_so_it_traces_again(cache, change):
     _check(build_model("gpt2", seed=0))
     model = build_model("gpt2", seed=0)
