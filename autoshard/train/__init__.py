@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from autoshard.train.options import TrainError, TrainOptions, parse
 
-__all__ = ["main", "worker_argv", "TrainError", "TrainOptions"]
+__all__ = ["ERRORS", "failure_line", "main", "worker_argv", "TrainError", "TrainOptions"]
+
+ERRORS = "AUTOSHARD_TRAIN_ERRORS"     # the folder where launched ranks write why they stopped
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -42,7 +45,10 @@ def worker_argv(argv: list[str]) -> list[str]:
 def _launch(opts: TrainOptions, argv: list[str]) -> int:
     """Check what can be checked here, then run the job on --nproc-per-node processes, as torchrun
     --standalone does but in this process: a failed run ends in one line, not torchrun's report.
-    A rank that stopped on a TrainError said why itself (exit code 2); any other failure is named."""
+    A rank that stops on a TrainError writes why into a folder this launcher gives it (ERRORS) and
+    exits 2; the launcher says the lowest rank's reason once (`failure_line`). Before, rank 0 printed
+    it, and when another rank failed first the agent stopped rank 0 before it could: exit 2, nothing
+    said."""
     import logging
     import uuid
 
@@ -66,15 +72,39 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")          # torchrun's default, without its warning (run() sets threads)
     config, entrypoint, entry_args = config_from_args(args)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)    # the failure is said below
-    try:
-        elastic_launch(config, entrypoint)(*entry_args)
-    except ChildFailedError as e:
-        codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        if 2 not in codes.values():
-            rank, code = min(codes.items())
-            print(f"autoshard train: rank {rank} failed (exit code {code}); its output is above", file=sys.stderr)
-        return 2 if 2 in codes.values() else 1
+    with tempfile.TemporaryDirectory(prefix="autoshard-train-") as folder:
+        os.environ[ERRORS] = folder                         # the ranks inherit it
+        try:
+            elastic_launch(config, entrypoint)(*entry_args)
+        except ChildFailedError as e:
+            codes = {rank: f.exitcode for rank, f in e.failures.items()}
+            print(failure_line(codes, folder), file=sys.stderr)
+            return 2 if 2 in codes.values() else 1
+        finally:
+            del os.environ[ERRORS]
     return 0
+
+
+def failure_line(codes: dict[int, int], folder: str) -> str:
+    """What the launcher says when ranks failed (`codes`: rank -> exit code): the reason a rank
+    wrote into `folder` (the lowest such rank), else which rank failed first."""
+    said = sorted((int(name[5:-4]), name) for name in os.listdir(folder) if name.startswith("rank-"))
+    if said:
+        with open(os.path.join(folder, said[0][1])) as f:
+            return f"autoshard train: {f.read()}"
+    rank, code = min(codes.items())
+    return f"autoshard train: rank {rank} failed (exit code {code}); its output is above"
+
+
+def _say(error: TrainError) -> None:
+    """A rank's TrainError: into the launcher's folder when there is one, else (a rank started by
+    torchrun itself, or one process) rank 0 prints it."""
+    folder, rank = os.environ.get(ERRORS), os.environ.get("RANK", "0")
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank-{rank}.txt"), "w") as f:
+            f.write(str(error))
+    elif rank == "0":
+        print(f"autoshard train: {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,8 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             from autoshard.train.loop import run
             code = run(opts)
     except TrainError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"autoshard train: {e}", file=sys.stderr, flush=True)
+        _say(e)
         code = 2
     sys.stdout.flush()
     sys.stderr.flush()

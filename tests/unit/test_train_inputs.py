@@ -237,3 +237,19 @@ def test_the_launcher_passes_virtual_on_under_a_name_torchrun_does_not_claim(tmp
             "--virtual=3"]
     assert worker_argv(argv) == ["--model", "gpt2", "--virtual-pipeline", "2", "--pp", "2", "--virtual-pipeline=3"]
     assert _opts(text, tmp_path, "--virtual-pipeline", "2").virtual == _opts(text, tmp_path, "--virtual", "2").virtual == 2
+
+
+def test_the_reason_of_whichever_rank_stopped_first_is_said_once(tmp_path, monkeypatch):
+    """Before: only rank 0 printed a TrainError, so when rank 1 stopped first and the agent ended
+    rank 0 before it printed, the run ended with exit 2 and nothing said (seen once under load in
+    test_an_error_on_the_ranks_ends_in_one_line_not_torchruns_report). Ranks launched by the
+    launcher write their reason into its folder; the launcher says the lowest rank's once."""
+    from autoshard.train import ERRORS, TrainError, _say, failure_line
+    monkeypatch.setenv(ERRORS, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    _say(TrainError("the bytes tokenizer has 257 ids but the model's vocabulary has 100 (--vocab)"))
+    assert failure_line({0: -15, 1: 2}, str(tmp_path)) == (
+        "autoshard train: the bytes tokenizer has 257 ids but the model's vocabulary has 100 (--vocab)")
+    (tmp_path / "rank-1.txt").unlink()
+    assert failure_line({1: 1, 0: -15}, str(tmp_path)) == (
+        "autoshard train: rank 0 failed (exit code -15); its output is above")
