@@ -4,16 +4,17 @@
 
 Every rank builds the same seeded MoE decoder, compiles it with autoshard(tp, pp, dp, ep) and trains
 it through `train_step` with AdamW; rank 0 alone also trains it whole with AdamW on the same global
-batches and sends every rank the result (`_reference`), its loss computed microbatch by microbatch as the mesh computes it: each data-parallel
-slice's microbatches, each mean weighted by its share of the counted tokens (equal to the global
-mean of a cross-entropy); with the model's load-balancing loss added (`--aux-loss`) the loss is no
-longer a bare cross-entropy, and train_step weights every microbatch equally, as does the reference. Checked per
-rank (`--max-norm`: both clip by the global gradient norm): every step's loss (<= 1e-5 relative), the final parameters (this rank's slices: <= 1e-6
-norm-wise and <= 1e-4 per element at the tensor's scale; AdamW turns ~1e-9 noise on near-zero
-gradients into steps of ~lr on either side, so elements of rarely routed experts differ by more
-than the vector does), that the rank holds only its
-experts, and the bytes it sent through the all-to-alls, against the formula from the routing the
-single-device model chooses for every microbatch of its expert-parallel group:
+batches and sends every rank the result (`_reference`, once per model and arguments). The
+reference computes its loss microbatch by microbatch as the mesh does: each data-parallel slice's
+microbatches, each mean weighted by its share of the counted tokens (equal to the global mean of a
+cross-entropy); with the model's load-balancing loss added (`--aux-loss`) the loss is no longer a
+bare cross-entropy, and train_step weights every microbatch equally, as does the reference.
+Checked per rank (`--max-norm`: both clip by the global gradient norm): every step's loss (<= 1e-5
+relative), the final parameters (this rank's slices: <= 1e-6 norm-wise and <= 1e-4 per element at
+the tensor's scale; AdamW turns ~1e-9 noise on near-zero gradients into steps of ~lr on either
+side, so elements of rarely routed experts differ by more than the vector does), that the rank
+holds only its experts, and the bytes it sent through the all-to-alls, against the formula from
+the routing the single-device model chooses for every microbatch of its expert-parallel group:
 
     per MoE layer and microbatch: 8 (ep - 1) + r (8 + 8 H + 4) + m (8 H + 4)
 
@@ -113,10 +114,16 @@ def _expected_bytes(routing: list[list[list[torch.Tensor]]], layers: list[int], 
     return total
 
 
+_REFERENCES: dict[tuple, dict] = {}      # one per model and command line: every --optimizers entry shares it
+
+
 def _reference(name: str, args: argparse.Namespace, batches: list[dict], folder: str | None) -> dict:
     """The single-device run, on rank 0 only, sent to every rank: each step's loss, gradient norm and
     routing, and the final parameters (before: every rank trained its own copy of the whole model).
     With `folder`, the initial weights are saved there first, for the program to load."""
+    key = (name, repr(sorted(vars(args).items())))
+    if key in _REFERENCES:
+        return _REFERENCES[key]
     record = None
     if dist.get_rank() == 0:
         ref = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta else "cpu")
@@ -132,6 +139,7 @@ def _reference(name: str, args: argparse.Namespace, batches: list[dict], folder:
                   "experts": [m.num_experts for m in expert_modules(ref).values()]}
     box = [record]
     dist.broadcast_object_list(box, src=0)
+    _REFERENCES[key] = box[0]
     return box[0]
 
 
