@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from autoshard import autoshard
+from autoshard.compile import trace_cache
 from autoshard.testing.metrics import max_rel
 from autoshard.testing.models import build_model
 
-os.environ.pop("AUTOSHARD_TRACE_CACHE", None)   # compile time is what is measured: every compile traces
+os.environ.pop(trace_cache.ENV, None)   # compile time is what is measured: every compile traces
 
 
 def _meta_gpt2(layers: int = 4):

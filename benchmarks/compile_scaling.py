@@ -23,8 +23,9 @@ from tabulate import tabulate
 from torch.export import Dim
 
 from autoshard import autoshard
+from autoshard.compile import trace_cache
 
-os.environ.pop("AUTOSHARD_TRACE_CACHE", None)   # compile time is what is measured: every compile traces
+os.environ.pop(trace_cache.ENV, None)   # compile time is what is measured: every compile traces
 
 
 def gpt2(layers: int, hidden: int = 768, heads: int = 12):

@@ -7,13 +7,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from autoshard.compile import trace_cache
+
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 
 # The suite compiles the same small models hundreds of times (in this process and in every rank it
 # launches, which inherit the environment): torch.export's trace is reused within each process
 # (autoshard/compile/trace_cache.py, tested in tests/simulation/test_trace_cache.py). Tests and
 # benchmarks that time compilation turn it off.
-os.environ.setdefault("AUTOSHARD_TRACE_CACHE", "1")
+os.environ.setdefault(trace_cache.ENV, "1")
 
 # One thread per test process: the models here are tiny (threads buy nothing), and two pytest-xdist
 # workers each running two OpenMP threads on a 2-core machine spend CPU spinning against each other.

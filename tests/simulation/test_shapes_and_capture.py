@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from autoshard import autoshard
+from autoshard.compile import trace_cache
 from autoshard.testing import build_model, max_rel
 from autoshard.testing.models import VOCAB
 
@@ -52,7 +53,7 @@ def test_meta_device_model_compiles_without_materializing():
 
 def test_compile_cost_is_linear_in_layers_not_quadratic(monkeypatch):
     # a loose guard against quadratic blow-ups; the measured slope is in benchmarks/RESULTS.md
-    monkeypatch.delenv("AUTOSHARD_TRACE_CACHE", raising=False)      # every compile traces
+    monkeypatch.delenv(trace_cache.ENV, raising=False)      # every compile traces
     def cost(layers):
         with torch.device("meta"):
             model = build_model("gpt2", layers=layers)
