@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from autoshard import autoshard  # noqa: E402
+from autoshard.testing.launch import leave  # noqa: E402
 from autoshard.planning.memory_model import param_bytes  # noqa: E402
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from autoshard.testing.models import VOCAB, build_model  # noqa: E402
@@ -99,8 +100,7 @@ def main(args: argparse.Namespace) -> None:
             append_result("Distributed optimizer: bytes per parameter and overlapped gradient reduction",
                           "torchrun --standalone --nproc-per-node " f"{args.dp} benchmarks/distributed_optimizer.py "
                           f"--dp {args.dp} --dtype {args.dtype}", "CPU gloo, OMP_NUM_THREADS=1", f"{table}\n\n{summary}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(0)          # not a plain exit: gloo's threads can abort the interpreter's finalization
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from autoshard import autoshard  # noqa: E402
+from autoshard.testing.launch import leave  # noqa: E402
 
 
 def _model(args):
@@ -104,8 +105,7 @@ def main(args: argparse.Namespace) -> None:
             append_result("Expert parallelism vs replicated experts",
                           f"torchrun --standalone --nproc-per-node {args.dp} benchmarks/expert_parallel.py "
                           f"--dp {args.dp} --ep {args.ep}", "CPU gloo, OMP_NUM_THREADS=1", f"{table}\n\n{summary}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(0)          # not a plain exit: gloo's threads can abort the interpreter's finalization
 
 
 if __name__ == "__main__":

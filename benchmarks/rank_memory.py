@@ -27,6 +27,7 @@ def main() -> None:
     import transformers as hf
 
     from autoshard import autoshard
+    from autoshard.testing.launch import leave
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2)
     args = ap.parse_args()
@@ -49,7 +50,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{params / 1e6:.1f}M parameters, tp={args.tp}; RSS MiB: "
               + ", ".join(f"{k} {v:.0f}" for k, v in marks.items()) + f"; peak {peak:.0f}")
-    dist.destroy_process_group()
+    leave(0)          # not a plain exit: gloo's threads can abort the interpreter's finalization
 
 
 if __name__ == "__main__":

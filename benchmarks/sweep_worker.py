@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.models import GPT, GPTConfig
+from autoshard.testing.launch import leave
 from autoshard.testing.memory import PeakBytes, state_bytes
 
 SHAPE = dict(n_layer=4, n_head=8, n_embd=256, vocab_size=512, block_size=128)
@@ -77,7 +78,7 @@ def main() -> None:
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         print("\n".join(json.dumps(r) for r in everyone), flush=True)
-    dist.destroy_process_group()
+    leave(0)          # not a plain exit: gloo's threads can abort the interpreter's finalization
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.compile import trace_cache
+from tests import launches
 
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 
@@ -101,6 +102,10 @@ def pytest_collection_modifyitems(config, items):
                          for m in item.iter_markers())
         if needs_cuda or "cuda" in getattr(getattr(item, "callspec", None), "params", {}).values():
             item.add_marker(pytest.mark.gpu)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(launches, "launches")     # the `launched` fixture, and its job selection
 
 
 # How many multi-process launches the run made (torchrun, and `autoshard train`, which launches its

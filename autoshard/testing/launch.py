@@ -1,17 +1,18 @@
 """What every torchrun checker does around its checks (agree on verdicts, report, leave cleanly), and
-the one way tests and the demo launch them (torchrun, torchrun_lines, torchrun_jobs)."""
+the one way tests and the demo launch them (torchrun, torchrun_lines; tests/launches.py runs several
+checkers in one launch through it)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "init_gloo", "json_lines", "run_checker", "shared_ok", "start_shared", "torchrun", "torchrun_jobs",
+__all__ = ["agree", "init_gloo", "json_lines", "leave", "run_checker", "shared_ok", "start_shared", "torchrun",
            "torchrun_lines"]
 
 
@@ -61,15 +62,19 @@ def run_checker(main: Callable[[], bool]) -> None:
         dist.barrier()
         return
     init_gloo()
-    ok = main()
+    leave(0 if main() else 1)
+
+
+def leave(code: int) -> NoReturn:
+    """End a torchrun process whose work is done: wait for every rank, close the process group and
+    exit with `code` without the interpreter's finalization. Gloo's worker threads can still hold
+    tensors while the interpreter finalizes, which aborts (SIGABRT, "terminate called without an
+    active exception") in about one exit in four here; whatever the process had to say is said."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Gloo's worker threads can still hold tensors while the interpreter finalizes, which aborts
-    # (SIGABRT, "terminate called without an active exception") in about one exit in four here.
-    # The verdict is already computed and agreed by all ranks, so leave without finalization.
-    os._exit(0 if ok else 1)
+    os._exit(code)
 
 
 def torchrun(target: str, args: list[str], world: int, *, timeout: int = 600, max_restarts: int = 0,
@@ -88,27 +93,6 @@ def torchrun(target: str, args: list[str], world: int, *, timeout: int = 600, ma
 def json_lines(stdout: str) -> list[dict]:
     """The JSON lines a checker's rank 0 printed."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-def torchrun_jobs(jobs: list[tuple[str, list[str]]], world: int, **options) -> list[list[dict]]:
-    """Several checkers in one launch of `world` processes (tests/harness/jobs.py): one process
-    group, torch and the models' code imported once. Returns each job's JSON lines, in order; a job
-    that printed none (the launch died in it or before) fails here with the launch's output."""
-    import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(jobs, f)
-    proc = torchrun("tests.harness.jobs", [f.name], world, **options)
-    os.unlink(f.name)
-    per_job: list[list[dict]] = [[] for _ in jobs]
-    current = None
-    for line in json_lines(proc.stdout):
-        if set(line) == {"job"}:
-            current = line["job"]
-        elif current is not None:
-            per_job[current].append(line)
-    missing = [jobs[i] for i, lines in enumerate(per_job) if not lines]
-    assert not missing, f"no result from {missing}:\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
-    return per_job
 
 
 def torchrun_lines(target: str, args: list[str], world: int, **options) -> list[dict]:

@@ -231,7 +231,8 @@ def run(opts: TrainOptions) -> int:
     reporter = Reporter(opts.out, opts.steps, start, rank == 0, opts.hardware)
     est = _estimated_seconds(opts, source, split)
     if rank == 0:
-        print(f"autoshard train: {type(source.model).__name__}, tp={split['tp']} pp={split['pp']} dp={split['dp']} "
+        count = sum(p.numel() for p in source.model.parameters())
+        print(f"autoshard train: {type(source.model).__name__} ({count / 1e6:.2f}M parameters), tp={split['tp']} pp={split['pp']} dp={split['dp']} "
               + (f"ep={split['ep']} " if split.get("ep", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
               + (f"AdamW state sharded over dp={split['dp']}"
                  + (f" (experts' over dp/ep={split['dp'] // split['ep']})" if split.get("ep", 1) > 1 else "") + ", "

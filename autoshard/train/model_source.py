@@ -42,7 +42,30 @@ class ModelSource:
         return getattr(self.model, "config", None)
 
 
+# the feed-forward widths a config may hold: the dense MLP's, each expert's, the shared experts'
+_FFN_WIDTHS = ("intermediate_size", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _ffn_widths(cfg, opts: TrainOptions) -> dict[str, int]:
+    """With --hidden and no --ffn, each feed-forward width of the config keeps its ratio to the hidden
+    size, rounded up to a multiple of 8 (before: Llama at --hidden 64 kept 11,008, an MLP 30 times
+    the rest of the model). Widths the config leaves unset (GPT-2's n_inner: 4 x hidden) stay unset."""
+    if opts.hidden is None or opts.ffn is not None:
+        return {}
+    old = cfg.hidden_size
+    out = {}
+    for attr in _FFN_WIDTHS:
+        width = getattr(cfg, attr, None)
+        if isinstance(width, int) and width > 0:
+            scaled = -(-width * opts.hidden // old)          # ceil(width * hidden / old)
+            out[attr] = -(-scaled // 8) * 8
+    return out
+
+
 def _apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
+    widths = _ffn_widths(cfg, opts)
+    for attr, width in widths.items():
+        setattr(cfg, attr, width)
     for opt, attr in _OVERRIDES.items():
         value = getattr(opts, opt)
         if opt == "vocab" and value is None and byte_tokenizer:

@@ -71,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
                    "takes the token ids and `labels` (shifted inside, as Hugging Face's) or `targets` (the next "
                    "tokens, as nanoGPT's) and returns the loss")
     for flag, what in (("--layers", "num_hidden_layers"), ("--hidden", "hidden_size"), ("--heads", "num_attention_heads"),
-                       ("--kv-heads", "num_key_value_heads"), ("--ffn", "intermediate size"),
+                       ("--kv-heads", "num_key_value_heads"),
+                       ("--ffn", "intermediate size (default with --hidden: the config's ratio to the hidden size)"),
                        ("--vocab", "vocab_size (default for the byte tokenizer: 384)"),
                        ("--max-positions", "max_position_embeddings")):
         m.add_argument(flag, type=int, default=None, help=f"config override: {what}")

@@ -1,14 +1,11 @@
-"""Tier (c): real processes on gloo, launched by torchrun, each running only its own rank. A test
-parametrized over meshes runs all meshes of one world size in one launch (torchrun_jobs), the first
-time one of them is asked for."""
-import functools
+"""Tier (c): real processes on gloo, launched by torchrun, each running only its own rank. Each
+mesh is a job of the suite's launch per world size (tests/launches.py)."""
 import json
-import pathlib
-import tempfile
 
 import pytest
 
-from autoshard.testing.launch import torchrun_jobs, torchrun_lines
+from autoshard.testing.launch import torchrun_lines
+from tests.launches import Job, job_params, needs
 
 MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
          "sequence-parallel": ["--in-graph-loss", "--sequence-parallel"],
@@ -19,19 +16,15 @@ MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
 # every mode at tp=2; at tp=4 the two that exercise the most collectives per layer (the rest at tp=4
 # run in simulation: tests/simulation)
 WORLD_MODES = [(2, mode) for mode in sorted(MODES)] + [(4, "vocab-parallel-loss"), (4, "fused-sequence-parallel")]
-
-
-@functools.cache
-def _training(world: int) -> dict[str, list[dict]]:
-    modes = [m for w, m in WORLD_MODES if w == world]
-    jobs = [("autoshard.testing.dist_check", ["--steps", "3", *MODES[m]]) for m in modes]
-    return dict(zip(modes, torchrun_jobs(jobs, world)))
+TRAINING = {f"{w}-{m}": Job(f"training/{w}-{m}", "autoshard.testing.dist_check", ("--steps", "3", *MODES[m]), w)
+            for w, m in WORLD_MODES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,mode", WORLD_MODES, ids=[f"{w}-{m}" for w, m in WORLD_MODES])
-def test_gloo_training_matches_single_device(world, mode):
-    lines = _training(world)[mode]
+@pytest.mark.parametrize("key", job_params(TRAINING))
+def test_gloo_training_matches_single_device(launched, key):
+    job = TRAINING[key]
+    lines, world = launched(job), job.world
     assert {r["model"] for r in lines} == {"nanogpt", "gpt2", "llama", "bert"}
     for r in lines:
         assert r["world"] == world and r["all_ranks_ok"], r
@@ -39,12 +32,16 @@ def test_gloo_training_matches_single_device(world, mode):
         assert r["sharded"] > 0, r
 
 
+DROPOUT = Job("dropout", "tests.harness.dropout_check", (), 2)
+
+
 @pytest.mark.slow
-def test_gloo_training_with_dropout_keeps_replicas_equal_fused_or_not():
+@needs(DROPOUT)
+def test_gloo_training_with_dropout_keeps_replicas_equal_fused_or_not(launched):
     """GPT-2 with dropout 0.3 at tp=2, plain and fused, with and without sequence parallelism: every
     rank computes the same losses and the replicated parameters stay bitwise equal (a fused dropout
     draws its mask in its region, as the plain one does)."""
-    lines = torchrun_lines("tests.harness.dropout_check", [], 2)
+    lines = launched(DROPOUT)
     assert {(r["fuse"], r["sequence_parallel"]) for r in lines} == {(f, sp) for f in (0, 1) for sp in (0, 1)}
     for r in lines:
         assert r["all_ranks_ok"] and r["same_loss"] and r["differ"] == [], r
@@ -66,31 +63,27 @@ def _dims(config: str) -> tuple[int, int, int, int]:
     return tuple(int(part[2:] if part[0] != "v" else part[1:]) for part in config.split("-"))
 
 
-@functools.cache
-def _pipelines(world: int) -> tuple[dict[str, list[dict]], str]:
-    """Every pipeline config of this world size in one launch; their traces go to one folder."""
-    folder = tempfile.mkdtemp(prefix="pipelines-")
-    configs = [c for c in PIPELINES if _dims(c)[0] * _dims(c)[1] * _dims(c)[2] == world]
-    jobs = []
-    for config in configs:
-        tp, pp, dp, v = _dims(config)
-        args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
-                "--microbatches", str(2 * pp), "--steps", "10", "--trace", folder, "--layers", str(_layers(config))]
-        if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
-            args += ["--optim", "adamw", "sgd"]
-        if config == FUSED_TOO:
-            args += ["--fuse", "both"]
-        jobs.append(("autoshard.testing.pipeline_check", args))
-    return dict(zip(configs, torchrun_jobs(jobs, world, timeout=900))), folder
+def _pipeline_job(config: str) -> Job:
+    """A pipeline config's checker run; its Chrome traces go to the job's folder ("{dir}")."""
+    tp, pp, dp, v = _dims(config)
+    args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
+            "--microbatches", str(2 * pp), "--steps", "10", "--trace", "{dir}", "--layers", str(_layers(config))]
+    if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
+        args += ["--optim", "adamw", "sgd"]
+    if config == FUSED_TOO:
+        args += ["--fuse", "both"]
+    return Job(f"pipelines/{config}", "autoshard.testing.pipeline_check", tuple(args), tp * pp * dp, seconds=600)
+
+
+PIPELINE_JOBS = {config: _pipeline_job(config) for config in PIPELINES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", PIPELINES)
-def test_gloo_pipeline_training_matches_single_device(config):
+@pytest.mark.parametrize("config", job_params(PIPELINE_JOBS))
+def test_gloo_pipeline_training_matches_single_device(launched, config):
     """GPT-2 and Llama, 4 or 8 layers (_layers), 10 AdamW steps with gradient clipping on one global batch per step."""
     tp, pp, dp, v = _dims(config)
-    results, folder = _pipelines(tp * pp * dp)
-    lines, tmp_path = results[config], pathlib.Path(folder)
+    lines, tmp_path = launched(PIPELINE_JOBS[config]), launched.folder(PIPELINE_JOBS[config])
     assert {(r["model"], r["optim"], r["fuse"]) for r in lines} >= {
         (m, "adamw", f) for m in ("gpt2", "llama") for f in ((False, True) if config == FUSED_TOO else (False,))}
     for r in lines:
@@ -109,16 +102,22 @@ def test_gloo_pipeline_training_matches_single_device(config):
         assert (tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def _checkpoint_job(root, name, kill_at=-1):
-    torchrun_lines("tests.harness.checkpoint_check", ["--tp", "2", "--pp", "2", "--meta", "--root", str(root),
-                                                      "--kill-at", str(kill_at), "--model", name], 4,
-                   max_restarts=1, timeout=900)
+def _checkpoint_args(name: str, root: str) -> tuple[str, ...]:
+    return ("--tp", "2", "--pp", "2", "--meta", "--root", root, "--model", name)
+
+
+# the uninterrupted runs share the suite's launch; the killed ones restart, so each is a launch of its own
+UNINTERRUPTED = {name: Job(f"checkpoint/{name}", "tests.harness.checkpoint_check", _checkpoint_args(name, "{dir}"), 4)
+                 for name in ("gpt2", "llama")}
+
+
+def _losses(root) -> list[dict]:
     return [json.loads(line) for line in open(root / "losses.jsonl")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama"])   # tied embedding across stages; rotary buffers
-def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path, name):
+@pytest.mark.parametrize("name", job_params(UNINTERRUPTED))      # tied embedding across stages; rotary buffers
+def test_killed_rank_restarts_from_checkpoint_and_reshards(launched, tmp_path, name):
     """Built on the meta device, tp=2 x pp=2, 6 AdamW steps saving every 2. Run once uninterrupted;
     run again with global rank 1 killed (SIGKILL) before step 3 and torchrun --max-restarts 1: the
     job resumes from step 2 and ends with identical losses and parameters. The final checkpoint
@@ -131,20 +130,24 @@ def test_killed_rank_restarts_from_checkpoint_and_reshards(tmp_path, name):
     from tests.harness.checkpoint_check import batch
     from autoshard.testing.models import build_model
 
-    plain = _checkpoint_job(tmp_path / "a", name)
-    killed = _checkpoint_job(tmp_path / "b", name, kill_at=3)
+    launched(UNINTERRUPTED[name])
+    whole = launched.folder(UNINTERRUPTED[name])
+    plain = _losses(whole)
+    torchrun_lines("tests.harness.checkpoint_check", [*_checkpoint_args(name, str(tmp_path / "b")), "--kill-at", "3"],
+                   4, max_restarts=1, timeout=900)
+    killed = _losses(tmp_path / "b")
     assert [r["attempt"] for r in killed] == [0, 0, 0, 1, 1, 1, 1]
     assert killed[3]["resumed_from"].endswith("step-00000002")
     assert {r["step"]: r["loss"] for r in killed} == {r["step"]: r["loss"] for r in plain}
-    a, b = load_full_state_dict(str(tmp_path / "a" / "final")), load_full_state_dict(str(tmp_path / "b" / "final"))
+    a, b = load_full_state_dict(str(whole / "final")), load_full_state_dict(str(tmp_path / "b" / "final"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     outs = []
     for tp in (4, 1):
         prog = autoshard(build_model(name, layers=4, seed=11), tp=tp, example_kwargs=batch(name, 0, 2))
         for rank in prog.ranks():
-            ck.load(str(tmp_path / "a" / "final"), prog, rank)
+            ck.load(str(whole / "final"), prog, rank)
         outs.append(prog.simulate(**batch(name, 9, 2)).logits)
-    consolidate(str(tmp_path / "a" / "final"), build_model(name, layers=4), str(tmp_path / "hf"))
+    consolidate(str(whole / "final"), build_model(name, layers=4), str(tmp_path / "hf"))
     model = type(build_model(name, layers=1)).from_pretrained(str(tmp_path / "hf"))
     want = model(**batch(name, 9, 2)).logits
     for out in outs:
@@ -155,23 +158,16 @@ RECOMPUTE_MESHES = {"tp2": ["--tp", "2"], "tp2-pp2": ["--tp", "2", "--pp", "2"],
                     "pp2-v2": ["--pp", "2", "--virtual-pipeline", "2"], "tp2-sp": ["--tp", "2", "--sp"]}
 
 
-@functools.cache
-def _recompute(world: int) -> dict[str, list[dict]]:
-    meshes = [m for m in sorted(RECOMPUTE_MESHES) if _recompute_world(m) == world]
-    return dict(zip(meshes, torchrun_jobs([("tests.harness.recompute_check", RECOMPUTE_MESHES[m]) for m in meshes],
-                                          world)))
-
-
-def _recompute_world(mesh: str) -> int:
-    return 4 if mesh == "tp2-pp2" else 2
+RECOMPUTE_JOBS = {mesh: Job(f"recompute/{mesh}", "tests.harness.recompute_check", tuple(args),
+                      4 if mesh == "tp2-pp2" else 2) for mesh, args in sorted(RECOMPUTE_MESHES.items())}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", sorted(RECOMPUTE_MESHES))
-def test_gloo_recompute_matches_no_recompute(mesh):
+@pytest.mark.parametrize("mesh", job_params(RECOMPUTE_JOBS))
+def test_gloo_recompute_matches_no_recompute(launched, mesh):
     """GPT-2 and Llama, dropout 0.1, full and selective recompute against none on real processes (1F1B,
     interleaved, sequence parallelism): per-step losses and this rank's gradients equal."""
-    lines = _recompute(_recompute_world(mesh))[mesh]
+    lines = launched(RECOMPUTE_JOBS[mesh])
     assert {(r["model"], r["mode"]) for r in lines} == {(m, x) for m in ("gpt2", "llama") for x in ("full", "selective")}
     for r in lines:
         assert r["all_ranks_ok"] and r["regions"] > 0 and r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 1e-6, r

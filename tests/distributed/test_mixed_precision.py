@@ -5,11 +5,9 @@ equal a one-process reference with the same casts (<= 1e-6), and under fp16 an i
 rank skips the step on every rank and halves the loss scale.
 The suite runs each mesh with a rotation of models and precisions; benchmarks/RESULTS.md has the
 full matrix (autoshard/testing/mixed_precision_check.py)."""
-import functools
-
 import pytest
 
-from autoshard.testing.launch import torchrun_jobs
+from tests.launches import Job, needs
 
 pytestmark = pytest.mark.slow
 
@@ -18,25 +16,16 @@ MESHES = {"tp2-dp2": (["--tp", "2", "--dp", "2"], 4, [("gpt2", "bf16"), ("llama"
           # the four-process meshes cover every (model, precision); the full mesh (eight processes, the
           # slowest here) runs fp16's skipped inf step across tp, pp and dp with GPT-2's tied embedding
           "tp2-pp2-dp2": (["--tp", "2", "--pp", "2", "--dp", "2"], 8, [("gpt2", "fp16")])}
+JOBS = {mesh: [Job(f"mixed-precision/{mesh}/{model}-{precision}", "autoshard.testing.mixed_precision_check",
+                   (*args, "--models", model, "--precisions", precision, "--steps", "30"), world, seconds=600)
+               for model, precision in combos]
+        for mesh, (args, world, combos) in MESHES.items()}
 
 
-@functools.cache
-def _launch(world: int) -> dict[str, list[dict]]:
-    """Every (mesh, model, precision) of this world size in one launch."""
-    meshes = [m for m in sorted(MESHES) if MESHES[m][1] == world]
-    jobs = [(m, ("autoshard.testing.mixed_precision_check",
-                 [*MESHES[m][0], "--models", model, "--precisions", precision, "--steps", "30"]))
-            for m in meshes for model, precision in MESHES[m][2]]
-    out: dict[str, list[dict]] = {m: [] for m in meshes}
-    for (m, _), lines in zip(jobs, torchrun_jobs([job for _, job in jobs], world, timeout=900)):
-        out[m] += lines
-    return out
-
-
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_half_precision_tracks_fp32_with_exact_fp32_main_weights(mesh):
-    args, world, combos = MESHES[mesh]
-    lines = _launch(world)[mesh]
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=needs(*JOBS[m])) for m in sorted(MESHES)])
+def test_half_precision_tracks_fp32_with_exact_fp32_main_weights(launched, mesh):
+    _, world, combos = MESHES[mesh]
+    lines = [line for job in JOBS[mesh] for line in launched(job)]
     assert {(r["model"], r["precision"]) for r in lines} == set(combos)
     for r in lines:
         assert r["all_ranks_ok"] and r["loss_rel_vs_fp32"] <= 2e-2 and r["main_rel_step1"] <= 1e-6, r

@@ -4,13 +4,15 @@ loss and gradients equal to the eager rank's, an out-of-range id still raising. 
 guard on data-dependent expression' at tp >= 2 (the id check was a Python `if` on tensor values)."""
 import pytest
 
-from autoshard.testing.launch import torchrun_lines
+from tests.launches import Job, needs
 
 pytestmark = pytest.mark.slow
+COMPILE = Job("torch-compile", "tests.harness.compile_check", (), 4)
 
 
-def test_compiled_rank_programs_equal_eager_at_tp2_and_tp4():
-    lines = torchrun_lines("tests.harness.compile_check", [], 4)
+@needs(COMPILE)
+def test_compiled_rank_programs_equal_eager_at_tp2_and_tp4(launched):
+    lines = launched(COMPILE)
     assert [(r["model"], r["tp"]) for r in lines] == [("gpt2", 4), ("gpt2", 2), ("llama", 4), ("llama", 2)]
     for r in lines:
         assert r["all_ranks_ok"] and r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 1e-5 and r["out_of_range_raised"], r

@@ -1,4 +1,4 @@
-"""Several checkers in one torchrun launch (autoshard.testing.launch.torchrun_jobs builds it):
+"""Several checkers in one torchrun launch (tests/launches.py builds it, one per world size):
 
     torchrun --standalone --nproc-per-node 4 -m tests.harness.jobs JOBS.json
 
@@ -6,14 +6,15 @@ JOBS.json is a list of [module, [arguments...]]; each module is a checker whose 
 arguments and runs through `launch.run_checker`. Here the process group is made once and each
 checker runs in it in turn (its verdict recorded, no exit), so torch, transformers and the
 compiler's first export are paid once per launch instead of once per checker. Rank 0 prints
-{"job": i} before job i's own lines. Exit status 0 when every job's check passed on every rank.
+{"job": i} before job i's own lines and {"done": i, "seconds": s} when it has returned (a job
+without it died, or the launch with it). Exit status 0 when every job's check passed on every rank.
 """
 from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -28,13 +29,11 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(json.dumps({"job": i}), flush=True)
         sys.argv = [module, *argv]
+        start = time.perf_counter()
         importlib.import_module(module).main()
-    ok = launch.shared_ok()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)      # as run_checker leaves: gloo's threads can abort finalization
+        if dist.get_rank() == 0:
+            print(json.dumps({"done": i, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+    launch.leave(0 if launch.shared_ok() else 1)
 
 
 if __name__ == "__main__":

@@ -253,3 +253,22 @@ def test_the_reason_of_whichever_rank_stopped_first_is_said_once(tmp_path, monke
     (tmp_path / "rank-1.txt").unlink()
     assert failure_line({1: 1, 0: -15}, str(tmp_path)) == (
         "autoshard train: rank 0 failed (exit code -15); its output is above")
+
+
+@pytest.mark.parametrize("model,hidden,widths", [
+    ("llama", 64, {"intermediate_size": 176}),                 # 11008 / 4096 of 64 = 172, up to a multiple of 8
+    ("mixtral", 64, {"intermediate_size": 224}),
+    ("qwen3_moe", 128, {"intermediate_size": 384, "moe_intermediate_size": 48}),
+    ("gpt2", 64, {"n_inner": None}),                           # unset: GPT-2 makes it 4 x hidden itself
+])
+def test_hidden_scales_the_feed_forward_widths_with_it(tmp_path, text, model, hidden, widths):
+    """Before, --hidden 64 left Llama's MLP at the config's 11,008 (30 times the rest of the model,
+    and 14x the step time of the intended model); --ffn still sets the dense width itself."""
+    opts = parse(["--model", model, "--data", text, "--out", str(tmp_path), "--layers", "1", "--hidden", str(hidden),
+                  "--heads", "4"])
+    cfg = build(opts, True).model.config
+    assert {attr: getattr(cfg, attr) for attr in widths} == widths
+    if model == "llama":
+        opts = parse(["--model", model, "--data", text, "--out", str(tmp_path), "--layers", "1", "--hidden", "64",
+                      "--heads", "4", "--ffn", "100"])
+        assert build(opts, True).model.config.intermediate_size == 100
