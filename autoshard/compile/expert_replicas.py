@@ -1,9 +1,9 @@
 """`prog.simulate()` at ep > 1: the expert-parallel ranks of one group, in one process.
 
 Expert parallelism lives inside data parallelism, so each of the ep ranks trains on its own slice of
-the batch. The simulator therefore holds ep replicas of the tensor-parallel rank programs (built
-like any rank, then each cut to its experts by runtime/expert_slices.py's `cut_experts` and bound to a
-simulated group) and runs all ep x tp of them in lockstep, replica e on batch slice e. The experts
+the batch. The simulator therefore holds ep replicas of the tensor-parallel rank programs (replica
+e's rank t is `prog.rank(t, ep_rank=e)`: cut to its experts when it is built, its experts calls bound
+to a simulated group) and runs all ep x tp of them in lockstep, replica e on batch slice e. The experts
 calls meet in `ExpertsCall.simulate`, whose all-to-all is the simulator's permutation of the ranks'
 lists (parallel/comm.py), so what is checked is the dispatch a real run does.
 
@@ -25,23 +25,17 @@ from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.errors import ShardingError
 from autoshard.runtime.batching import split_batch
-from autoshard.runtime.expert_slices import cut_experts
 from autoshard.runtime.loss_tokens import loss_tokens
 
 __all__ = ["ExpertReplicas"]
 
 
 class ExpertReplicas:
-    """ep replicas of a program's tensor-parallel ranks (`build(t)` makes a fresh rank t)."""
+    """ep replicas of a program's tensor-parallel ranks, each holding its expert-parallel rank's experts."""
 
-    def __init__(self, prog, build: Callable[[int], torch.nn.Module]):
+    def __init__(self, prog):
         self.prog, self.ep = prog, prog.dims.ep
-        self.replicas = []
-        for e in range(self.ep):
-            ranks = [build(t) for t in range(prog.tp)]
-            for rank in ranks:
-                cut_experts(rank, prog.dims, e, None)
-            self.replicas.append(ranks)
+        self.replicas = [[prog.rank(t, ep_rank=e) for t in range(prog.tp)] for e in range(self.ep)]
         self._counters: dict[int, object] = {}       # id(rank graph) -> its loss's token counter, or None
 
     def ranks(self) -> list[torch.nn.Module]:

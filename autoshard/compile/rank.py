@@ -66,6 +66,7 @@ class RankProgram(nn.Module):
         self._normalize = normalize
         self._compile_for = compile_for     # the program's compile: (named inputs, training) -> new graph
         self.expert_group = None            # expert parallelism's group, once bound (bind_experts)
+        self.expert_params: set[str] = set()    # the program's expert parameters, where this rank holds only its own
         self.expert_templates: dict[str, nn.Module] = {}     # path -> experts module (set by the program)
 
     # ---- graphs ------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ class RankProgram(nn.Module):
 
     def bind_experts(self, group) -> None:
         """Run every experts call (and those of graphs compiled later) expert-parallel on `group`
-        (autoshard.parallel.expert_parallel.ExpertGroup); the caller cuts the parameters."""
+        (autoshard.parallel.expert_parallel.ExpertGroup): the program built this rank with that
+        group's experts (`prog.rank(r, ep_rank)`); the runtime binds its process group."""
         self.expert_group = group
         for call in self.expert_calls():
             call.bind(group)

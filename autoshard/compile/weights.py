@@ -18,6 +18,7 @@ from torch import nn
 
 from autoshard.compile.rank import slice_layout
 from autoshard.errors import ShardingError
+from autoshard.parallel.expert_parallel import ExpertGroup
 from autoshard.passes.sharding.placement import ParamUse
 
 __all__ = ["WeightSource", "meta_like", "meta_skeleton", "state_tokens", "rank_slice", "copy_into_rank", "check_state_dict"]
@@ -85,9 +86,9 @@ class WeightSource:
         out.update((n, b) for n, b in model.named_buffers() if b is not None)
         return out
 
-    def load(self, state: Mapping[str, torch.Tensor], all_cut: bool) -> None:
-        """Ranks not cut yet come from `state` (a reference, not a copy; dropped once all are cut)."""
-        self._loaded = None if all_cut or self.released else state
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Ranks not cut yet come from `state` (a reference, not a copy; `all_cut` drops it)."""
+        self._loaded = None if self.released else state
 
     def all_cut(self) -> None:
         self._loaded = None
@@ -125,20 +126,26 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
 
 
-def rank_slice(full: torch.Tensor, use: ParamUse | None, r: int) -> torch.Tensor:
-    """Rank r's part of a full parameter (all of it where the plan leaves it whole)."""
+def rank_slice(full: torch.Tensor, use: ParamUse | None, r: int, experts: ExpertGroup | None = None) -> torch.Tensor:
+    """Tensor-parallel rank r's part of a full parameter (all of it where the plan leaves it whole);
+    with `experts`, a stacked expert parameter [experts, ...] is first cut to that expert-parallel
+    rank's consecutive experts."""
     value = full.detach()
+    if experts is not None:
+        value = value.narrow(0, experts.rank * experts.per_rank, experts.per_rank)   # [per_rank, ...]
     return slice_layout(value, use.dim, use.layout[r]) if use is not None else value
 
 
 def copy_into_rank(rank: nn.Module, uses: Mapping[str, ParamUse], state: Mapping[str, torch.Tensor]) -> None:
-    """Copy full tensors from `state` into rank module `rank`'s parameters (its slices) and buffers
-    of the same names and shapes."""
+    """Copy full tensors from `state` into rank module `rank`'s parameters (its slices, its own experts
+    where it holds only those) and buffers of the same names and shapes."""
+    experts = getattr(rank, "expert_params", set())
     with torch.no_grad():
         params = dict(rank.named_parameters())
         for name, p in params.items():
             if name in state:
-                p.copy_(rank_slice(state[name], uses.get(name), rank.rank))
+                group = rank.expert_group if name in experts else None
+                p.copy_(rank_slice(state[name], uses.get(name), rank.rank, group))
         for name, buf in rank.named_buffers():
             if name in state and name not in params and buf.shape == state[name].shape:
                 buf.copy_(state[name])

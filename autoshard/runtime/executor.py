@@ -21,9 +21,9 @@ from torch import nn
 
 from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
+from autoshard.parallel.expert_parallel import ExpertGroup
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
-from autoshard.runtime.expert_slices import cut_experts
 from autoshard.runtime.gradients import Gradients, refuse_changed
 from autoshard.runtime.loss_tokens import loss_factors, loss_tokens
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
@@ -38,6 +38,8 @@ class RankView(Protocol):
     """What the runtime uses of one tensor-parallel rank's program (compile/rank.py's RankProgram)."""
 
     training: bool
+    expert_group: object | None
+    expert_params: set[str]
 
     def bind(self, comm: object) -> "RankView": ...
     def bind_inputs(self, args: tuple, kwargs: dict) -> dict[str, object]: ...
@@ -58,8 +60,9 @@ class ProgramView(Protocol):
     microbatches: int
     example_inputs: dict[str, object]
     shared_params: dict[tuple[int, ...], list[str]]
+    experts_per_rank: int | None
 
-    def rank(self, r: int) -> RankView: ...
+    def rank(self, r: int, ep_rank: int | None = None) -> RankView: ...
     def stage_graphs(self, gm: fx.GraphModule) -> list[StageGraph]: ...
     def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float: ...
 
@@ -84,10 +87,15 @@ class MeshRuntime(nn.Module):
         self.last_grad_norm: torch.Tensor | None = None
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
         self._origin = 0.0            # when the current step began (time.time()): records count from it
-        program = prog.rank(self.tp_rank).bind(groups.tp)
         self._prog = prog
-        self.expert_params = cut_experts(program, self.dims, self.dp_rank, groups.ep)
+        if self.dims.ep > 1:        # this rank's experts only, cut with its tp shards; exchanges on its ep group
+            e = self.dims.ep_rank(self.dp_rank)
+            program = prog.rank(self.tp_rank, ep_rank=e).bind(groups.tp)
+            program.bind_experts(ExpertGroup(groups.ep, e, self.dims.ep, prog.experts_per_rank))
+        else:
+            program = prog.rank(self.tp_rank).bind(groups.tp)
         self.expert_group = program.expert_group      # ep > 1: its group, experts per rank, bytes sent
+        self.expert_params = set(program.expert_params)
         # not a submodule: this runtime registers the tensors its chunks read itself (below)
         object.__setattr__(self, "_program", program)
         self._chunks: dict[int, list[tuple[StageGraph, fx.GraphModule]]] = {}   # id(rank graph) -> chunks

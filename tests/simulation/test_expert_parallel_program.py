@@ -64,6 +64,43 @@ def test_the_expert_parallel_path_equals_the_model(name, impl):
     assert max(errs.values()) <= 1e-5, errs
 
 
+def test_each_expert_parallel_rank_is_cut_with_only_its_experts():
+    """The experts are cut at compile time, next to the tp shards (before: every rank was built with
+    all experts and cut at run time): prog.rank(t, ep_rank=e) holds experts e*per .. e*per+per-1 of
+    each layer and the same tp shards as prog.rank(t) elsewhere; weights loaded with
+    prog.load_state_dict reach the ranks built before and after the load."""
+    model = build_moe("mixtral")
+    prog = autoshard(model, tp=2, dp=2, ep=2, example_kwargs=_call())
+    per = prog.experts_per_rank
+    assert per == model.config.num_local_experts // 2
+    for t in range(2):
+        whole = dict(prog.rank(t).named_parameters())
+        for e in range(2):
+            rank = prog.rank(t, ep_rank=e)
+            assert rank.expert_group.rank == e and rank.expert_params is prog.expert_params
+            for name, p in rank.named_parameters():
+                want = whole[name].narrow(0, e * per, per) if name in prog.expert_params else whole[name]
+                assert torch.equal(p, want), name
+    built = prog.rank(1, ep_rank=1)
+    state = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    fresh = autoshard(build_moe("mixtral"), tp=2, dp=2, ep=2, example_kwargs=_call())
+    early = fresh.rank(1, ep_rank=1)
+    fresh.load_state_dict(state, strict=False)
+    full = fresh.full_state_dict()                          # from its tp ranks, built after the load
+    assert all(torch.equal(full[n], state[n]) for n in state)
+    for rank in (early, fresh.rank(0, ep_rank=1)):
+        whole = dict(fresh.rank(rank.rank).named_parameters())
+        for name, p in rank.named_parameters():
+            want = whole[name].narrow(0, per, per) if name in prog.expert_params else whole[name]
+            assert torch.equal(p, want), name
+    assert built is prog.rank(1, ep_rank=1)
+    with pytest.raises(IndexError, match="ep_rank 2 out of range for ep=2"):
+        prog.rank(0, ep_rank=2)
+    dense = autoshard(build_moe("mixtral"), tp=2, example_kwargs=_call())
+    with pytest.raises(ShardingError, match="ep_rank=0: this program has no expert parallelism"):
+        dense.rank(0, ep_rank=0)
+
+
 def test_dispatch_combine_sums_each_tokens_weighted_experts():
     torch.manual_seed(0)
     x, w = torch.randn(5, 3), torch.rand(5, 2)
