@@ -1,9 +1,8 @@
 """ShardedProgram: what `autoshard()` returns. It holds the compile's results and offers the user's
-methods, each delegating to the part that owns it: the compiler (new signatures), the weight source
-(cutting ranks), the stage layout (pipeline stages), the simulator, reassembly and printing."""
+methods, each delegating to the part that owns it: the compiler (new signatures), the cut ranks
+(compile/cut_ranks.py, from the weight source), the stage layout (pipeline stages), the simulator, reassembly and printing."""
 from __future__ import annotations
 
-import contextlib
 from typing import Mapping
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 from autoshard.compile.capture import InputBinder
 from autoshard.compile.compiler import Compiled, Compiler
+from autoshard.compile.cut_ranks import CutRanks, building, experts_per_rank
 from autoshard.compile.describe import describe
 from autoshard.compile.expert_replicas import ExpertReplicas
 from autoshard.compile.norm_weights import NormWeights
@@ -21,9 +21,8 @@ from autoshard.compile.rank import RankProgram
 from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.compile.stage_layout import StageLayout
-from autoshard.compile.weights import check_state_dict, copy_into_rank, meta_like, rank_slice
+from autoshard.compile.weights import check_state_dict, copy_into_rank, meta_like
 from autoshard.errors import ShardingError
-from autoshard.parallel.expert_parallel import ExpertGroup
 from autoshard.module_paths import assign_attr, fetch_attr
 from autoshard.passes.rewrite.rank_rewrite import RankGraph
 from autoshard.passes.sharding.annotate import ShardingPlan
@@ -33,27 +32,6 @@ from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.schedules import Action
 
 __all__ = ["ShardedProgram"]
-
-
-def _building() -> contextlib.ExitStack:
-    """Ranks and graphs are built on first use, under whatever mode that call runs in: they are
-    built with gradients on and outside inference mode, whatever it is (a first call under
-    torch.inference_mode() would otherwise make every parameter an inference tensor, unusable in
-    training ever after)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.enable_grad())
-    return stack
-
-
-def _experts_per_rank(rank0: RankGraph, ep: int) -> int | None:
-    """Experts each expert-parallel rank holds of every MoE layer (None without expert parallelism)."""
-    counts = {region.experts for region in rank0.experts}
-    if ep == 1 or not counts:
-        return None
-    if len(counts) != 1:
-        raise ShardingError(f"ep={ep}: MoE layers with different numbers of experts {sorted(counts)} are not built yet")
-    return counts.pop() // ep
 
 
 class ShardedProgram:
@@ -77,14 +55,13 @@ class ShardedProgram:
         self.planned = None     # the planner's Estimate when autoshard chose the split (world_size=)
         self._seed = 0
         self._training = model.training     # the ranks' mode: they start in the model's
-        self._ranks: dict[int, RankProgram] = {}
         self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice
         self.rank0_graph: fx.Graph = rank0.graph
         # parameters stacked on their experts dim [experts, ...], cut over the ep ranks next to the tp
         # cut (_build_rank): the one list of them that ranks, runtime, checkpoints and printing read
         self.expert_params: set[str] = {name for region in rank0.experts for name in region.params}
-        self.experts_per_rank = _experts_per_rank(rank0, dims.ep)
-        self._ep_ranks: dict[tuple[int, int], RankProgram] = {}     # (tp rank, ep rank) -> its experts only
+        self.experts_per_rank = experts_per_rank(rank0, dims.ep)
+        self._cut = CutRanks(self)           # the rank programs cut so far
         self._stages = stages
         self._names_with_ties = stages.names_with_ties
         self._simulator = ProgramSimulator(stages)
@@ -125,9 +102,9 @@ class ShardedProgram:
 
     # ---- compile and pipeline stages ---------------------------------------------------------
     def _compile(self, named: dict[str, object], training: bool | None = None) -> Compiled:
-        with _building():
+        with building():
             entry = self._compiler.compile_signature(named, training)
-            for rank in [*self._ranks.values(), *self._ep_ranks.values()]:
+            for rank in self._cut.all():
                 self._add_graph(rank, entry)
         return entry
 
@@ -162,51 +139,8 @@ class ShardedProgram:
         """Rank r's module: its parameter shards and its graph(s); `.code` prints them. With
         `ep_rank` (ep > 1): tensor-parallel rank r of expert-parallel rank `ep_rank`, holding only
         that rank's experts, its experts calls bound to a simulated group until the runtime binds
-        its process group (autoshard.parallel.expert_parallel)."""
-        if not 0 <= r < self.tp:
-            raise IndexError(f"rank {r} out of range for world size {self.tp}")
-        if ep_rank is not None:
-            return self._expert_rank(r, ep_rank)
-        if r not in self._ranks:
-            with _building():
-                self._ranks[r] = self._build_rank(r)
-            self._check_all_cut()
-        return self._ranks[r]
-
-    def _expert_rank(self, r: int, e: int) -> RankProgram:
-        if self.dims.ep == 1:
-            raise ShardingError(f"ep_rank={e}: this program has no expert parallelism (ep=1); use prog.rank({r})")
-        if not 0 <= e < self.dims.ep:
-            raise IndexError(f"ep_rank {e} out of range for ep={self.dims.ep}")
-        if (r, e) not in self._ep_ranks:
-            with _building():
-                self._ep_ranks[r, e] = self._build_rank(r, e)
-            self._check_all_cut()
-        return self._ep_ranks[r, e]
-
-    def _check_all_cut(self) -> None:
-        """Once every rank there is to cut is cut, a loaded state is no longer needed."""
-        if len(self._ranks) == self.tp and (self.dims.ep == 1 or len(self._ep_ranks) == self.tp * self.dims.ep):
-            self._source.all_cut()
-
-    def _build_rank(self, r: int, ep_rank: int | None = None) -> RankProgram:
-        """Cut tensor-parallel rank r from the model's state (and, with `ep_rank`, its experts)."""
-        full = self._source.tensors(cut=[*sorted(self._ranks), *sorted(self._ep_ranks)])   # one state for every rank
-        trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
-        group = None if ep_rank is None else ExpertGroup(None, ep_rank, self.dims.ep, self.experts_per_rank)
-        params = {name: nn.Parameter(rank_slice(full[name], self.sharding.params.get(name), r,
-                                                group if name in self.expert_params else None).clone(),
-                                     requires_grad=grad) for name, grad in trainable.items()}
-        rank = RankProgram(r, self.tp, params, self._bind, compile_for=self._compile)
-        rank.expert_params = self.expert_params if group is not None else set()
-        rank.train(self._training)
-        rank.rng.manual_seed(self._seed)
-        for entry in self._compiler.compiled:
-            self._add_graph(rank, entry)
-        if group is not None:
-            rank.bind_experts(group)
-        copy_into_rank(rank, self.sharding.params, {n: t for n, t in full.items() if n not in params})   # buffers
-        return rank
+        its process group (compile/cut_ranks.py)."""
+        return self._cut.get(r, ep_rank)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load full-size weights (the model's own names, as `model.state_dict()` gives them) into
@@ -219,10 +153,10 @@ class ShardedProgram:
             if name not in state_dict and given is not None:
                 state_dict[name] = state_dict[given]
         check_state_dict(state_dict, self.param_shapes, self._names_with_ties | self._source.buffer_names(), strict)
-        for rank in [*self._ranks.values(), *self._ep_ranks.values()]:
+        for rank in self._cut.all():
             copy_into_rank(rank, self.sharding.params, state_dict)
         self._source.load(state_dict)
-        self._check_all_cut()
+        self._cut.check_all_cut()
 
     def ranks(self) -> list[RankProgram]:
         return [self.rank(r) for r in range(self.tp)]
@@ -232,7 +166,7 @@ class ShardedProgram:
         `model.train(mode)` does: dropout and batch norm follow, each mode with its own graph
         (captured in that mode the first time a call needs it)."""
         self._training = mode
-        for rank in [*self._ranks.values(), *self._ep_ranks.values()]:
+        for rank in self._cut.all():
             rank.train(mode)
         return self
 
@@ -242,7 +176,7 @@ class ShardedProgram:
     def manual_seed(self, seed: int) -> None:
         """Seed every rank's dropout generators: same masks outside tensor-parallel regions on every
         rank, a different stream per rank inside them; the same seed gives the same masks again."""
-        for rank in [*self._ranks.values(), *self._ep_ranks.values()]:
+        for rank in self._cut.all():
             rank.rng.manual_seed(seed)
         self._seed = seed
 
@@ -304,7 +238,7 @@ class ShardedProgram:
 
     def _replicas(self) -> ExpertReplicas:
         if self._expert_replicas is None:
-            with _building():
+            with building():
                 self._expert_replicas = ExpertReplicas(self)
         return self._expert_replicas
 

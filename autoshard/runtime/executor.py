@@ -88,12 +88,10 @@ class MeshRuntime(nn.Module):
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         self._prog = prog
-        if self.dims.ep > 1:        # this rank's experts only, cut with its tp shards; exchanges on its ep group
-            e = self.dims.ep_rank(self.dp_rank)
-            program = prog.rank(self.tp_rank, ep_rank=e).bind(groups.tp)
+        e = self.dims.ep_rank(self.dp_rank) if self.dims.ep > 1 else None    # ep > 1: only its experts are cut
+        program = prog.rank(self.tp_rank, ep_rank=e).bind(groups.tp)
+        if e is not None:           # their exchanges run on its expert-parallel group
             program.bind_experts(ExpertGroup(groups.ep, e, self.dims.ep, prog.experts_per_rank))
-        else:
-            program = prog.rank(self.tp_rank).bind(groups.tp)
         self.expert_group = program.expert_group      # ep > 1: its group, experts per rank, bytes sent
         self.expert_params = set(program.expert_params)
         # not a submodule: this runtime registers the tensors its chunks read itself (below)

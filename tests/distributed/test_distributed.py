@@ -1,6 +1,7 @@
 """Tier (c): real processes on gloo, launched by torchrun, each running only its own rank. Each
 mesh is a job of the suite's launch per world size (tests/launches.py)."""
 import json
+import pathlib
 
 import pytest
 
@@ -102,13 +103,20 @@ def test_gloo_pipeline_training_matches_single_device(launched, config):
         assert (tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def _checkpoint_args(name: str, root: str) -> tuple[str, ...]:
-    return ("--tp", "2", "--pp", "2", "--meta", "--root", root, "--model", name)
+CHECKPOINTED = ("gpt2", "llama")       # tied embedding across stages; rotary buffers
+CHECKPOINT_ARGS = ("--tp", "2", "--pp", "2", "--meta", "--models", *CHECKPOINTED)
+# uninterrupted: a job of the suite's launch; killed: restarted by torchrun, so a launch of its own
+UNINTERRUPTED = Job("checkpoint", "tests.harness.checkpoint_check", (*CHECKPOINT_ARGS, "--root", "{dir}"), 4)
 
 
-# the uninterrupted runs share the suite's launch; the killed ones restart, so each is a launch of its own
-UNINTERRUPTED = {name: Job(f"checkpoint/{name}", "tests.harness.checkpoint_check", _checkpoint_args(name, "{dir}"), 4)
-                 for name in ("gpt2", "llama")}
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> pathlib.Path:
+    """One launch for both models: rank 1 dies before step 3 of the first model on the first attempt
+    and of the second model on the second; each restart resumes from the last complete checkpoint."""
+    root = tmp_path_factory.mktemp("killed")
+    torchrun_lines("tests.harness.checkpoint_check", [*CHECKPOINT_ARGS, "--root", str(root), "--kill-at", "3"], 4,
+                   max_restarts=len(CHECKPOINTED), timeout=900)
+    return root
 
 
 def _losses(root) -> list[dict]:
@@ -116,12 +124,13 @@ def _losses(root) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", job_params(UNINTERRUPTED))      # tied embedding across stages; rotary buffers
-def test_killed_rank_restarts_from_checkpoint_and_reshards(launched, tmp_path, name):
+@needs(UNINTERRUPTED)
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_killed_rank_restarts_from_checkpoint_and_reshards(launched, killed, tmp_path, name):
     """Built on the meta device, tp=2 x pp=2, 6 AdamW steps saving every 2. Run once uninterrupted;
-    run again with global rank 1 killed (SIGKILL) before step 3 and torchrun --max-restarts 1: the
-    job resumes from step 2 and ends with identical losses and parameters. The final checkpoint
-    then loads at (tp=4, pp=1) and (tp=1, pp=1) and into the model's own class."""
+    run again with global rank 1 killed (SIGKILL) before step 3 and torchrun restarting the job: it
+    resumes from step 2 and ends with identical losses and parameters. The final checkpoint then
+    loads at (tp=4, pp=1) and (tp=1, pp=1) and into the model's own class."""
     import torch
 
     from autoshard import autoshard
@@ -130,16 +139,14 @@ def test_killed_rank_restarts_from_checkpoint_and_reshards(launched, tmp_path, n
     from tests.harness.checkpoint_check import batch
     from autoshard.testing.models import build_model
 
-    launched(UNINTERRUPTED[name])
-    whole = launched.folder(UNINTERRUPTED[name])
-    plain = _losses(whole)
-    torchrun_lines("tests.harness.checkpoint_check", [*_checkpoint_args(name, str(tmp_path / "b")), "--kill-at", "3"],
-                   4, max_restarts=1, timeout=900)
-    killed = _losses(tmp_path / "b")
-    assert [r["attempt"] for r in killed] == [0, 0, 0, 1, 1, 1, 1]
+    launched(UNINTERRUPTED)
+    whole, restarted = launched.folder(UNINTERRUPTED) / name, killed / name
+    plain, killed = _losses(whole), _losses(restarted)
+    i = CHECKPOINTED.index(name)          # killed on attempt i, after steps 0-2 of attempt i
+    assert [r["attempt"] for r in killed] == [i] * 3 + [i + 1] * 4
     assert killed[3]["resumed_from"].endswith("step-00000002")
     assert {r["step"]: r["loss"] for r in killed} == {r["step"]: r["loss"] for r in plain}
-    a, b = load_full_state_dict(str(whole / "final")), load_full_state_dict(str(tmp_path / "b" / "final"))
+    a, b = load_full_state_dict(str(whole / "final")), load_full_state_dict(str(restarted / "final"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     outs = []
     for tp in (4, 1):

@@ -1,13 +1,15 @@
 """Run under torchrun: pipeline training that checkpoints, can be killed, and resumes.
 
-    torchrun --standalone --nproc-per-node 4 --max-restarts 1 -m tests.harness.checkpoint_check \\
-        --tp 2 --pp 2 --root /tmp/ckpt --kill-at 3
+    torchrun --standalone --nproc-per-node 4 --max-restarts 2 -m tests.harness.checkpoint_check \\
+        --tp 2 --pp 2 --root /tmp/ckpt --kill-at 3 --models gpt2 llama
 
-Every rank resumes from the newest complete checkpoint under --root (if any), trains up to --steps
-AdamW steps (step i's batch is drawn from seed 1000 + i, so a resumed run sees the same data),
-saves every --save-every steps and at the end under root/final. With --kill-at S, global rank 1
-kills itself (SIGKILL) before step S on the job's first attempt; torchrun restarts the job, which
-resumes from the last complete checkpoint. Rank 0 appends one JSON line per step to root/losses.jsonl.
+For each model in turn, under root/MODEL: every rank resumes from the newest complete checkpoint
+there (if any), trains up to --steps AdamW steps (step i's batch is drawn from seed 1000 + i, so a
+resumed run sees the same data), saves every --save-every steps and at the end under final. With
+--kill-at S, global rank 1 kills itself (SIGKILL) before step S of the i-th model on the job's
+attempt i; torchrun restarts the job, which resumes each model from its last complete checkpoint
+(one restart per model: --max-restarts is the number of models). Rank 0 appends one JSON line per
+step to root/MODEL/losses.jsonl.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def batch(name: str, step: int, size: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--models", nargs="+", default=["gpt2"])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
@@ -46,37 +48,44 @@ def main() -> None:
                     "materializes only its own shards")
     args = ap.parse_args()
 
-    def job() -> bool:
+    def train(model_name: str, index: int) -> None:
+        root = os.path.join(args.root, model_name)
+        if os.path.isfile(os.path.join(root, "final", "index.json")):
+            return                                  # finished on an earlier attempt (the index is written last)
+        os.makedirs(root, exist_ok=True)
         with torch.device("meta" if args.meta else "cpu"):
-            model = build_model(args.model, layers=args.layers)
+            model = build_model(model_name, layers=args.layers)
         micro = 2 * args.pp
         prog = autoshard(model, tp=args.tp, pp=args.pp, microbatches=micro,
-                         example_kwargs=batch(args.model, 0, 2))
+                         example_kwargs=batch(model_name, 0, 2))
         rt = prog.distributed()
         if args.meta:
             materialize(prog, rt, seed=0)
         opt = torch.optim.AdamW(rt.parameters(), lr=1e-3)
         start = 0
-        resume = ck.latest(args.root)
+        resume = ck.latest(root)
         if resume is not None:
             start = ck.load(resume, prog, rt, opt)["step"]
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         for step in range(start, args.steps):
-            if step == args.kill_at and attempt == 0 and dist.get_rank() == 1:
+            if step == args.kill_at and attempt == index and dist.get_rank() == 1:
                 os.kill(os.getpid(), signal.SIGKILL)       # a node dies mid-run
-            loss = rt.train_step(**batch(args.model, step, 2 * micro), max_norm=1.0)
+            loss = rt.train_step(**batch(model_name, step, 2 * micro), max_norm=1.0)
             opt.step()
             opt.zero_grad()
             if dist.get_rank() == 0:
-                with open(os.path.join(args.root, "losses.jsonl"), "a") as fh:
+                with open(os.path.join(root, "losses.jsonl"), "a") as fh:
                     fh.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
                                          "resumed_from": resume}) + "\n")
             if (step + 1) % args.save_every == 0:
-                ck.save(os.path.join(args.root, f"step-{step + 1:08d}"), prog, rt, opt, step=step + 1)
-        ck.save(os.path.join(args.root, "final"), prog, rt, opt, step=args.steps)
+                ck.save(os.path.join(root, f"step-{step + 1:08d}"), prog, rt, opt, step=step + 1)
+        ck.save(os.path.join(root, "final"), prog, rt, opt, step=args.steps)
+
+    def job() -> bool:
+        for index, model_name in enumerate(args.models):
+            train(model_name, index)
         return True
 
-    os.makedirs(args.root, exist_ok=True)
     run_checker(job)
 
 
