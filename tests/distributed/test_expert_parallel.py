@@ -24,7 +24,7 @@ MESHES = {
           "--empty-microbatch"], 4),
     "tp2-dp2-ep2 (built on the meta device, loaded from save_pretrained's experts-one-module-each files)":
         (["--tp", "2", "--dp", "2", "--ep", "2", "--from-file", "{dir}", "--models", "mixtral", "qwen3_moe"], 4),
-    "tp2-dp4-ep4 (eight processes)": (["--tp", "2", "--dp", "4", "--ep", "4"], 8),
+    # ep=4 on real processes (with tp=2 it runs in simulation: tests/simulation/test_expert_parallel_program.py)
     "pp2-dp4-ep4 (eight processes)": (["--pp", "2", "--dp", "4", "--ep", "4"], 8),
     "pp2-dp2-ep2 (full recompute: the forward's all-to-alls run again in backward; built on meta)":
         (["--pp", "2", "--dp", "2", "--ep", "2", "--recompute", "full", "--meta"], 4),

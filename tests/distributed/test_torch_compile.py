@@ -1,5 +1,5 @@
 """torch.compile(rank, fullgraph=True) of vocabulary-parallel rank programs on gloo processes
-(tests/harness/compile_check.py): GPT-2 and Llama at tp=4 and tp=2 (two pairs of a 4-process world),
+(tests/harness/compile_check.py): GPT-2 at tp=4 and Llama at tp=2 (two pairs of a 4-process world),
 loss and gradients equal to the eager rank's, an out-of-range id still raising. Before: 'Could not
 guard on data-dependent expression' at tp >= 2 (the id check was a Python `if` on tensor values)."""
 import pytest
@@ -7,12 +7,12 @@ import pytest
 from tests.launches import Job, needs
 
 pytestmark = pytest.mark.slow
-COMPILE = Job("torch-compile", "tests.harness.compile_check", (), 4)
+COMPILE = Job("torch-compile", "tests.harness.compile_check", ("--cases", "gpt2:4", "llama:2"), 4)
 
 
 @needs(COMPILE)
 def test_compiled_rank_programs_equal_eager_at_tp2_and_tp4(launched):
     lines = launched(COMPILE)
-    assert [(r["model"], r["tp"]) for r in lines] == [("gpt2", 4), ("gpt2", 2), ("llama", 4), ("llama", 2)]
+    assert [(r["model"], r["tp"]) for r in lines] == [("gpt2", 4), ("llama", 2)]
     for r in lines:
         assert r["all_ranks_ok"] and r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 1e-5 and r["out_of_range_raised"], r

@@ -1,9 +1,9 @@
 """torch.compile of a rank program with vocabulary parallelism, on real processes:
 
-    torchrun --standalone --nproc-per-node 4 -m tests.harness.compile_check
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.compile_check [--cases gpt2:4 llama:2]
 
-Four gloo processes hold a tp=4 program and two tp=2 programs (ranks 0-1 and 2-3, each pair its own
-group). Every rank compiles its rank module with `torch.compile(fullgraph=True)` (aot_eager: autograd
+Four gloo processes hold, for each case MODEL:TP, a tp=4 program or two tp=2 programs (ranks 0-1 and
+2-3, each pair its own group); by default both models at both sizes. Every rank compiles its rank module with `torch.compile(fullgraph=True)` (aot_eager: autograd
 traced too) and checks, on the model's own loss (vocabulary-parallel embedding, head and
 cross-entropy, -100 labels among them), that the compiled module's loss and every gradient equal
 the eager module's, and that an out-of-range token id still raises in the compiled module (the id
@@ -61,17 +61,21 @@ def check(name: str, tp: int, group: dist.ProcessGroup) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["gpt2", "llama"])
+    ap.add_argument("--cases", nargs="+", default=["gpt2:4", "gpt2:2", "llama:4", "llama:2"],
+                    help="MODEL:TP, TP the world size or 2")
     args = ap.parse_args()
 
     def checks() -> bool:
         world, me = dist.get_world_size(), dist.get_rank()
         pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]       # every rank makes every group
         ok = True
-        for name in args.models:
-            for tp, group in ((world, dist.group.WORLD), (2, pairs[me // 2])):
-                res = check(name, tp, group)
-                ok &= agree(res, res["loss_rel"] <= 1e-6 and res["grad_rel"] <= 1e-5 and res["out_of_range_raised"])
+        for case in args.cases:
+            name, tp = case.split(":")[0], int(case.split(":")[1])
+            if tp not in (world, 2):
+                raise SystemExit(f"--cases {case}: tp must be the world size ({world}) or 2")
+            group = dist.group.WORLD if tp == world else pairs[me // 2]
+            res = check(name, tp, group)
+            ok &= agree(res, res["loss_rel"] <= 1e-6 and res["grad_rel"] <= 1e-5 and res["out_of_range_raised"])
         return ok
     run_checker(checks)
 
