@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from autoshard import autoshard  # noqa: E402
-from autoshard.testing.launch import leave  # noqa: E402
+from autoshard.testing.launch import agree, run_checker  # noqa: E402
 
 
 def _model(args):
@@ -53,8 +53,7 @@ def _bytes(rt, opt, experts_only: bool) -> int:
     return total
 
 
-def main(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
+def main(args: argparse.Namespace) -> bool:
     rows = args.dp * args.microbatches * args.rows
     runs = {}
     for ep in (1, args.ep):
@@ -105,14 +104,22 @@ def main(args: argparse.Namespace) -> None:
             append_result("Expert parallelism vs replicated experts",
                           f"torchrun --standalone --nproc-per-node {args.dp} benchmarks/expert_parallel.py "
                           f"--dp {args.dp} --ep {args.ep}", "CPU gloo, OMP_NUM_THREADS=1", f"{table}\n\n{summary}")
-    leave(0)          # not a plain exit: gloo's threads can abort the interpreter's finalization
+    cells = {("replicated (ep=1)" if ep == 1 else f"divided over ep={ep}"):
+             {"experts_mib": mem[ep][1] / 2 ** 20, "all_to_all_mib": sent[ep] / args.rounds / 2 ** 20} for ep in runs}
+    return agree({"rows": cells}, True)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (also run as a job of the test suite's launches: tests/launches.py)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--dp", 2), ("--ep", 2), ("--layers", 4), ("--hidden", 256), ("--ffn", 512),
                           ("--experts", 8), ("--vocab", 4096), ("--seq", 128), ("--rows", 4), ("--microbatches", 2),
                           ("--rounds", 10), ("--warmup", 2)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--append", action="store_true")
-    main(ap.parse_args())
+    args = ap.parse_args()
+    run_checker(lambda: main(args))
+
+
+if __name__ == "__main__":
+    cli()

@@ -237,7 +237,8 @@ def _append(args: argparse.Namespace, result: dict) -> None:
                   " ".join(["torchrun", "--nproc-per-node", "2"] + sys.argv), shape, table + "\n\n" + ratios)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (also run as a job of the test suite's launches: tests/launches.py)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--layers", 8), ("--hidden", 256), ("--heads", 8), ("--kv-heads", 2), ("--vocab", 4096),
                           ("--seq", 128), ("--batch", 8), ("--microbatches", 4), ("--rounds", 10), ("--warmup", 2)):
@@ -246,3 +247,7 @@ if __name__ == "__main__":
     ap.add_argument("--append", action="store_true")
     args = ap.parse_args()
     run_checker(lambda: main(args))
+
+
+if __name__ == "__main__":
+    cli()

@@ -115,7 +115,8 @@ def main(args: argparse.Namespace) -> bool:
     return ok
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (also run as a job of the test suite's launches: tests/launches.py)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # --virtual-pipeline, not --virtual: torchrun reads any prefix of its --virtual-local-rank as its own
     for flag, default in (("--tp", 2), ("--pp", 1), ("--virtual-pipeline", 1), ("--microbatches", 1), ("--layers", 4), ("--hidden", 256), ("--heads", 8), ("--vocab", 4096),
@@ -126,3 +127,7 @@ if __name__ == "__main__":
     ap.add_argument("--append", action="store_true")
     args = ap.parse_args()
     run_checker(lambda: main(args))
+
+
+if __name__ == "__main__":
+    cli()

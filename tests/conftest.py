@@ -18,8 +18,8 @@ warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 # benchmarks that time compilation turn it off.
 os.environ.setdefault(trace_cache.ENV, "1")
 
-# One thread per test process: the models here are tiny (threads buy nothing), and two pytest-xdist
-# workers each running two OpenMP threads on a 2-core machine spend CPU spinning against each other.
+# One thread per test process: the models here are tiny (threads buy nothing), and pytest-xdist
+# workers each running several OpenMP threads on a 2-core machine spend CPU spinning against each other.
 torch.set_num_threads(1)
 
 

@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--optim", nargs="+", choices=("adamw", "sgd"), default=["adamw"],
                     help="SGD is linear in the gradients: a scaling error cannot hide behind Adam's normalisation, "
                          "and parameters must match element by element (--param-tol)")
+    ap.add_argument("--sgd-models", nargs="+", default=None, help="the models SGD runs for (default: all)")
     ap.add_argument("--fuse", choices=("off", "on", "both"), default="off", help="fused ops (see autoshard(fuse=))")
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--tol", type=float, default=1e-5, help="relative error allowed on losses")
@@ -116,7 +117,9 @@ def main() -> None:
     def checks() -> bool:
         ok = True
         fuses = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
-        for name, optim, fuse in [(m, o, f) for f in fuses for o in args.optim for m in args.models]:
+        sgd = set(args.sgd_models or args.models)
+        for name, optim, fuse in [(m, o, f) for f in fuses for o in args.optim for m in args.models
+                                  if o != "sgd" or m in sgd]:
             res = check_model(name, optim, fuse, args)
             element_tol = args.element_tol if optim == "adamw" else args.param_tol
             ok &= agree(res, res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol

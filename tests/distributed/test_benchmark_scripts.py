@@ -1,10 +1,11 @@
-"""The GPU benchmark scripts run end to end on the CPU with tiny sizes (their numbers mean nothing
-there; the GPU session runs them for real), so a broken script is caught before device time."""
+"""The benchmark scripts run end to end on the CPU with tiny sizes (their numbers mean nothing here;
+the GPU session runs them for real), so a broken script is caught before device time. The torchrun
+ones run their command line (`cli()`) as jobs of the suite's launches."""
 import os
 import subprocess
 import sys
 
-from autoshard.testing.launch import torchrun, torchrun_lines
+from tests.launches import Job, needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,28 +50,33 @@ def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):
     assert proc.returncode != 0 and f"{tmp_path}: imported autoshard from" in proc.stderr
 
 
-def test_pipeline_overhead_benchmark_runs_all_four_programs_on_the_same_losses():
+# the scripts' command lines (cli()) as jobs of the suite's world-2 launch (tests/launches.py)
+PIPELINE_OVERHEAD = Job("benchmarks/pipeline-overhead", "benchmarks.pipeline_overhead:cli",
+                        ("--layers", "4", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
+                         "--warmup", "0"), 2)
+EXPERT_PARALLEL = Job("benchmarks/expert-parallel", "benchmarks.expert_parallel:cli",
+                      ("--layers", "2", "--hidden", "64", "--ffn", "64", "--vocab", "256", "--seq", "32", "--rounds",
+                       "2", "--warmup", "0"), 2)
+
+
+@needs(PIPELINE_OVERHEAD)
+def test_pipeline_overhead_benchmark_runs_all_four_programs_on_the_same_losses(launched):
     """autoshard's 1F1B and interleaved against torch.distributed.pipelining's, tiny sizes: the four
     programs agree on the losses before anything is timed, and each step's ops and sends are counted."""
-    result = torchrun_lines(os.path.join(ROOT, "benchmarks", "pipeline_overhead.py"),
-                            ["--layers", "4", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
-                             "--warmup", "0"], 2, cwd=ROOT)[0]
+    result = launched(PIPELINE_OVERHEAD)[0]
     assert result["all_ranks_ok"] and result["loss_rel"] <= 1e-5
     names = ("autoshard 1f1b", "autoshard interleaved", "torch 1f1b", "torch interleaved")
     assert all(result["ops"][n] > 0 and result["sends"][n] > 0 and result["cpu_ms"][n] > 0 for n in names)
 
 
-def test_expert_parallel_benchmark_runs_both_programs():
+@needs(EXPERT_PARALLEL)
+def test_expert_parallel_benchmark_runs_both_programs(launched):
     """Replicated experts against ep=2 at tiny sizes: both rows, the experts' memory per rank halved
     (8 experts, 4 a rank) and all-to-all bytes only where the experts are divided."""
-    proc = torchrun(os.path.join(ROOT, "benchmarks", "expert_parallel.py"),
-                    ["--layers", "2", "--hidden", "64", "--ffn", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
-                     "--warmup", "0"], 2, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
-                              if line.startswith("| replicated") or line.startswith("| divided"))}
-    full, divided = rows["replicated (ep=1)"], rows["divided over ep=2"]
-    assert float(divided[4]) == float(full[4]) / 2 and float(full[5]) == 0 < float(divided[5])
+    (result,) = launched(EXPERT_PARALLEL)
+    full, divided = result["rows"]["replicated (ep=1)"], result["rows"]["divided over ep=2"]
+    assert result["all_ranks_ok"]
+    assert divided["experts_mib"] == full["experts_mib"] / 2 and full["all_to_all_mib"] == 0 < divided["all_to_all_mib"]
 
 
 def test_single_process_pytest_benchmarks_run_and_check_what_they_time():

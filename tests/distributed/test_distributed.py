@@ -69,8 +69,8 @@ def _pipeline_job(config: str) -> Job:
     tp, pp, dp, v = _dims(config)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
             "--microbatches", str(2 * pp), "--steps", "10", "--trace", "{dir}", "--layers", str(_layers(config))]
-    if dp > 1:      # SGD too: linear in the gradients, so parameters must match element by element
-        args += ["--optim", "adamw", "sgd"]
+    if dp > 1:      # SGD too (GPT-2, whose tied embedding spans the stages): linear in the gradients,
+        args += ["--optim", "adamw", "sgd", "--sgd-models", "gpt2"]   # so parameters match element by element
     if config == FUSED_TOO:
         args += ["--fuse", "both"]
     return Job(f"pipelines/{config}", "autoshard.testing.pipeline_check", tuple(args), tp * pp * dp, seconds=600)
@@ -87,6 +87,7 @@ def test_gloo_pipeline_training_matches_single_device(launched, config):
     lines, tmp_path = launched(PIPELINE_JOBS[config]), launched.folder(PIPELINE_JOBS[config])
     assert {(r["model"], r["optim"], r["fuse"]) for r in lines} >= {
         (m, "adamw", f) for m in ("gpt2", "llama") for f in ((False, True) if config == FUSED_TOO else (False,))}
+    assert dp == 1 or ("gpt2", "sgd", False) in {(r["model"], r["optim"], r["fuse"]) for r in lines}
     for r in lines:
         assert r["all_ranks_ok"] and (r["tp"], r["pp"], r["dp"], r["virtual"]) == (tp, pp, dp, v), r
         assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5 and r["param_norm_rel"] <= 1e-5, r

@@ -1,14 +1,10 @@
 """The hand-parallel baseline computes what the single-device model and autoshard compute."""
-import os
-
 import pytest
 import torch
 
 from autoshard.models import GPT, GPTConfig
-from autoshard.testing.launch import torchrun_lines
 from benchmarks.hand_parallel.layers import vocab_parallel_cross_entropy
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.launches import Job, needs
 
 
 @pytest.mark.simulation
@@ -59,10 +55,20 @@ def test_run_all_launches_each_config_with_its_world_size():
     assert all("--append" not in c for c in commands(quick=True, append=True))      # quick never records
 
 
-def _step_time(*args: str, nproc: int) -> dict:
-    (r,) = torchrun_lines(os.path.join(ROOT, "benchmarks", "step_time.py"),
-                          [*args, "--rounds", "2", "--warmup", "0", "--layers", "4", "--hidden", "64", "--heads", "4",
-                           "--vocab", "256", "--seq", "32", "--lr", "0.5", "--batch", "8"], nproc)
+def _step_time(name: str, world: int, *args: str) -> Job:
+    """benchmarks/step_time.py's command line as a job of the suite's launch of `world` processes."""
+    return Job(f"step-time/{name}", "benchmarks.step_time:cli",
+               (*args, "--rounds", "2", "--warmup", "0", "--layers", "4", "--hidden", "64", "--heads", "4",
+                "--vocab", "256", "--seq", "32", "--lr", "0.5", "--batch", "8"), world)
+
+
+TP2 = _step_time("tp2", 2, "--tp", "2")
+TP2_PP2 = _step_time("tp2-pp2-v2", 4, "--tp", "2", "--pp", "2", "--virtual-pipeline", "2", "--schedule", "interleaved",
+                     "--microbatches", "4")
+
+
+def _checked(lines: list[dict]) -> dict:
+    (r,) = lines
     assert r["all_ranks_ok"] and r["loss_rel"] <= 1e-5
     first, _, last = (a for a, _ in r["losses"])
     assert first != last            # the steps trained: the comparison is of moving values
@@ -70,14 +76,14 @@ def _step_time(*args: str, nproc: int) -> dict:
 
 
 @pytest.mark.slow
-def test_hand_parallel_and_autoshard_train_alike_on_gloo():
-    assert _step_time("--tp", "2", nproc=2)["config"] == "tp=2"
+@needs(TP2)
+def test_hand_parallel_and_autoshard_train_alike_on_gloo(launched):
+    assert _checked(launched(TP2))["config"] == "tp=2"
 
 
 @pytest.mark.slow
-def test_hand_built_pipeline_and_autoshard_train_alike_on_gloo():
+@needs(TP2_PP2)
+def test_hand_built_pipeline_and_autoshard_train_alike_on_gloo(launched):
     """tp=2 x pp=2 with two chunks per rank (interleaved 1F1B): hand stages, hand p2p and the
     embedding group against autoshard's pipeline runtime."""
-    r = _step_time("--tp", "2", "--pp", "2", "--virtual-pipeline", "2", "--schedule", "interleaved", "--microbatches", "4",
-                   nproc=4)
-    assert r["config"] == "tp=2 pp=2 v=2 m=4"
+    assert _checked(launched(TP2_PP2))["config"] == "tp=2 pp=2 v=2 m=4"

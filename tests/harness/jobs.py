@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 4 -m tests.harness.jobs JOBS.json
 
 JOBS.json is a list of [module, [arguments...]]; each module is a checker whose `main()` parses its
-arguments and runs through `launch.run_checker`. Here the process group is made once and each
+arguments and runs through `launch.run_checker` ("module:function" names another entry point, such
+as a benchmark script's `cli`). Here the process group is made once and each
 checker runs in it in turn (its verdict recorded, no exit), so torch, transformers and the
 compiler's first export are paid once per launch instead of once per checker. Rank 0 prints
 {"job": i} before job i's own lines and {"done": i, "seconds": s} when it has returned (a job
@@ -28,9 +29,10 @@ def main() -> None:
     for i, (module, argv) in enumerate(jobs):
         if dist.get_rank() == 0:
             print(json.dumps({"job": i}), flush=True)
-        sys.argv = [module, *argv]
+        name, _, entry = module.partition(":")
+        sys.argv = [name, *argv]
         start = time.perf_counter()
-        importlib.import_module(module).main()
+        getattr(importlib.import_module(name), entry or "main")()
         if dist.get_rank() == 0:
             print(json.dumps({"done": i, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     launch.leave(0 if launch.shared_ok() else 1)
