@@ -34,11 +34,17 @@ CONFIGS = [
 ]
 
 
-def run(config) -> list[dict]:
+def worker_args(config) -> list[str]:
+    """benchmarks/sweep_worker.py's arguments for one configuration (run on tp * pp * dp processes)."""
     tp, pp, dp, v, m, rc, sp = config
+    return (["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v), "--microbatches", str(m),
+             "--recompute", rc] + (["--sp"] if sp else []))
+
+
+def run(config) -> list[dict]:
+    tp, pp, dp = config[:3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
-           str(ROOT / "benchmarks" / "sweep_worker.py"), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-           "--virtual-pipeline", str(v), "--microbatches", str(m), "--recompute", rc] + (["--sp"] if sp else [])
+           str(ROOT / "benchmarks" / "sweep_worker.py"), *worker_args(config)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         raise RuntimeError(f"{config} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")

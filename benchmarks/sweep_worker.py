@@ -5,6 +5,8 @@
 Trains the sweep's GPT with AdamW through `MeshRuntime.train_step`: two warm-up steps, then one step
 under `autoshard.testing.memory.PeakBytes` (on top of the parameters and optimizer state already
 live) and `--steps` timed steps, each fenced by barriers. Rank 0 prints one JSON line per rank.
+Denormals are flushed while it measures and the setting is put back after (the test suite runs it
+as a job of a launch shared with other checks: tests/launches.py).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.models import GPT, GPTConfig
-from autoshard.testing.launch import leave
+from autoshard.testing.launch import run_checker
 from autoshard.testing.memory import PeakBytes, state_bytes
 
 SHAPE = dict(n_layer=4, n_head=8, n_embd=256, vocab_size=512, block_size=128)
@@ -35,8 +37,19 @@ def main() -> None:
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    run_checker(lambda: _measured(args))
+
+
+def _measured(args: argparse.Namespace) -> bool:
     torch.set_flush_denormal(True)    # tiny gradients made denormal products 30x slower (RESULTS.md)
+    try:
+        _measure(args)
+    finally:
+        torch.set_flush_denormal(False)
+    return True
+
+
+def _measure(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SHAPE, dropout=0.1)).train()
     seq = SHAPE["block_size"]
@@ -78,7 +91,6 @@ def main() -> None:
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         print("\n".join(json.dumps(r) for r in everyone), flush=True)
-    leave(0)          # not a plain exit: gloo's threads can abort the interpreter's finalization
 
 
 if __name__ == "__main__":

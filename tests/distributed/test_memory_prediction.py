@@ -8,18 +8,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autoshard.cpu_profile import CPU_DEFAULTS  # noqa: E402
 from autoshard.planning.hardware import Hardware  # noqa: E402
-from benchmarks.planner_sweep import predicted_memory, run  # noqa: E402
+from benchmarks.planner_sweep import predicted_memory, worker_args  # noqa: E402
+from tests.launches import Job, job_params  # noqa: E402
 
 # the byte counts are all the memory model reads of a profile; the rates are not used
 CPU = Hardware("cpu", peak_tflops=0.1, hbm_gb_s=1, memory_gib=24, gpus_per_node=2, nvlink_gb_s=1,
                network_gb_s=1, **CPU_DEFAULTS)
 
 
+CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2, 1, 1, 4, "selective", False)}
+# each configuration a job of the suite's launch of two processes (tests/launches.py)
+JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2)
+        for name, config in CONFIGS.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [(2, 1, 1, 1, 1, "none", False), (1, 2, 1, 1, 4, "selective", False)],
-                         ids=["tp2-none", "pp2-m4-selective"])
-def test_predicted_peak_memory_within_15_percent_of_measured(config):
-    ranks = run(config)
+@pytest.mark.parametrize("name", job_params(JOBS))
+def test_predicted_peak_memory_within_15_percent_of_measured(launched, name):
+    config, ranks = CONFIGS[name], launched(JOBS[name])
     assert len(ranks) == 2
     for r in ranks:
         want = predicted_memory(config, r["pp_rank"], CPU).peak
