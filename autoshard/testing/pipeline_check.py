@@ -2,9 +2,11 @@
 
     torchrun --standalone --nproc-per-node 8 -m autoshard.testing.pipeline_check --tp 2 --pp 2 --dp 2
 
-Every rank builds the same seeded model twice: one copy is compiled with autoshard and trained
-through `MeshRuntime.train_step` on its own rank; the other trains single-device on the same
-global batches with the same optimizer (AdamW) and gradient clipping. Per-step losses and, at the
+Every rank builds the same seeded model, compiles it with autoshard and trains it through
+`MeshRuntime.train_step` on its own rank; the reference is the same model trained single-device on
+the same global batches with the same optimizer (AdamW) and gradient clipping, computed once by the
+launching test (`--reference FILE`, written by `write_references`) or, without the flag, on every
+rank. Per-step losses and, at the
 end, this rank's parameter shards are compared with the single-device ones. Exit status 1 on any
 mismatch; rank 0 prints one JSON line per model (and per optimizer, and fused or not with
 `--fuse both`: the fused ops' torch implementations on the CPU). `--trace DIR` writes the last step's Chrome
@@ -28,10 +30,12 @@ from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
 
 
-def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace) -> dict:
-    rank = dist.get_rank()
-    shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)
-    ref, model = build_model(name, **shape), build_model(name, **shape)
+def _kw(name: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    return {input_name(name): ids, label_name(name): labels}
+
+
+def global_batches(optim: str, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's global batch (ids, labels), the same on every rank and in the reference."""
     gen = torch.Generator().manual_seed(1)
     batch = args.dp * args.microbatches * args.micro_size
     steps = [(torch.randint(0, VOCAB, (batch, 16), generator=gen), torch.randint(0, VOCAB, (batch, 16), generator=gen))
@@ -44,48 +48,82 @@ def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace) -> 
     for _, labels in steps if optim == "sgd" else ():
         prompt = torch.randint(0, 16, (batch,), generator=gen)
         labels[torch.arange(16) < prompt[:, None]] = -100
-    kw = lambda ids, labels: {input_name(name): ids, label_name(name): labels}   # noqa: E731
-    example = kw(steps[0][0][: args.micro_size], steps[0][1][: args.micro_size])
+    return steps
+
+
+def _optimizer(optim: str, params, lr: float) -> torch.optim.Optimizer:
+    return (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(params, lr=lr)
+
+
+def reference(name: str, optim: str, args: argparse.Namespace) -> dict:
+    """Single-device training on the same global batches, with the same optimizer and clipping:
+    each step's loss and gradient norm, and the final parameters."""
+    ref = build_model(name, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    opt = _optimizer(optim, ref.parameters(), args.lr)
+    losses, norms = [], []
+    for ids, labels in global_batches(optim, args):
+        out = ref(**_kw(name, ids, labels))
+        loss = out[1] if isinstance(out, tuple) else out.loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), args.max_norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    """(model, optimizer, fused) of every check, in order."""
+    fuses = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
+    sgd = set(args.sgd_models or args.models)
+    return [(m, o, f) for f in fuses for o in args.optim for m in args.models if o != "sgd" or m in sgd]
+
+
+def write_references(path: str, argv: list[str]) -> None:
+    """Every (model, optimizer) reference of the checker run `argv` describes, in one file (its
+    --reference): computed once, in the launching process, instead of on every rank."""
+    args = parser().parse_args(argv)
+    torch.save({f"{m}|{o}": reference(m, o, args) for m, o in dict.fromkeys((m, o) for m, o, _ in _runs(args))}, path)
+
+
+def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace, want: dict) -> dict:
+    rank = dist.get_rank()
+    model = build_model(name, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    steps = global_batches(optim, args)
+    example = _kw(name, steps[0][0][: args.micro_size], steps[0][1][: args.micro_size])
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual,
                      microbatches=args.microbatches, schedule=args.schedule, example_kwargs=example, fuse=fuse)
     rt = prog.distributed()
-    make = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
-    opt, ref_opt = make(rt.parameters(), lr=args.lr), make(ref.parameters(), lr=args.lr)
-    loss_errs, norm_errs, norms = [], [], []
-    for ids, labels in steps:
-        loss = rt.train_step(**kw(ids, labels), max_norm=args.max_norm)
+    opt = _optimizer(optim, rt.parameters(), args.lr)
+    loss_errs, norm_errs = [], []
+    for (ids, labels), ref_loss, ref_norm in zip(steps, want["losses"], want["norms"]):
+        loss = rt.train_step(**_kw(name, ids, labels), max_norm=args.max_norm)
         opt.step()
         opt.zero_grad()
-        out = ref(**kw(ids, labels))
-        ref_loss = out[1] if isinstance(out, tuple) else out.loss
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), args.max_norm)
         norm_errs.append(max_rel(rt.last_grad_norm.float(), ref_norm))
-        ref_opt.step()
-        ref_opt.zero_grad()
         loss_errs.append(max_rel(loss, ref_loss))
-        norms.append(ref_norm.item())
+    norms = [float(n) for n in want["norms"]]
     mine = [s for i, s in enumerate(prog.stage_modules(rt.tp_rank)) if stage_owner(i, args.pp)[0] == rt.pp_rank]
     fused = sum(len(fused_ops(s)) for s in mine)
     if args.trace:
         export_trace(rt.records, os.path.join(args.trace, f"{name}_tp{args.tp}_pp{args.pp}_dp{args.dp}_v{args.virtual}"))
     local = {n: p.detach() for n, p in rt.named_parameters()}
-    want = {}
-    for pname, p in ref.named_parameters():
+    expected = {}
+    for pname, p in want["params"].items():
         if pname in local:
             use = prog.sharding.params.get(pname)
-            want[pname] = slice_layout(p.detach(), use.dim, use.layout[rt.tp_rank]) if use else p.detach()
-    errs = scaled_errors(local, want)
+            expected[pname] = slice_layout(p, use.dim, use.layout[rt.tp_rank]) if use else p
+    errs = scaled_errors(local, expected)
     where = max(errs, key=errs.get)
     return {"model": name, "rank": rank, "tp": args.tp, "pp": args.pp, "dp": args.dp, "virtual": args.virtual,
             "schedule": prog.schedule_name, "optim": optim, "fuse": fuse, "fused_ops": fused, "steps": args.steps, "loss_rel": max(loss_errs), "grad_norm_rel": max(norm_errs),
             "clipped_steps": sum(1 for n in norms if n > args.max_norm),
-            "param_norm_rel": norm_rel(local, want), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
-            "params_total": len(dict(ref.named_parameters())), "bytes_sent": rt.transfer.bytes_sent,
+            "param_norm_rel": norm_rel(local, expected), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
+            "params_total": len(want["params"]), "bytes_sent": rt.transfer.bytes_sent,
             "messages_sent": rt.transfer.messages_sent}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     ap.add_argument("--tp", type=int, default=1)
@@ -113,14 +151,20 @@ def main() -> None:
                     help="per-tensor scaled error allowed under Adam, which turns float noise on near-zero "
                          "gradients (key biases) into steps of up to lr on single elements")
     ap.add_argument("--trace", default=None, help="folder for the last step's Chrome trace and PNG")
-    args = ap.parse_args()
+    ap.add_argument("--reference", default=None,
+                    help="the single-device results (write_references); without it each rank computes them")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
+
     def checks() -> bool:
         ok = True
-        fuses = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
-        sgd = set(args.sgd_models or args.models)
-        for name, optim, fuse in [(m, o, f) for f in fuses for o in args.optim for m in args.models
-                                  if o != "sgd" or m in sgd]:
-            res = check_model(name, optim, fuse, args)
+        refs = torch.load(args.reference) if args.reference else {}
+        for name, optim, fuse in _runs(args):
+            want = refs.get(f"{name}|{optim}") or reference(name, optim, args)
+            res = check_model(name, optim, fuse, args, want)
             element_tol = args.element_tol if optim == "adamw" else args.param_tol
             ok &= agree(res, res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol
                         and res["param_norm_rel"] <= args.param_tol and res["param_rel"] <= element_tol

@@ -1,11 +1,13 @@
 """Tier (c): real processes on gloo, launched by torchrun, each running only its own rank. Each
 mesh is a job of the suite's launch per world size (tests/launches.py)."""
+import functools
 import json
 import pathlib
 
 import pytest
 
 from autoshard.testing.launch import torchrun_lines
+from autoshard.testing.pipeline_check import write_references
 from tests.launches import Job, job_params, needs
 
 MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
@@ -64,16 +66,23 @@ def _dims(config: str) -> tuple[int, int, int, int]:
     return tuple(int(part[2:] if part[0] != "v" else part[1:]) for part in config.split("-"))
 
 
+def _references(args: list[str], folder: pathlib.Path) -> None:
+    write_references(str(folder / "reference.pt"), [a.replace("{dir}", str(folder)) for a in args])
+
+
 def _pipeline_job(config: str) -> Job:
-    """A pipeline config's checker run; its Chrome traces go to the job's folder ("{dir}")."""
+    """A pipeline config's checker run; its Chrome traces go to the job's folder ("{dir}"), and its
+    single-device references are computed once, before the launch (Job.before), not on every rank."""
     tp, pp, dp, v = _dims(config)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
-            "--microbatches", str(2 * pp), "--steps", "10", "--trace", "{dir}", "--layers", str(_layers(config))]
+            "--microbatches", str(2 * pp), "--steps", "10", "--trace", "{dir}", "--layers", str(_layers(config)),
+            "--reference", "{dir}/reference.pt"]
     if dp > 1:      # SGD too (GPT-2, whose tied embedding spans the stages): linear in the gradients,
         args += ["--optim", "adamw", "sgd", "--sgd-models", "gpt2"]   # so parameters match element by element
     if config == FUSED_TOO:
         args += ["--fuse", "both"]
-    return Job(f"pipelines/{config}", "autoshard.testing.pipeline_check", tuple(args), tp * pp * dp, seconds=600)
+    return Job(f"pipelines/{config}", "autoshard.testing.pipeline_check", tuple(args), tp * pp * dp, seconds=600,
+               before=functools.partial(_references, args))
 
 
 PIPELINE_JOBS = {config: _pipeline_job(config) for config in PIPELINES}
