@@ -150,7 +150,9 @@ class Scheduler:
             else:
                 result = {"error": f"launch job {job.name} did not finish ({job.module} {' '.join(job.argv)}): "
                                    f"the world-{world} launch of {names} ended ({said}) in or before it\n{tail}"}
-            self._result(job).write_text(json.dumps(result))
+            partial = self._result(job).with_suffix(".partial")       # another worker reads it without the lock:
+            partial.write_text(json.dumps(result))                     # it appears whole or not at all
+            os.replace(partial, self._result(job))
 
 
 @pytest.fixture(scope="session")
