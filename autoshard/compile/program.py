@@ -1,6 +1,7 @@
 """ShardedProgram: what `autoshard()` returns. It holds the compile's results and offers the user's
 methods, each delegating to the part that owns it: the compiler (new signatures), the cut ranks
-(compile/cut_ranks.py, from the weight source), the stage layout (pipeline stages), the simulator, reassembly and printing."""
+(compile/cut_ranks.py, from the weight source), the stage layout (pipeline stages), the simulator,
+reassembly and printing."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -58,7 +59,7 @@ class ShardedProgram:
         self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice
         self.rank0_graph: fx.Graph = rank0.graph
         # parameters stacked on their experts dim [experts, ...], cut over the ep ranks next to the tp
-        # cut (_build_rank): the one list of them that ranks, runtime, checkpoints and printing read
+        # cut (compile/cut_ranks.py): the one list of them that ranks, runtime, checkpoints and printing read
         self.expert_params: set[str] = {name for region in rank0.experts for name in region.params}
         self.experts_per_rank = experts_per_rank(rank0, dims.ep)
         self._cut = CutRanks(self)           # the rank programs cut so far

@@ -6,11 +6,10 @@ Every rank builds the same seeded model, compiles it with autoshard and trains i
 `MeshRuntime.train_step` on its own rank; the reference is the same model trained single-device on
 the same global batches with the same optimizer (AdamW) and gradient clipping, computed once by the
 launching test (`--reference FILE`, written by `write_references`) or, without the flag, on every
-rank. Per-step losses and, at the
-end, this rank's parameter shards are compared with the single-device ones. Exit status 1 on any
-mismatch; rank 0 prints one JSON line per model (and per optimizer, and fused or not with
-`--fuse both`: the fused ops' torch implementations on the CPU). `--trace DIR` writes the last step's Chrome
-trace and PNG timeline.
+rank. Per-step losses and, at the end, this rank's parameter shards are compared with the
+single-device ones. Exit status 1 on any mismatch; rank 0 prints one JSON line per model (and per
+optimizer, and fused or not with `--fuse both`: the fused ops' torch implementations on the CPU).
+`--trace DIR` writes the last step's Chrome trace and PNG timeline.
 """
 from __future__ import annotations
 
