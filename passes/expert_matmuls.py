@@ -15,6 +15,9 @@ on in; the experts dim untouched):
   and the output feature f (either order), c last in the activation's subscripts, f last in the
   output's, the weight's other letter (the experts) kept in the output:
       einsum("btd,edh->bteh", x, W)  ->  einsum_linear(x, W, "btd,edh->bteh")
+- a linear layer on one expert's weight, picked by a Python loop over the experts (JetMoE):
+      linear(x, select(W, 0, e))  ->  selected_linear(x, W, e)
+  matched when every reader of the selected weight is such a linear layer;
 Anything else stays as it is (its weights replicated, reported).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard.kernels.expert_matmul_ops import einsum_linear, gathered_linear
+from autoshard.kernels.expert_matmul_ops import einsum_linear, gathered_linear, selected_linear
 from autoshard.passes.graph_reading import op_name
 
 __all__ = ["rewrite_expert_matmuls"]
@@ -90,11 +93,29 @@ def _einsum(graph: fx.Graph, n: fx.Node, param_names: dict[str, str]) -> bool:
     return True
 
 
+def _selected(graph: fx.Graph, sel: fx.Node, param_names: dict[str, str]) -> bool:
+    if op_name(sel.target) != "select" or not _param3(sel.args[0], param_names) or sel.args[1] not in (0, -3) \
+            or not isinstance(sel.args[2], int) or not sel.users:
+        return False
+    linears = list(sel.users)
+    if any(op_name(u.target) != "linear" or u.args[1] is not sel or sel in u.args[2:] for u in linears):
+        return False
+    for u in linears:
+        with graph.inserting_before(u):
+            new = graph.call_function(selected_linear, (u.args[0], sel.args[0], sel.args[2], *u.args[2:]))
+        new.meta = dict(u.meta)
+        u.replace_all_uses_with(new)
+        graph.erase_node(u)
+    graph.erase_node(sel)
+    return True
+
+
 def rewrite_expert_matmuls(gm: fx.GraphModule, param_names: dict[str, str]) -> int:
     """Rewrite every match; returns how many."""
     done = 0
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and (_gathered(gm.graph, n, param_names) or _einsum(gm.graph, n, param_names)):
+        if n.op == "call_function" and (_gathered(gm.graph, n, param_names) or _einsum(gm.graph, n, param_names)
+                                        or _selected(gm.graph, n, param_names)):
             done += 1
     if done:
         gm.graph.lint()

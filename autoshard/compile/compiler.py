@@ -4,6 +4,7 @@
 signature (or mode, or autocast state) a call brings:
 
     compile_signature: capture (torch.export) -> expert matmuls (bmm / einsum forms as ops)
+                       -> per-head norms (a list of LayerNorms over split heads as one op)
                        -> annotate (sharding analysis, writes node.meta)
     rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
                        -> tables (size-only values outlined into one cached call)
@@ -30,6 +31,7 @@ from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
 from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
 from autoshard.passes.outline_experts import outline_experts
+from autoshard.passes.per_head_norms import rewrite_per_head_norms
 from autoshard.passes.fusion.fuse import fuse
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
@@ -71,6 +73,7 @@ class Compiler:
         if device is not None:       # traced from the released model's meta skeleton
             retarget_device(cap.gm, device)
         rewrite_expert_matmuls(cap.gm, cap.param_names)     # experts' bmm / einsum: ops the analysis knows
+        rewrite_per_head_norms(cap.gm)                      # a LayerNorm module per head: one op
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)
         if self.compiled:
             first = self.compiled[0]

@@ -64,7 +64,8 @@ def describe(prog: Described) -> str:
               for k in ("f", "g", "sync_")}
     notes = [f"collectives per rank per step: {counts['f']} f (all-reduce in backward), {counts['g']} g "
              f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
-    notes += [f"fallback (replicated): {', '.join(f.modules)}: {f.reason}" for f in prog.sharding.fallbacks]
+    notes += [f"{'whole by design' if f.by_design else 'fallback'} (replicated): {', '.join(f.modules)}: {f.reason}"
+              for f in prog.sharding.fallbacks]
     notes += [f"not sharded: {s}" for s in prog.sharding.skipped]
     experts = [n for n in graph.nodes if n.op == "call_module" and "experts" in n.meta]
     if experts:

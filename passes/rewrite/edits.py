@@ -28,6 +28,7 @@ from autoshard.passes.sharding.placement import (
     GatherOutputs,
     GatherTokens,
     NodeSharding,
+    PartialStatistic,
     Restrict,
     RowParallel,
     SequenceScatter,
@@ -127,6 +128,17 @@ def _reduce_row(rw: RankRewrite, call: NodeCall, e: RowParallel, new: fx.Node) -
     return new
 
 
+def _sum_statistic(rw: RankRewrite, call: NodeCall, e: PartialStatistic, new: fx.Node) -> fx.Node:
+    """A norm's statistic of this rank's features, summed over the ranks (g), then scaled: the
+    mean of all features is the mean of the ranks' equal-sized means."""
+    new = rw.g.call_module("g", (new,))
+    new.meta["shape_of"] = call.node.name
+    if e.scale != 1.0:
+        new = rw.g.call_function(aten.mul.Tensor, (new, e.scale))
+        new.meta["shape_of"] = call.node.name
+    return new
+
+
 def _vocab_lookup(rw: RankRewrite, call: NodeCall, e: VocabLookup) -> None:
     """Ids this rank owns, shifted to local rows; the others point at row 0 and are zeroed after."""
     g, args = rw.g, call.args
@@ -168,6 +180,7 @@ EDITS: dict[type, Edit] = {
     GatherTokens: Edit(ARGS, _gather_tokens),
     ColumnInput: Edit(ARGS, _column_input),
     RowParallel: Edit(ARGS, _row_parallel, _reduce_row),
+    PartialStatistic: Edit(ARGS, None, _sum_statistic),
     VocabLookup: Edit(REPLACE, _vocab_lookup, _mask_lookup),
     VocabCrossEntropy: Edit(REPLACE, _vocab_cross_entropy),
     SequenceScatter: Edit(READ),          # read by _mask_lookup

@@ -51,7 +51,7 @@ def _edited(rw: RankRewrite, node: fx.Node, ns: NodeSharding) -> fx.Node:
         rows.append((e, EDITS[type(e)]))
     for phase in (ARGS, REPLACE):
         for e, row in rows:
-            if row.phase == phase and call.replaced is None:
+            if row.phase == phase and row.apply is not None and call.replaced is None:
                 row.apply(rw, call, e)
     if call.replaced is not None:
         return call.replaced

@@ -53,6 +53,7 @@ class Fallback:
     roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
     modules: tuple[str, ...]        # their module paths
     reason: str
+    by_design: bool = False         # whole as in Megatron (routers, MLA's down-projections)
 
 
 @dataclass
@@ -172,7 +173,7 @@ class _Analysis:
                 result.region = _region(self, node, result)
                 self._record_params(node, result)
             except Abandon as a:
-                i = self._abandon(a.roots, a.reason)
+                i = self._abandon(a.roots, a.reason, by_design=a.by_design)
                 continue
             except Demand as d:
                 i = self._demand(d)
@@ -191,7 +192,7 @@ class _Analysis:
                 raise Demand(root, f"{self.where(node)} meets a padded sharded dim ({p.size} for "
                                    f"{int(self.shape(a)[p.dim])})", unpad=True)
 
-    def _abandon(self, roots: frozenset[str], reason: str) -> int:
+    def _abandon(self, roots: frozenset[str], reason: str, *, by_design: bool = False) -> int:
         # Before giving a region up, read one of its ambiguous reshapes the other way (each once).
         for name, alt_roots in self.alternatives.items():
             if name not in self.unit_outer and alt_roots & roots:
@@ -201,7 +202,7 @@ class _Analysis:
                 return min(self.index[self.by_name[r]] for r in roots | alt_roots)
         self.pinned |= roots
         names = tuple(sorted(roots))
-        self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason))
+        self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason, by_design))
         return min(self.index[self.by_name[r]] for r in roots)
 
     def _demand(self, d: Demand) -> int:

@@ -9,12 +9,17 @@ from autoshard.passes.graph_reading import op_name
 from autoshard.passes.sharding.rules_attention import ATTENTION_RULES
 from autoshard.passes.sharding.rules_compute import COMPUTE_RULES, default
 from autoshard.passes.sharding.rules_experts import EXPERT_RULES
+from autoshard.passes.sharding.rules_inplace import INPLACE_RULES
+from autoshard.passes.sharding.rules_reduce import REDUCE_RULES
 from autoshard.passes.sharding.rules_shape import PASSTHROUGH, SHAPE_RULES
+from autoshard.passes.sharding.rules_slices import SLICE_RULES
+from autoshard.passes.sharding.rules_tensors import TENSOR_RULES
 from autoshard.passes.sharding.rules_vocab import VOCAB_RULES, output
 
 __all__ = ["RULES", "PADDING_SAFE", "rule_for"]
 
-RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **ATTENTION_RULES, **VOCAB_RULES, **EXPERT_RULES}
+RULES: dict[str, Callable] = {**SHAPE_RULES, **SLICE_RULES, **TENSOR_RULES, **COMPUTE_RULES, **REDUCE_RULES, **INPLACE_RULES,
+                              **ATTENTION_RULES, **VOCAB_RULES, **EXPERT_RULES}
 
 # Ops that leave the padded columns of a padded shard (a vocabulary tp does not divide) harmless:
 # they map them to padded columns (unary, same-layout elementwise, 1:1 views), or zero their
@@ -22,7 +27,8 @@ RULES: dict[str, Callable] = {**SHAPE_RULES, **COMPUTE_RULES, **ATTENTION_RULES,
 # The rules for these check the rest (reshape: 1:1 only; elementwise: no replicated operand cut).
 PADDING_SAFE = frozenset(
     [*PASSTHROUGH, "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "getitem",
-    "add", "sub", "mul", "div", "where", "linear", "addmm", "mm", "matmul", "cross_entropy_loss"])
+    "add", "sub", "mul", "div", "where", "linear", "addmm", "mm", "matmul", "cross_entropy_loss",
+    "add_", "sub_", "mul_", "div_", "copy_", "view_as_complex", "view_as_real", "new_empty", "new_zeros"])
 
 
 def rule_for(node: fx.Node) -> Callable:

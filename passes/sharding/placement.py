@@ -13,7 +13,7 @@ from autoshard.passes.sharding.index_sets import Layout
 __all__ = [
     "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Demand",
     "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict", "VocabLookup",
-    "VocabCrossEntropy", "GatherOutputs", "SequenceScatter", "GatherTokens",
+    "VocabCrossEntropy", "GatherOutputs", "SequenceScatter", "GatherTokens", "PartialStatistic",
 ]
 
 
@@ -51,11 +51,13 @@ Placement = Replicate | Shard
 
 
 class Abandon(Exception):
-    """The region of `roots` meets something the table cannot shard: those weights stay replicated."""
+    """The region of `roots` meets something the table cannot shard: those weights stay replicated.
+    `by_design`: they stay whole because Megatron keeps them whole too (a router, a low-rank
+    down-projection), not for want of a rule; the report says so."""
 
-    def __init__(self, roots: frozenset[str], reason: str):
+    def __init__(self, roots: frozenset[str], reason: str, *, by_design: bool = False):
         super().__init__(reason)
-        self.roots, self.reason = roots, reason
+        self.roots, self.reason, self.by_design = roots, reason, by_design
 
 
 class Demand(Exception):
@@ -96,6 +98,16 @@ class RowParallel:
     bias_arg: int | None
     bias_kwarg: str | None = None
     scatter: tuple[int, int] | None = None    # sequence parallel: reduce-scatter along (dim, tiles)
+
+
+@dataclass(frozen=True)
+class PartialStatistic:
+    """A mean or sum over the sharded feature dim (a norm over all heads' features): each rank's
+    statistic of its own features goes through g (summed over the ranks), times `scale` (1/tp for
+    a mean of equal local shares). The result is replicated; where it meets sharded values again it
+    enters through f, so its gradient, partial on each rank, is summed too."""
+
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,6 @@ class NodeSharding:
     placement: Placement | tuple[Placement, ...] = REPLICATE
     params: list[ParamUse] = field(default_factory=list)
     edits: list[ColumnInput | RowParallel | ArgEdit | Restrict | VocabLookup | VocabCrossEntropy
-                | GatherOutputs | SequenceScatter | GatherTokens] = field(default_factory=list)
+                | GatherOutputs | SequenceScatter | GatherTokens | PartialStatistic] = field(default_factory=list)
     role: str | None = None        # "column" / "row" for the printed table
     region: frozenset[str] = frozenset()   # roots of the regions this node touches (set by the driver)

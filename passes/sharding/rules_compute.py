@@ -88,35 +88,6 @@ def stack(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return res
 
 
-def _reduce_over(ctx: RuleContext, node: fx.Node, dims: list[int], keepdim: bool) -> NodeSharding:
-    p = ctx.place(node.args[0])
-    if not isinstance(p, Shard):
-        return NodeSharding(REPLICATE)
-    nd = len(ctx.shape(node.args[0]))
-    dims = [norm_dim(d, nd) for d in dims] if dims else list(range(nd))
-    if p.dim in dims:
-        raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
-    d = p.dim if keepdim else p.dim - sum(1 for x in dims if x < p.dim)
-    return NodeSharding(Shard(d, p.size, p.layout, p.roots, p.origin))
-
-
-def reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
-    dims = [dims] if isinstance(dims, int) else list(dims or [])
-    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return _reduce_over(ctx, node, dims, bool(keep))
-
-
-def softmax(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    return _reduce_over(ctx, node, [node.args[1]], True)
-
-
-def layer_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    nd = len(ctx.shape(node))
-    k = len(node.args[1])
-    return _reduce_over(ctx, node, list(range(nd - k, nd)), True)
-
-
 def row_parallel_error(ctx: RuleContext, node: fx.Node, p: Shard) -> Exception:
     return ShardingError(
         f"tp={ctx.tp} cannot split the input of {ctx.where(node)}: its {p.size} features would be "
@@ -136,9 +107,10 @@ def param_matmul(ctx: RuleContext, node: fx.Node, x_arg: int, w_arg: int, w_out_
     if weight is None:
         w_name, transposed = ctx.param(node.args[w_arg])
         w_out = w_out_dim ^ int(transposed)   # dim of the stored parameter
-        w_in, w_size = 1 - w_out, int(w_shape[1 - w_out_dim])
+        w_in = 1 - w_out
     else:
-        (w_name, w_out, w_in), w_size = weight, int(w_shape[-2])    # as passed: [experts, in, out]
+        w_name, w_out, w_in = weight
+    w_size = int(w_shape[-1 - w_out_dim])      # input features, as passed ([.., out, in] or [.., in, out])
     bias = node.args[bias_arg] if bias_arg is not None and len(node.args) > bias_arg else None
     b_name = ctx.param(bias)[0] if bias is not None and ctx.param(bias) is not None else None
     p = ctx.place(x)
@@ -231,9 +203,6 @@ _ELEMENTWISE = (
 
 COMPUTE_RULES = {
     **{name: elementwise for name in _ELEMENTWISE},
-    "cat": cat, "stack": stack, "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
-    "var": reduction, "std": reduction, "prod": reduction, "_softmax": softmax, "softmax": softmax,
-    "log_softmax": softmax, "_log_softmax": softmax, "layer_norm": layer_norm,
-    "native_layer_norm": layer_norm, "rms_norm": layer_norm, "linear": linear, "addmm": addmm,
-    "mm": mm, "matmul": mm, "bmm": mm, "sym_size": sym_size,
+    "cat": cat, "stack": stack, "linear": linear, "addmm": addmm, "mm": mm, "matmul": mm, "bmm": mm,
+    "sym_size": sym_size,
 }

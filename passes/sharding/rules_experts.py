@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autoshard.passes.sharding.placement import NodeSharding
 from autoshard.passes.sharding.rule_context import RuleContext
-from autoshard.passes.sharding.rules_compute import default, param_matmul
+from autoshard.passes.sharding.rules_compute import default, mm, param_matmul
 
 __all__ = ["EXPERT_RULES", "expert_weight"]
 
@@ -51,4 +51,22 @@ def stacked_matmul(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return param_matmul(ctx, node, 0, 1, 1, None, weight=weight)
 
 
-EXPERT_RULES = {"grouped_mm_fallback": grouped_mm, "gathered_linear": stacked_matmul, "einsum_linear": stacked_matmul}
+def selected_matmul(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """kernels/expert_matmul_ops.py's selected_linear(x, W [experts, out, in], e, bias): a linear
+    layer on one expert's weight, split like one (W on dim 1 or 2, every expert alike)."""
+    read = ctx.param(node.args[1])
+    if read is None or read[1] or len(ctx.shape(node.args[1])) != 3:
+        return default(ctx, node)
+    return param_matmul(ctx, node, 0, 1, 0, 3, weight=(read[0], 1, 2))
+
+
+def batched_matmul(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """bmm(x [experts, tokens, in], W [experts, in, out]) with W a stacked parameter (Llama 4's
+    experts: every expert runs on its own rows of x): split as stacked_matmul; otherwise mm's rule."""
+    if expert_weight(ctx, node.args[1]) is not None and len(ctx.shape(node.args[0])) == 3:
+        return stacked_matmul(ctx, node)
+    return mm(ctx, node)
+
+
+EXPERT_RULES = {"grouped_mm_fallback": grouped_mm, "gathered_linear": stacked_matmul, "einsum_linear": stacked_matmul,
+                "selected_linear": selected_matmul, "bmm": batched_matmul, "matmul": batched_matmul}

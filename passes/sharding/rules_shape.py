@@ -1,10 +1,10 @@
-"""Rules for ops that move, cut or join dims without arithmetic: views, transposes, splits, cat."""
+"""Rules for ops that move or regroup dims without arithmetic: views, transposes, squeezes, expands.
+Cutting a dim into pieces (slice, split, chunk) is rules_slices.py."""
 from __future__ import annotations
 
 import torch.fx as fx
 
-from autoshard.passes.graph_reading import op_name
-from autoshard.passes.sharding.index_sets import compress, expand, local_size, tile, untile, window
+from autoshard.passes.sharding.index_sets import compress, expand, local_size, tile, untile
 from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from autoshard.passes.sharding.rule_context import RuleContext
 from autoshard.passes.sharding.shape_algebra import map_reshape_dim
@@ -65,6 +65,9 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
                 edits = [ArgEdit(1, (local,) * ctx.tp, item=j)] if lit != -1 else []
                 return NodeSharding(Shard(j, int(dst[j]), per, p.roots, None), edits=edits)
     if out_layout is None:
+        inner = _inner_shard(ctx, node, p, flat, m, dst)
+        if inner is not None:
+            return inner
         if m.out_inner % m.in_inner:
             raise Abandon(p.roots, f"{ctx.where(node)} splits sharded dim {p.dim} off-block")
         ctx.require_granularity(p.origin, p.size, m.out_inner // m.in_inner, p.roots,
@@ -90,6 +93,27 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     if lit != -1:
         edits.append(ArgEdit(1, (local,) * ctx.tp, item=m.out_dim))
     return NodeSharding(out, edits=edits)
+
+
+def _inner_shard(ctx: RuleContext, node: fx.Node, p: Shard, flat, m, dst) -> NodeSharding | None:
+    """The shard on the output dim after `m.out_dim`, when every rank holds the same part of each of
+    out_dim's slices: heads {0, 1, 4, 5} of 8 viewed as [2 slots, 4 heads x 8] are features [0, 16)
+    of both slots (JetMoE's attention experts, top-k slots of heads)."""
+    j = m.out_dim + 1
+    if m.outer != 1 or j >= len(dst) or not (dst[m.out_dim].is_Integer and dst[j].is_Integer) \
+            or int(dst[m.out_dim]) < 2:
+        return None
+    per = untile(flat, int(dst[m.out_dim]), m.out_inner)
+    inner = m.out_inner // int(dst[j]) if m.out_inner % int(dst[j]) == 0 else None
+    lay = compress(per, inner) if per is not None and inner else None
+    if lay is None or local_size(lay) is None or p.size != int(ctx.shape(node.args[0])[p.dim]):
+        return None
+    sizes = node.args[1]
+    lit = sizes[j] if len(sizes) == len(dst) else None
+    if not isinstance(lit, int):
+        return None
+    edits = [ArgEdit(1, (local_size(lay),) * ctx.tp, item=j)] if lit != -1 else []
+    return NodeSharding(Shard(j, int(dst[j]), lay, p.roots, None), edits=edits)
 
 
 def expand_rule(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -171,72 +195,6 @@ def select(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return NodeSharding(moved(p, p.dim - (1 if d < p.dim else 0)))
 
 
-def _pieces(ctx: RuleContext, node: fx.Node, p: Shard, bounds: list[tuple[int, int]]) -> list[Shard]:
-    """Cut the sharded dim at `bounds`: each piece must be spread evenly over the ranks."""
-    cuts = sorted({a for a, _ in bounds} | {b for _, b in bounds})
-    ctx.require_cuts(p.origin, cuts, p.size, p.roots, f"{ctx.where(node)} cuts sharded dim {p.dim} at {cuts}")
-    out = []
-    for a, b in bounds:
-        lay = window(p.layout, a, b)
-        if local_size(lay) is None:
-            raise Abandon(p.roots, f"{ctx.where(node)}: piece [{a}, {b}) is not spread evenly")
-        org = p.origin and Origin(p.origin.root, p.origin.offset + a * p.origin.scale, p.origin.scale)
-        out.append(Shard(p.dim, b - a, lay, p.roots, org))
-    return out
-
-
-def _held_before(p: Shard, r: int, pos: int) -> int:
-    return sum(max(0, min(b, pos) - a) for a, b in p.layout[r])
-
-
-def slice_rule(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    p = ctx.place(node.args[0])
-    if not isinstance(p, Shard):
-        return NodeSharding(REPLICATE)
-    nd = len(ctx.shape(node.args[0]))
-    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
-    if d != p.dim:
-        return NodeSharding(p)
-    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else p.size
-    step = node.args[4] if len(node.args) > 4 else 1
-    if not all(isinstance(v, int) for v in (start, end, step)) or step != 1:
-        raise Abandon(p.roots, f"{ctx.where(node)} slices a sharded dim with a step or symbolic bounds")
-    start, end = (norm_dim(start, p.size), min(norm_dim(end, p.size), p.size))
-    if (start, end) == (0, p.size):
-        return NodeSharding(p)
-    (piece,) = _pieces(ctx, node, p, [(start, end)])
-    edits = [ArgEdit(2, tuple(_held_before(p, r, start) for r in range(ctx.tp))),
-             ArgEdit(3, tuple(_held_before(p, r, end) for r in range(ctx.tp)))]
-    return NodeSharding(piece, edits=edits)
-
-
-def split(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    p = ctx.place(node.args[0])
-    n_out = len(node.meta["val"])
-    if not isinstance(p, Shard):
-        return NodeSharding((REPLICATE,) * n_out)
-    nd = len(ctx.shape(node.args[0]))
-    d = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
-    if d != p.dim:
-        return NodeSharding((p,) * n_out)
-    sizes = [int(t.shape[d]) for t in node.meta["val"]]
-    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
-    pieces = _pieces(ctx, node, p, bounds)
-    local = [local_size(q.layout) for q in pieces]
-    if op_name(node.target) == "chunk":        # chunk(x, n): n pieces locally too, if they come out the same
-        if len(set(local)) != 1:
-            raise Abandon(p.roots, f"{ctx.where(node)}: uneven chunks of a sharded dim")
-        return NodeSharding(tuple(pieces))
-    if isinstance(node.args[1], int):
-        if len(set(local)) != 1:
-            raise Abandon(p.roots, f"{ctx.where(node)}: uneven split of a sharded dim")
-        edits = [ArgEdit(1, (local[0],) * ctx.tp)]
-    else:
-        edits = [ArgEdit(1, (v,) * ctx.tp, item=i) for i, v in enumerate(local)]
-    return NodeSharding(tuple(pieces), edits=edits)
-
-
 def getitem(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     src = node.args[0]
     p = ctx.place(src)
@@ -260,7 +218,6 @@ PASSTHROUGH = (
 SHAPE_RULES = {
     "view": reshape, "reshape": reshape, "_unsafe_view": reshape,
     "expand": expand_rule, "transpose": transpose, "t": transpose, "permute": permute,
-    "unsqueeze": unsqueeze, "flatten": flatten, "squeeze": squeeze, "select": select, "slice": slice_rule,
-    "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
+    "unsqueeze": unsqueeze, "flatten": flatten, "squeeze": squeeze, "select": select, "getitem": getitem,
     **{name: passthrough for name in PASSTHROUGH},
 }

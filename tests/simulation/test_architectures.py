@@ -94,7 +94,7 @@ def _every_whole_block_weight_is_explained(prog, model):
     3-D expert weights stayed whole with no reason."""
     import re
     text = str(prog)
-    reasons = [line for line in text.splitlines() if line.startswith(("fallback (replicated):", "not sharded:"))]
+    reasons = [line for line in text.splitlines() if line.startswith(("fallback (replicated):", "whole by design (replicated):", "not sharded:"))]
     for name, p in model.named_parameters():
         if p.dim() >= 2 and re.search(r"\.\d+\.", name) and name not in prog.sharding.params:
             module = name.rsplit(".", 1)[0]

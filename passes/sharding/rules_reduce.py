@@ -1,0 +1,167 @@
+"""Rules for ops that reduce a dim: sums and means, maxima with their indices, top-k, softmax, norms.
+
+A reduction over a dim that is not sharded keeps the shard where it is (moved left by the dims it
+drops). One over the sharded dim is refused, except a mean or sum over the sharded feature dim that
+a norm takes of all heads' features (OLMo 2's q/k RMSNorm): each rank reduces its own features and
+the statistic is summed over the ranks through g (`PartialStatistic`), so the projections before
+it stay split. Where the normalized value goes straight into another weight's matmul (MLA's q_a and
+kv_a latents, DeepSeek), the projection before the norm is a low-rank down-projection; Megatron
+keeps those whole, and so does this table, saying so ("by design"). A router's top-k over its
+experts is kept whole for the same reason.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.passes.graph_reading import op_name
+from autoshard.passes.sharding.index_sets import is_partition, local_size
+from autoshard.passes.sharding.placement import REPLICATE, Abandon, NodeSharding, PartialStatistic, Restrict, Shard
+from autoshard.passes.sharding.rule_context import RuleContext
+from autoshard.passes.sharding.rules_compute import elementwise
+from autoshard.passes.sharding.rules_shape import moved, norm_dim
+
+__all__ = ["REDUCE_RULES"]
+
+_MATMULS = frozenset(["linear", "addmm", "mm", "matmul", "bmm"])
+_ATTENTION = frozenset(["scaled_dot_product_attention"])
+_LOOKAHEAD = 40      # nodes visited when asking where a normalized value goes
+
+
+def _kept(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], keepdim: bool) -> Shard:
+    """The shard after reducing `dims` (none of them sharded)."""
+    return moved(p, p.dim if keepdim else p.dim - sum(1 for x in dims if x < p.dim))
+
+
+def _dims(ctx: RuleContext, node: fx.Node, dims: list[int]) -> list[int]:
+    nd = len(ctx.shape(node.args[0]))
+    return [norm_dim(d, nd) for d in dims] if dims else list(range(nd))
+
+
+def _reduce_over(ctx: RuleContext, node: fx.Node, dims: list[int], keepdim: bool) -> NodeSharding:
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    dims = _dims(ctx, node, dims)
+    if p.dim in dims:
+        raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
+    return NodeSharding(_kept(ctx, node, p, dims, keepdim))
+
+
+def _feeds_weight(node: fx.Node, ctx: RuleContext) -> bool:
+    """Whether the value this statistic normalizes reaches a matmul against a parameter before it is
+    viewed into heads or meets attention: a norm between a down- and an up-projection."""
+    seen, frontier = {node}, list(node.users)
+    while frontier and len(seen) < _LOOKAHEAD:
+        u = frontier.pop(0)
+        if u in seen or u.op != "call_function":
+            continue
+        seen.add(u)
+        name = op_name(u.target)
+        if name in _MATMULS and any(ctx.param(a) is not None for a in u.args[1:3]):
+            return True
+        if name in _ATTENTION or name in _MATMULS:
+            continue
+        if name in ("view", "reshape", "_unsafe_view") and _splits_features(u):
+            continue
+        frontier.extend(u.users)
+    return False
+
+
+def _splits_features(node: fx.Node) -> bool:
+    src, dst = node.args[0].meta["val"].shape, node.meta["val"].shape
+    return len(dst) == 0 or len(src) == 0 or dst[-1] != src[-1]
+
+
+def _statistic(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], mean: bool) -> NodeSharding:
+    """A mean or sum over exactly the sharded feature dim, summed over the ranks (see the module doc)."""
+    nd = len(ctx.shape(node.args[0]))
+    local = local_size(p.layout)
+    if dims != [p.dim] or p.dim != nd - 1 or local is None or not is_partition(p.layout, p.size):
+        raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
+    if _feeds_weight(node, ctx):
+        raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a low-rank down-projection that "
+                               f"feeds another weight; kept whole, as Megatron keeps these", by_design=True)
+    return NodeSharding(REPLICATE, role="statistic", edits=[PartialStatistic(local / p.size if mean else 1.0)])
+
+
+def reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    p = ctx.place(node.args[0])
+    name = op_name(node.target)
+    if isinstance(p, Shard) and p.dim in _dims(ctx, node, dims) and name in ("mean", "sum") and keep:
+        return _statistic(ctx, node, p, _dims(ctx, node, dims), name == "mean")
+    return _reduce_over(ctx, node, dims, keep)
+
+
+def max_min(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """max / min: `.dim` gives (values, indices) over a dim, `.other` is elementwise, `.default`
+    reduces everything."""
+    overload = node.target._overloadname
+    if overload == "other":
+        return elementwise(ctx, node)
+    if overload == "dim":
+        keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        res = _reduce_over(ctx, node, [node.args[1]], keep)
+        return NodeSharding((res.placement, res.placement))
+    return _reduce_over(ctx, node, [], False)
+
+
+def arg_reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """argmax / argmin over a dim (None: all dims)."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    return _reduce_over(ctx, node, [] if dim is None else [dim], keep)
+
+
+def topk(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """topk(x, k, dim): (values, indices) with k entries along `dim`. Over the sharded dim it is a
+    router choosing experts: whole by design."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding((REPLICATE, REPLICATE))
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1), len(ctx.shape(node.args[0])))
+    if dim == p.dim:
+        raise Abandon(p.roots, f"{ctx.where(node)} picks the top {node.args[1]} along sharded dim {p.dim} "
+                               f"(a router's choice of experts); kept whole, as Megatron keeps routers", by_design=True)
+    return NodeSharding((p, p))
+
+
+def softmax(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    return _reduce_over(ctx, node, [node.args[1]], True)
+
+
+def layer_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """A fused norm over the last k dims: over a sharded one it is refused; where it normalizes a
+    projection whose output then feeds another weight (BERT's masked-LM head transform), by design."""
+    nd = len(ctx.shape(node))
+    k = len(node.args[1])
+    p = ctx.place(node.args[0])
+    if isinstance(p, Shard) and p.dim >= nd - k and _feeds_weight(node, ctx):
+        raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a projection that feeds another "
+                               f"weight; kept whole, as Megatron keeps these", by_design=True)
+    return _reduce_over(ctx, node, list(range(nd - k, nd)), True)
+
+
+def per_head_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """kernels/norm_ops.py's per_head_layer_norm(x, w [H, ..], b [H, ..], dim, k, eps): sharded on
+    the heads dim, each rank norms its heads with their rows of w and b; over a normalized dim, refused."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    dim, k = node.args[3], node.args[4]
+    if p.dim >= len(ctx.shape(node)) - k:
+        raise Abandon(p.roots, f"{ctx.where(node)} norms over sharded dim {p.dim}")
+    if p.dim != dim:
+        return NodeSharding(p)
+    return NodeSharding(p, edits=[Restrict(i, 0, p.layout) for i in (1, 2) if node.args[i] is not None])
+
+
+REDUCE_RULES = {
+    "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction, "var": reduction,
+    "std": reduction, "prod": reduction, "max": max_min, "min": max_min, "argmax": arg_reduction,
+    "argmin": arg_reduction, "topk": topk, "_softmax": softmax, "softmax": softmax, "log_softmax": softmax,
+    "_log_softmax": softmax, "layer_norm": layer_norm, "native_layer_norm": layer_norm, "rms_norm": layer_norm,
+    "per_head_layer_norm": per_head_norm,
+}

@@ -1,0 +1,119 @@
+"""Rules for ops that make a tensor from a sharded one's layout: tensors shaped like it (new_empty,
+new_zeros, new_full, new_ones), copies tiled along a dim (repeat, repeat_interleave), complex views
+of feature pairs (view_as_complex, view_as_real: Llama 4's and DeepSeek-V2's rotary), and rows
+picked or added by index along a dim that is not sharded (index, index_add: tokens routed to experts).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.passes.sharding.index_sets import expand, local_size, tile
+from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Restrict, Shard
+from autoshard.passes.sharding.rule_context import RuleContext
+from autoshard.passes.sharding.rules_shape import moved, norm_dim
+
+__all__ = ["TENSOR_RULES"]
+
+
+def new_like(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """x.new_empty(size) and kin: sharded like x when `size` keeps x's sharded dim whole (DeepSeek's
+    keys, built in `kv.new_empty(*kv.shape[:-1], d)` and filled by copy_); otherwise a tensor of its own."""
+    p = ctx.place(node.args[0])
+    sizes = node.args[1]
+    if not isinstance(p, Shard) or len(sizes) != len(ctx.shape(node.args[0])):
+        return NodeSharding(REPLICATE)
+    lit = sizes[p.dim]
+    if not isinstance(lit, int) or lit != p.size or p.size != int(ctx.shape(node.args[0])[p.dim]):
+        return NodeSharding(REPLICATE)
+    return NodeSharding(moved(p, p.dim, origin=None), edits=[ArgEdit(1, (local_size(p.layout),) * ctx.tp, item=p.dim)])
+
+
+def repeat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """x.repeat(*reps): the sharded dim repeated k times holds the rank's indices in each of the k
+    copies ([x, x] of a rank's shard is its part of every copy, in order)."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    reps = node.args[1]
+    od = p.dim + len(reps) - len(ctx.shape(node.args[0]))
+    k = reps[od]
+    if not isinstance(k, int):
+        raise Abandon(p.roots, f"{ctx.where(node)} repeats sharded dim {p.dim} a symbolic number of times")
+    if k == 1:
+        return NodeSharding(moved(p, od))
+    return NodeSharding(Shard(od, p.size * k, tile(p.layout, k, p.size), p.roots, None))
+
+
+def repeat_interleave(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """repeat_interleave(x, k, dim): index i of the sharded dim becomes k neighbours [i*k, (i+1)*k)."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    k = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if not isinstance(k, int) or dim is None:
+        raise Abandon(p.roots, f"{ctx.where(node)} repeats a sharded value by a tensor or over all dims")
+    if norm_dim(dim, len(ctx.shape(node.args[0]))) != p.dim:
+        return NodeSharding(p)
+    return NodeSharding(Shard(p.dim, p.size * k, expand(p.layout, k), p.roots, None))
+
+
+def view_as_complex(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """[..., n, 2] real -> [..., n] complex: a shard outside the last (pair) dim stays where it is."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    if p.dim == len(ctx.shape(node.args[0])) - 1:
+        raise Abandon(p.roots, f"{ctx.where(node)} reads sharded (real, imaginary) pairs as complex numbers")
+    return NodeSharding(p)
+
+
+def view_as_real(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """[..., n] complex -> [..., n, 2] real: every dim keeps its place."""
+    return NodeSharding(ctx.place(node.args[0]))
+
+
+def index(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """x[i0, i1, ..] with index tensors on x's leading dims: a shard past them moves behind the
+    indices' broadcast shape; a sharded dim that is indexed, or a sharded index, is refused."""
+    p = ctx.place(node.args[0])
+    idx = list(node.args[1])
+    sharded_index = [ctx.place(i) for i in idx if isinstance(i, fx.Node) and isinstance(ctx.place(i), Shard)]
+    if sharded_index:
+        raise Abandon(frozenset().union(*(q.roots for q in sharded_index)), f"{ctx.where(node)} indexes with sharded indices")
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    if any(i is None for i in idx) or p.dim < len(idx):
+        raise Abandon(p.roots, f"{ctx.where(node)} indexes sharded dim {p.dim}")
+    out_nd, in_nd = len(ctx.shape(node)), len(ctx.shape(node.args[0]))
+    return NodeSharding(moved(p, p.dim + out_nd - in_nd))
+
+
+def index_add(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """index_add(self, dim, index, source): rows of source added into self along `dim` (not the
+    sharded one). A replicated self (the zeros it starts from) is cut to the shard source has."""
+    sp, src = ctx.place(node.args[0]), ctx.place(node.args[3])
+    dim = norm_dim(node.args[1], len(ctx.shape(node)))
+    lead = sp if isinstance(sp, Shard) else src
+    if not isinstance(lead, Shard):
+        return NodeSharding(REPLICATE)
+    roots = frozenset().union(*(q.roots for q in (sp, src) if isinstance(q, Shard)))
+    if lead.dim == dim or isinstance(ctx.place(node.args[2]), Shard):
+        raise Abandon(roots, f"{ctx.where(node)} adds rows by index along sharded dim {lead.dim}")
+    res = NodeSharding(moved(lead, lead.dim, roots=roots, origin=None))
+    for arg, q in ((0, sp), (3, src)):
+        if isinstance(q, Shard):
+            if (q.dim, q.layout) != (lead.dim, lead.layout):
+                raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
+        elif int(ctx.shape(node.args[arg])[lead.dim]) != lead.size:
+            raise Abandon(roots, f"{ctx.where(node)} would cut a replicated operand at padded positions")
+        else:
+            res.edits.append(Restrict(arg, lead.dim, lead.layout))
+    return res
+
+
+TENSOR_RULES = {
+    "new_empty": new_like, "new_zeros": new_like, "new_ones": new_like, "new_full": new_like,
+    "repeat": repeat, "repeat_interleave": repeat_interleave,
+    "view_as_complex": view_as_complex, "view_as_real": view_as_real, "index": index, "index_add": index_add,
+}
