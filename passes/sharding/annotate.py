@@ -26,6 +26,7 @@ from autoshard.passes.sharding.index_sets import (
     Layout,
     LayoutError,
     Segment,
+    cut_segments,
     layout_from_segments,
     padded_even_layout,
 )
@@ -38,22 +39,13 @@ from autoshard.passes.sharding.placement import (
     NodeSharding,
     ParamUse,
     Placement,
+    ReadSplit,
     Shard,
 )
-from autoshard.passes.sharding.report import trim_fallbacks, unexplained_replicated
+from autoshard.passes.sharding.report import Fallback, trim_fallbacks, unexplained_replicated, with_first_cause
 from autoshard.passes.sharding.shape_algebra import to_sympy
 
 __all__ = ["ShardingPlan", "ShardOptions", "Fallback", "annotate", "module_path", "param_read"]
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """A region left replicated, and why."""
-
-    roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
-    modules: tuple[str, ...]        # their module paths
-    reason: str
-    by_design: bool = False         # whole as in Megatron (routers, MLA's down-projections)
 
 
 @dataclass
@@ -80,6 +72,7 @@ class _Analysis:
         self.unpadded: set[str] = set()                     # roots whose padding met an unsafe op
         self.tokens: dict[str, tuple[tuple, int, Shard]] = {}   # column root -> (x shape, dim, placement)
         self.alternatives: dict[str, frozenset[str]] = {}   # reshape -> roots it could help
+        self.read_splits: dict[str, ReadSplit] = {}         # gathers of parameter rows read split
         self.current = 0
 
     # ---- RuleContext -------------------------------------------------------------------------
@@ -116,6 +109,9 @@ class _Analysis:
                 return self.tokens[r][1], self.tokens[r][2]
         return None
 
+    def split_read(self, node: fx.Node) -> ReadSplit | None:
+        return self.read_splits.get(node.name)
+
     def is_pinned(self, node: fx.Node) -> bool:
         return node.name in self.pinned
 
@@ -146,7 +142,7 @@ class _Analysis:
             raise Abandon(roots, reason + " (layout not traceable to its root)")
         root_cuts = [origin.offset + c * origin.scale for c in cuts]
         segs = self._recipe(origin.root)
-        new = _cut(segs, root_cuts)
+        new = cut_segments(segs, root_cuts)
         if new != segs:
             raise Demand(origin.root, reason, cuts=tuple(root_cuts))
 
@@ -178,6 +174,12 @@ class _Analysis:
             except Demand as d:
                 i = self._demand(d)
                 continue
+            except ReadSplit as r:
+                self.read_splits[r.node] = r
+                i = self.index[self.by_name[r.node]]
+                continue
+            except ShardingError as e:
+                raise with_first_cause(e, self.fallbacks, node) from None
             node.meta["sharding"] = result
             i += 1
 
@@ -201,6 +203,7 @@ class _Analysis:
                     self.recipes.pop(r, None)
                 return min(self.index[self.by_name[r]] for r in roots | alt_roots)
         self.pinned |= roots
+        self.read_splits = {k: r for k, r in self.read_splits.items() if not r.roots & roots}
         names = tuple(sorted(roots))
         self.fallbacks.append(Fallback(names, tuple(module_path(self.by_name[r]) for r in names), reason, by_design))
         return min(self.index[self.by_name[r]] for r in roots)
@@ -212,12 +215,12 @@ class _Analysis:
             self.unpadded.add(d.root)
             return self.index[self.by_name[d.root]]
         old = self._recipe(d.root)
-        new = _cut(old, list(d.cuts))
+        new = cut_segments(old, list(d.cuts))
         if d.granularity:
             # Pieces of a fused weight that have the demanded piece's size (q, k, v of a fused QKV)
             # share its head size: refine them together, so the split still sees equal pieces.
             lo, hi, g = d.granularity
-            new = _cut(new, [lo, hi])
+            new = cut_segments(new, [lo, hi])
             sizes = {s.size for s in new if lo <= s.start < hi}
             new = [Segment(s.start, s.size, lcm(s.granularity, g)) if lo <= s.start < hi or s.size in sizes else s
                    for s in new]
@@ -225,7 +228,10 @@ class _Analysis:
             return self._abandon(frozenset([d.root]), d.reason + " (no layout of the root satisfies it)")
         self.recipes[d.root] = new
         self.recipe_why[d.root] = d.reason
-        return self.index[self.by_name[d.root]]
+        stale = [k for k, r in self.read_splits.items() if d.root in r.roots]     # cut to the old layout
+        for k in stale:
+            del self.read_splits[k]
+        return min(self.index[self.by_name[n]] for n in [d.root, *stale])
 
     def _record_params(self, node: fx.Node, result: NodeSharding) -> None:
         named = {u.name for u in result.params}
@@ -260,15 +266,6 @@ def _region(ctx: _Analysis, node: fx.Node, result: NodeSharding) -> frozenset[st
     flat = [q for p in places for q in (p if isinstance(p, tuple) else (p,))]
     own = frozenset([node.name]) if result.role == "vocab" else frozenset()
     return own.union(*(p.roots for p in flat if isinstance(p, Shard)))
-
-
-def _cut(segs: list[Segment], cuts: list[int]) -> list[Segment]:
-    out: list[Segment] = []
-    for s in segs:
-        inner = sorted(c for c in set(cuts) if s.start < c < s.start + s.size)
-        bounds = [s.start, *inner, s.start + s.size]
-        out += [Segment(a, b - a, s.granularity) for a, b in zip(bounds, bounds[1:])]
-    return out
 
 
 def annotate(gm: fx.GraphModule, tp: int, param_names: dict[str, str],

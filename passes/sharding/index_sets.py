@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Ranges", "Layout", "Segment", "even_layout", "padded_even_layout", "layout_from_segments", "expand", "compress", "tile",
+    "Ranges", "Layout", "Segment", "cut_segments", "even_layout", "padded_even_layout", "layout_from_segments", "expand", "compress", "tile",
     "token_tiles", "untile",
     "window", "positions_within", "is_partition", "is_even_chunks", "is_whole_everywhere", "local_size", "LayoutError",
 ]
@@ -30,6 +30,16 @@ class Segment:
     start: int
     size: int
     granularity: int = 1
+
+
+def cut_segments(segs: list[Segment], cuts: list[int]) -> list[Segment]:
+    """The segments cut at every position of `cuts` that falls strictly inside one."""
+    out: list[Segment] = []
+    for s in segs:
+        inner = sorted(c for c in set(cuts) if s.start < c < s.start + s.size)
+        bounds = [s.start, *inner, s.start + s.size]
+        out += [Segment(a, b - a, s.granularity) for a, b in zip(bounds, bounds[1:])]
+    return out
 
 
 def _merge(ranges: list[tuple[int, int]]) -> Ranges:

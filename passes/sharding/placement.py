@@ -13,7 +13,7 @@ from autoshard.passes.sharding.index_sets import Layout
 __all__ = [
     "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Demand",
     "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict", "VocabLookup",
-    "VocabCrossEntropy", "GatherOutputs", "SequenceScatter", "GatherTokens", "PartialStatistic",
+    "VocabCrossEntropy", "GatherOutputs", "SequenceScatter", "GatherTokens", "PartialStatistic", "ReadSplit",
 ]
 
 
@@ -68,6 +68,16 @@ class Demand(Exception):
                  granularity: tuple[int, int, int] | None = None, unpad: bool = False):
         super().__init__(reason)
         self.root, self.reason, self.cuts, self.granularity, self.unpad = root, reason, cuts, granularity, unpad
+
+
+class ReadSplit(Exception):
+    """A replicated operand gathers rows of a parameter by index (an expert's bias by expert id,
+    `B[ids]`) and is read only here, cut to `layout` along its dim `param_dim` of the parameter: the
+    analysis revisits that gather (node `node`) reading the parameter split instead."""
+
+    def __init__(self, node: str, param_dim: int, layout: Layout, roots: frozenset[str]):
+        super().__init__(f"read {node} split on dim {param_dim}")
+        self.node, self.param_dim, self.layout, self.roots = node, param_dim, layout, roots
 
 
 @dataclass(frozen=True)

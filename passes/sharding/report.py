@@ -10,7 +10,7 @@ it, so `print(prog)` never leaves a large replicated weight unexplained (MoE exp
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
@@ -18,7 +18,18 @@ from autoshard.passes.graph_reading import module_path, op_name, param_read
 from autoshard.passes.sharding.op_table import RULES
 from autoshard.passes.sharding.placement import ParamUse
 
-__all__ = ["trim_fallbacks", "unexplained_replicated"]
+__all__ = ["Fallback", "trim_fallbacks", "unexplained_replicated", "with_first_cause"]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A region left replicated, and why."""
+
+    roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
+    modules: tuple[str, ...]        # their module paths
+    reason: str
+    by_design: bool = False         # whole as in Megatron (routers, MLA's down-projections)
+
 
 _VIEWS = frozenset(["t", "transpose", "permute", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze",
                     "expand", "contiguous", "clone", "to", "_to_copy", "alias", "detach", "unflatten", "flatten"])
@@ -81,3 +92,17 @@ def _first_reader(node: fx.Node) -> fx.Node | None:
             continue
         return u
     return None
+
+
+def with_first_cause(error: Exception, fallbacks: list, node: fx.Node) -> Exception:
+    """A refusal raised at `node` after regions of the same module fell back for want of a rule is
+    usually their consequence (queries left replicated make the values' heads look too few): the
+    refusal then leads with that first cause, the op without a rule, and says the rest follows."""
+    parent = module_path(node).split(" (")[0].rpartition(".")[0]
+    causes = [f for f in fallbacks if not f.by_design
+              and any(m.split(" (")[0].rpartition(".")[0] == parent for m in f.modules)]
+    if not causes:
+        return error
+    first = causes[0]
+    return type(error)(f"{first.reason}; this left {', '.join(first.modules)} replicated, and what follows "
+                       f"from it is refused: {error}")

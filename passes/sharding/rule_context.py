@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from autoshard.passes.sharding.index_sets import Layout
 from autoshard.passes.sharding.options import ShardOptions
-from autoshard.passes.sharding.placement import Origin, Placement, Shard
+from autoshard.passes.sharding.placement import Origin, Placement, ReadSplit, Shard
 
 __all__ = ["RuleContext"]
 
@@ -29,6 +29,8 @@ class RuleContext(Protocol):
         """Column root `node` gathers its input `x` from sequence shards `p`."""
     def tokens_for(self, node: fx.Node, roots: frozenset[str]) -> "tuple[int, Shard] | None":
         """(dim, sequence placement) a row-parallel output of these roots can be scattered onto."""
+    def split_read(self, node: fx.Node) -> ReadSplit | None:
+        """How a consumer asked this gather of parameter rows to read the parameter split, if it did."""
     def is_pinned(self, node: fx.Node) -> bool:
         """Whether this node was made to stay replicated (its region fell back)."""
     def require_cuts(self, origin: Origin | None, cuts: list[int], scale_size: int, roots: frozenset[str],

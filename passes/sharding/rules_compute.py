@@ -18,6 +18,7 @@ from autoshard.passes.sharding.placement import (
     NodeSharding,
     Origin,
     ParamUse,
+    ReadSplit,
     Restrict,
     RowParallel,
     Shard,
@@ -25,6 +26,7 @@ from autoshard.passes.sharding.placement import (
 from autoshard.passes.sharding.rule_context import RuleContext
 from autoshard.passes.sharding.rules_attention import activation_matmul
 from autoshard.passes.sharding.rules_shape import moved, norm_dim, sharded_inputs
+from autoshard.passes.sharding.rules_tensors import gathered_param_dim
 
 __all__ = ["COMPUTE_RULES", "param_matmul", "row_parallel_error"]
 
@@ -51,8 +53,11 @@ def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None,
         if p0.size != int(ctx.shape(v)[d]):
             raise Abandon(roots, f"{ctx.where(node)} would cut a replicated operand at padded positions")
         prm = ctx.param(v)
+        gathered = gathered_param_dim(ctx, v, d, node) if prm is None else None
         if prm is not None and not prm[1]:
             res.params.append(ParamUse(prm[0], d, p0.layout))
+        elif gathered is not None:        # B[ids] read only here: read B split instead of cutting B[ids]
+            raise ReadSplit(v.name, gathered, p0.layout, roots)
         else:
             res.edits.append(Restrict(arg, d, p0.layout, item=item))
     return res

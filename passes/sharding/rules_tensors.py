@@ -1,18 +1,20 @@
 """Rules for ops that make a tensor from a sharded one's layout: tensors shaped like it (new_empty,
 new_zeros, new_full, new_ones), copies tiled along a dim (repeat, repeat_interleave), complex views
 of feature pairs (view_as_complex, view_as_real: Llama 4's and DeepSeek-V2's rotary), and rows
-picked or added by index along a dim that is not sharded (index, index_add: tokens routed to experts).
+picked or added by index along a dim that is not sharded (index, index_add: tokens routed to experts),
+and padding of a dim that is not sharded.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
+from autoshard.passes.graph_reading import op_name
 from autoshard.passes.sharding.index_sets import expand, local_size, tile
-from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Restrict, Shard
+from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, NodeSharding, ParamUse, Restrict, Shard
 from autoshard.passes.sharding.rule_context import RuleContext
 from autoshard.passes.sharding.rules_shape import moved, norm_dim
 
-__all__ = ["TENSOR_RULES"]
+__all__ = ["TENSOR_RULES", "gathered_param_dim"]
 
 
 def new_like(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -25,7 +27,8 @@ def new_like(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     lit = sizes[p.dim]
     if not isinstance(lit, int) or lit != p.size or p.size != int(ctx.shape(node.args[0])[p.dim]):
         return NodeSharding(REPLICATE)
-    return NodeSharding(moved(p, p.dim, origin=None), edits=[ArgEdit(1, (local_size(p.layout),) * ctx.tp, item=p.dim)])
+    # index i of the new tensor's sharded dim is index i of x's: the same layout, traced to the same root
+    return NodeSharding(moved(p, p.dim), edits=[ArgEdit(1, (local_size(p.layout),) * ctx.tp, item=p.dim)])
 
 
 def repeat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
@@ -73,9 +76,30 @@ def view_as_real(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return NodeSharding(ctx.place(node.args[0]))
 
 
+def gathered_param_dim(ctx: RuleContext, v: object, dim: int, reader: fx.Node) -> int | None:
+    """The parameter dim behind `dim` of `v` when v = P[ids] gathers rows of a parameter P by one
+    index tensor and `reader` is its only reader (so it may read P split instead); else None."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and op_name(v.target) == "index"
+            and list(v.users) == [reader] and len(v.args[1]) == 1 and isinstance(v.args[1][0], fx.Node)):
+        return None
+    read = ctx.param(v.args[0])
+    ids_nd = len(ctx.shape(v.args[1][0]))
+    if read is None or read[1] or dim < ids_nd:
+        return None
+    return dim - ids_nd + 1
+
+
 def index(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     """x[i0, i1, ..] with index tensors on x's leading dims: a shard past them moves behind the
-    indices' broadcast shape; a sharded dim that is indexed, or a sharded index, is refused."""
+    indices' broadcast shape; a sharded dim that is indexed, or a sharded index, is refused. A gather
+    of parameter rows its reader asked to read split (`split_read`) reads its part of the parameter."""
+    split = ctx.split_read(node)
+    if split is not None:
+        name = ctx.param(node.args[0])[0]
+        out_dim = split.param_dim + len(ctx.shape(node.args[1][0])) - 1
+        size = int(ctx.shape(node)[out_dim])
+        return NodeSharding(Shard(out_dim, size, split.layout, split.roots, None),
+                            params=[ParamUse(name, split.param_dim, split.layout)])
     p = ctx.place(node.args[0])
     idx = list(node.args[1])
     sharded_index = [ctx.place(i) for i in idx if isinstance(i, fx.Node) and isinstance(ctx.place(i), Shard)]
@@ -112,8 +136,23 @@ def index_add(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return res
 
 
+def pad(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """constant_pad_nd(x, [left, right, ...] from the last dim back, value): a shard on a dim that
+    gets no padding stays where it is; padding the sharded dim is refused."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    widths = list(node.args[1])
+    nd = len(ctx.shape(node.args[0]))
+    k = nd - 1 - p.dim                           # the sharded dim's pair in `widths`
+    if 2 * k + 1 < len(widths) and (widths[2 * k], widths[2 * k + 1]) != (0, 0):
+        raise Abandon(p.roots, f"{ctx.where(node)} pads sharded dim {p.dim}")
+    return NodeSharding(p)
+
+
 TENSOR_RULES = {
     "new_empty": new_like, "new_zeros": new_like, "new_ones": new_like, "new_full": new_like,
     "repeat": repeat, "repeat_interleave": repeat_interleave,
     "view_as_complex": view_as_complex, "view_as_real": view_as_real, "index": index, "index_add": index_add,
+    "constant_pad_nd": pad, "pad": pad,
 }

@@ -1,0 +1,270 @@
+"""Each sharding rule of the op table added for the models people train now, on the op alone: a
+column-parallel Linear, the op, a row-parallel Linear, at tp=2 against the single-device module
+(outputs and gradients), with the weights split as a Megatron MLP's are. The models that use them
+are tests/simulation/test_current_models.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard import autoshard
+from autoshard.kernels.expert_matmul_ops import selected_linear
+from autoshard.testing import grad_errors, max_rel
+
+D, H, HD = 16, 4, 8           # model width, heads, head size: the column side is H * HD = 32 wide
+
+
+class _Around(nn.Module):
+    """up (column) -> op -> down (row), with the op's own parameters if it has any."""
+
+    def __init__(self, op, **params):
+        super().__init__()
+        self.up, self.down, self.op = nn.Linear(D, H * HD), nn.Linear(H * HD, D), op
+        for name, value in params.items():
+            setattr(self, name, nn.Parameter(value))
+
+    def forward(self, x):
+        return self.down(self.op(self, self.up(x)))
+
+
+def _heads(h):
+    return h.view(*h.shape[:-1], H, HD)              # (B, T, nh, hs)
+
+
+def _flat(h):
+    return h.reshape(*h.shape[:2], H * HD)
+
+
+def _max_over_head_features(m, h):
+    values, idx = _heads(h).max(dim=-1, keepdim=True)
+    return _flat(_heads(h) - values + idx.to(h.dtype) * 0.01)
+
+
+def _min_with_a_tensor(m, h):
+    return torch.min(h, m.cap) + torch.max(h, -m.cap)      # min.other / max.other
+
+
+def _amax_and_argmax(m, h):
+    return _flat(_heads(h) * _heads(h).argmax(dim=-1, keepdim=True).to(h.dtype) - _heads(h).amax(-1, keepdim=True))
+
+
+def _topk_within_heads(m, h):
+    values, _ = _heads(h).topk(2, dim=-1)
+    return _flat(_heads(h) - values.sum(-1, keepdim=True))
+
+
+def _in_place(m, h):
+    h = h.clone()
+    h.mul_(2.0)
+    h.add_(m.bias)
+    h.sub_(1.0)
+    return h
+
+
+def _copy_into_new_empty(m, h):
+    """DeepSeek's keys: per-head features and a part shared by all heads, copied into a new tensor."""
+    q = _heads(h)
+    out = q.new_empty(*q.shape[:-1], HD + 2)
+    out[..., :HD].copy_(q)
+    out[..., HD:].copy_(m.shared.expand(*q.shape[:-1], 2))
+    return _flat(out[..., 1:HD + 1])
+
+
+def _complex_rotary(m, h):
+    q = torch.view_as_complex(_heads(h).float().reshape(*h.shape[:2], H, HD // 2, 2))
+    angles = torch.arange(h.shape[1], dtype=torch.float32)[:, None] * torch.arange(1, HD // 2 + 1)
+    freqs = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]   # (1, T, 1, hs/2)
+    return _flat(torch.view_as_real(q * freqs).flatten(3))
+
+
+def _repeat_heads(m, h):
+    half = _heads(h)[..., : HD // 2]                                # (B, T, nh, hs/2)
+    return _flat(torch.cat([half.repeat(1, 1, 1, 2)[..., : HD // 2], half.repeat_interleave(1, dim=2)], -1))
+
+
+def _every_other_column(m, h):
+    """gpt-oss's interleaved gate and up columns, widened back by repeat_interleave."""
+    gate, up = h[..., ::2], h[..., 1::2]
+    return (gate * torch.sigmoid(gate) * (up + 1)).repeat_interleave(2, dim=-1)
+
+
+def _pad_features_of_heads(m, h):
+    return _flat(F.pad(_heads(h), (0, 0, 0, 0, 1, 0))[:, 1:])
+
+
+def _norm_over_all_heads(m, h):
+    """OLMo 2's q_norm: an RMSNorm over every head's features, then the heads."""
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * m.scale
+    return _flat(torch.tanh(_heads(normed)))
+
+
+def _per_head_norms(m, h):
+    pieces = _heads(h).transpose(1, 2).split(1, dim=1)             # nh pieces of (B, 1, T, hs)
+    normed = [F.layer_norm(p, (HD,), m.w[i], m.b[i]) for i, p in enumerate(pieces)]
+    return _flat(torch.cat(normed, dim=1).transpose(1, 2))
+
+
+CASES = {
+    "max.dim": (_max_over_head_features, {}),
+    "min.other": (_min_with_a_tensor, {"cap": torch.tensor(0.3)}),
+    "argmax/amax": (_amax_and_argmax, {}),
+    "topk": (_topk_within_heads, {}),
+    "in-place": (_in_place, {"bias": torch.randn(H * HD)}),
+    "new_empty+copy_": (_copy_into_new_empty, {"shared": torch.randn(2)}),
+    "view_as_complex": (_complex_rotary, {}),
+    "repeat": (_repeat_heads, {}),
+    "strided slice": (_every_other_column, {}),
+    "pad": (_pad_features_of_heads, {}),
+    "distributed norm": (_norm_over_all_heads, {"scale": torch.rand(H * HD) + 0.5}),
+}
+
+
+def _check(model, x, sharded, tp=2):
+    model(x).square().mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    prog = autoshard(model, tp=tp, example_inputs=(x,))
+    assert prog.sharding.fallbacks == [], prog.sharding.fallbacks
+    assert set(sharded) <= set(prog.sharding.params), set(sharded) - set(prog.sharding.params)
+    out = prog.simulate(x)
+    assert max_rel(out, model(x)) <= 1e-5
+    out.square().mean().backward()
+    errs = grad_errors(prog.full_grads(), ref)
+    assert max(errs.values()) <= 1e-5, errs
+    return prog
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_op_between_column_and_row_parallel_linears(case):
+    op, params = CASES[case]
+    torch.manual_seed(0)
+    model = _Around(op, **params)
+    _check(model, torch.randn(2, 6, D), ["up.weight", "up.bias", "down.weight"])
+
+
+def test_per_head_layer_norm_modules_split_with_the_heads():
+    torch.manual_seed(0)
+    model = _Around(_per_head_norms, w=torch.rand(H, HD) + 0.5, b=torch.randn(H, HD))
+    model.w.data, model.b.data = model.w.data, model.b.data
+    prog = _check(model, torch.randn(2, 6, D), ["up.weight", "down.weight"])
+    assert "per_head_layer_norm" in str(prog.rank(0).graph_module.code)
+
+
+def test_a_norm_over_all_heads_sums_its_statistic_and_fails_without_it(monkeypatch):
+    """The distributed norm's all-reduce (g on each rank's mean) is what makes it right: dropped,
+    each rank normalizes by its own features' mean and the output is wrong."""
+    from autoshard.passes.rewrite import edits
+    from autoshard.passes.sharding.placement import PartialStatistic
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, D)
+    model = _Around(_norm_over_all_heads, scale=torch.rand(H * HD) + 0.5)
+    prog = _check(model, x, ["up.weight", "scale", "down.weight"])
+    assert "self.g(mean)" in prog.rank(0).graph_module.code
+    row = edits.EDITS[PartialStatistic]
+    monkeypatch.setitem(edits.EDITS, PartialStatistic, edits.Edit(row.phase, None, lambda rw, call, e, new: new))
+    broken = autoshard(model, tp=2, example_inputs=(x,))
+    assert max_rel(broken.simulate(x), model(x)) > 1e-2
+
+
+class _Experts(nn.Module):
+    """Stacked expert weights read three ways: bmm on [experts, in, out] (Llama 4), one expert's
+    weight selected in a loop (JetMoE), and a bias gathered by expert id added in place (gpt-oss)."""
+
+    def __init__(self, experts=2):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, D, H * HD) * 0.2)     # [experts, in, out]
+        self.w2 = nn.Parameter(torch.randn(experts, H * HD, D) * 0.2)
+        self.sel_up = nn.Parameter(torch.randn(experts, H * HD, D) * 0.2)  # [experts, out, in]
+        self.sel_down = nn.Parameter(torch.randn(experts, D, H * HD) * 0.2)
+        self.bias = nn.Parameter(torch.randn(experts, H * HD))
+
+    def forward(self, x):                                  # x (experts, tokens, D)
+        ids = torch.arange(x.shape[0]).repeat_interleave(x.shape[1])
+        h = torch.bmm(x, self.w1).view(-1, H * HD)         # (experts * tokens, H * HD)
+        h.add_(self.bias[ids])
+        y = torch.bmm(F.silu(h).view(*x.shape[:2], -1), self.w2)
+        z = torch.stack([F.linear(F.gelu(F.linear(x[e], self.sel_up[e])), self.sel_down[e])
+                         for e in range(x.shape[0])])
+        return y + z
+
+
+def test_stacked_expert_weights_split_like_linear_layers():
+    torch.manual_seed(0)
+    model = _Experts()
+    x = torch.randn(2, 5, D)
+    model(x).square().mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    prog = autoshard(model, tp=2, example_inputs=(x,))
+    assert prog.sharding.params["w1"].dim == 2 and prog.sharding.params["w2"].dim == 1
+    assert prog.sharding.params["sel_up"].dim == 1 and prog.sharding.params["sel_down"].dim == 2
+    assert prog.sharding.params["bias"].dim == 1
+    out = prog.simulate(x)
+    assert max_rel(out, model(x)) <= 1e-5
+    out.square().mean().backward()
+    assert max(grad_errors(prog.full_grads(), ref).values()) <= 1e-5
+    assert selected_linear.__name__ in str(prog.rank(0).graph_module.code)
+
+
+def test_a_router_top_k_over_its_experts_is_whole_by_design():
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.out = nn.Linear(D, 4), nn.Linear(2, D)
+
+        def forward(self, x):
+            values, _ = self.gate(x).topk(2, dim=-1)
+            return self.out(values.softmax(-1))
+    prog = autoshard(Router(), tp=2, example_inputs=(torch.randn(2, 6, D),))
+    (f,) = prog.sharding.fallbacks
+    assert f.by_design and "router" in f.reason and "gate" in f.modules[0]
+    assert "whole by design (replicated): gate (Linear)" in str(prog)
+
+
+def test_writing_sharded_values_into_a_replicated_tensor_is_refused_not_run():
+    class Accumulate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(D, H * HD), nn.Linear(H * HD, D)
+
+        def forward(self, x):
+            acc = torch.zeros(*x.shape[:-1], H * HD)
+            acc.add_(self.up(x))
+            return self.down(acc)
+    torch.manual_seed(0)
+    model, x = Accumulate(), torch.randn(2, 6, D)
+    prog = autoshard(model, tp=2, example_inputs=(x,))
+    assert max_rel(prog.simulate(x), model(x)) <= 1e-5
+    reasons = [f.reason for f in prog.sharding.fallbacks]
+    assert any("add_" in r and "in place" in r for r in reasons), reasons
+
+
+class _QueriesWithoutARule(nn.Module):
+    """Eager grouped-query attention (4 query heads, 2 kv heads) whose queries and keys go through an
+    op the table has no rule for (cumsum): they stay replicated, and only the values are split."""
+
+    def __init__(self, d=32, heads=4, kv=2):
+        super().__init__()
+        self.h, self.kv, self.hd = heads, kv, d // heads
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, kv * self.hd), nn.Linear(d, kv * self.hd)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.h, self.hd).transpose(1, 2)       # (B, nh, T, hs)
+        k = self.k(x).view(B, T, self.kv, self.hd).transpose(1, 2)      # (B, nkv, T, hs)
+        v = self.v(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        q, k = torch.cumsum(q, -1), torch.cumsum(k, -1)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        a = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return self.o(a.transpose(1, 2).reshape(B, T, C))
+
+
+def test_a_refusal_names_the_op_without_a_rule_first():
+    # before: "tp=4 cannot split the input of node linear_3 (module o): ... the attention heads must
+    # be divisible by tp=4 ..." although its 4 query heads divide by 4 (gpt-oss at tp=4, whose
+    # attention-sink max had no rule)
+    from autoshard import ShardingError
+    with pytest.raises(ShardingError) as e:
+        autoshard(_QueriesWithoutARule(), tp=4, example_inputs=(torch.randn(2, 5, 32),))
+    text = str(e.value)
+    assert text.startswith("node cumsum") and "no sharding rule for aten.cumsum" in text
+    assert "tp=4 cannot split the input of node linear_3" in text
