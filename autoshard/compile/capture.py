@@ -19,6 +19,7 @@ from torch import nn
 from torch.export import Dim
 
 from autoshard.compile import trace_cache
+from autoshard.compile.export_refusal import export_refusal
 from autoshard.errors import CaptureError
 from autoshard.module_paths import fetch_attr
 
@@ -236,8 +237,7 @@ def _export(model: nn.Module, named: dict[str, object], dynamic: bool, training:
         except Exception as e:  # the tracer's own reason is what the user needs to see
             errors.append(e)
     e = errors[-1]
-    raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
-                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+    raise CaptureError(export_refusal(model, e)) from e
 
 
 def _order(graph: fx.Graph):

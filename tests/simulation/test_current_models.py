@@ -105,3 +105,24 @@ def test_current_models_shard_every_weight_megatron_splits(arch, tp, pp):
     out.loss.backward()
     errs = grad_errors(prog.full_grads(), ref_grads)
     assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
+
+
+def test_a_loop_over_the_experts_hit_is_refused_naming_the_loop_and_the_change():
+    # before: "torch.export could not trace DbrxForCausalLM: GuardOnDataDependentSymNode: Could not
+    # guard on data-dependent expression Eq(u0, 0)", naming neither the loop nor what to change
+    from autoshard.errors import CaptureError
+    cfg = hf.DbrxConfig(d_model=64, n_heads=8, n_layers=1, max_seq_len=64, vocab_size=128,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})
+    with pytest.raises(CaptureError) as e:
+        autoshard(hf.DbrxForCausalLM(cfg).eval(), tp=2, example_kwargs={"input_ids": torch.randint(0, 128, (2, 8))})
+    text = str(e.value)
+    assert "modeling_dbrx.py:" in text and "`for expert_idx in expert_hit:`" in text
+    assert "transformer.blocks.0.ffn.experts (DbrxExperts.forward)" in text and "range(num_experts)" in text
+    # an experts module that has the interface is told to switch it
+    mixtral = hf.MixtralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=8,
+                               num_key_value_heads=2, intermediate_size=64, num_local_experts=4)
+    mixtral._experts_implementation = "eager"
+    with pytest.raises(CaptureError, match='_experts_implementation = "grouped_mm"'):
+        autoshard(hf.MixtralForCausalLM(mixtral).eval(), tp=2,
+                  example_kwargs={"input_ids": torch.randint(0, 128, (2, 8))})
