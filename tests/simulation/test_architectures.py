@@ -32,7 +32,7 @@ CASES = {
     # multi-query fused c_attn
     "GPTBigCode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=64, n_layer=2, n_head=8, n_inner=128,
                                                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    # RMSNorm over all heads' q and k features (needs every feature: replicated)
+    # RMSNorm over all heads' q and k features (a distributed norm: its statistic summed by g)
     "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=8)),
     # Mixture of Experts: top-k routing
     "Qwen2Moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_key_value_heads=2, moe_intermediate_size=32,
@@ -40,11 +40,11 @@ CASES = {
                                                                num_experts_per_tok=2)),
 }
 # The ones that must shard their attention and MLP weights with no fallback (others may fall back,
-# correctly: Falcon's fused multi-query QKV indexed with lists, Bloom's per-head fused QKV, Olmo2's
-# full-width q/k norms, Qwen2-MoE's router). GPT-BigCode's multi-query attention and Gemma2's eager
+# correctly: Falcon's fused multi-query QKV indexed with lists, Bloom's per-head fused QKV, Qwen2-MoE's
+# router). GPT-BigCode's multi-query attention and Gemma2's eager
 # attention with 2 kv heads at tp=4 share kv heads between ranks.
 MUST_SHARD = {"Mistral", "Qwen2", "Qwen3", "Phi3", "GPTNeoX", "OPT", "Gemma", "Gemma2", "GPTJ", "MPT", "Phi",
-              "GPTBigCode"}
+              "GPTBigCode", "Olmo2"}
 # What the fusion pass finds in each at tp=2 (a row-parallel linear's bias is added after its
 # all-reduce, so bias + residual appears in the models whose output projections have biases).
 # Not fused: GPT-J's interleaved rotary, OPT's ReLU, Gemma's gated GeLU (no kernel

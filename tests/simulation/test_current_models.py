@@ -12,41 +12,10 @@ import torch
 
 from autoshard import autoshard
 from autoshard.testing import grad_errors, max_rel
+from autoshard.testing.current_models import CURRENT_MODELS, build_current
 
 hf = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128)
-_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
-_MLA = dict(kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=32,
-            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
-            topk_group=1, num_key_value_heads=8)
-CASES = {
-    # attention sinks (a max over scores and sinks), interleaved gate/up columns, biased experts
-    "GptOss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_MOE,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
-    # complex rotary (view_as_complex), experts as bmm on stacked weights, chunked attention
-    "Llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
-        num_key_value_heads=4, head_dim=8, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
-        interleave_moe_layer_step=1, attention_chunk_size=8, no_rope_layers=[1, 0])),
-    # MLA without a q down-projection, complex rotary, keys built with new_empty + copy_
-    "DeepseekV2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, **_MLA)),
-    "DeepseekV3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(q_lora_rank=32, **_MLA)),
-    # q/k RMSNorm over all heads' features: a distributed norm
-    "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=8, eos_token_id=1, pad_token_id=0)),
-    "Olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(num_key_value_heads=4, sliding_window=8, eos_token_id=1,
-                                                     pad_token_id=0)),
-    # a LayerNorm module per head
-    "StableLm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=8, qk_layernorm=True,
-                                                               hidden_dropout=0.0, attention_dropout=0.0)),
-    # xIELU activation (min / max against a scalar)
-    "Apertus": ("ApertusConfig", "ApertusForCausalLM", dict(num_key_value_heads=4)),
-    # attention experts (selected per expert in a Python loop), kv heads repeated per top-k slot
-    "JetMoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(num_key_value_heads=4, kv_channels=8, **_MOE)),
-    # relative position bias added in place
-    "MPNet": ("MPNetConfig", "MPNetForMaskedLM", dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                                      max_position_embeddings=64)),
-}
 # what is kept whole by design, per model, as parts of parameter names (every other block weight of
 # >= 2 dims must be split): routers, MLA's down-projections, a masked-LM head's transform, and the
 # experts' row-parallel bias (added once, after the reduction, as Megatron adds a row-parallel bias)
@@ -57,12 +26,6 @@ BY_DESIGN = {
     "JetMoe": {"mlp.router.layer.", "self_attention.experts.router.layer."}, "MPNet": {"lm_head.dense."},
 }
 _BLOCK = re.compile(r"\.\d+\.")
-
-
-def _build(arch):
-    cfg_name, model_name, extra = CASES[arch]
-    torch.manual_seed(0)
-    return getattr(hf, model_name)(getattr(hf, cfg_name)(**{**COMMON, **extra})).eval()
 
 
 def _inputs():
@@ -82,9 +45,9 @@ def _whole(name: str, arch: str) -> bool:
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
-@pytest.mark.parametrize("arch", sorted(CASES))
+@pytest.mark.parametrize("arch", sorted(CURRENT_MODELS))
 def test_current_models_shard_every_weight_megatron_splits(arch, tp, pp):
-    model = _build(arch)
+    model = build_current(arch)
     kw = _inputs()
     ref = model(**kw)
     ref.loss.backward()

@@ -12,8 +12,9 @@ from autoshard.testing.models import VOCAB
 
 
 class _ReplicatedKV(nn.Module):
-    """k and v come from a projection left replicated (`new_empty` + `copy_` has no rule) and are
-    `split` apart, then meet head-sharded queries: they must enter the sharded region through f."""
+    """k and v come from a projection left replicated (`flip` has no rule; before the current-models
+    issue `new_empty` + `copy_` kept it so) and are `split` apart, then meet head-sharded queries:
+    they must enter the sharded region through f."""
 
     def __init__(self, d: int = 32, heads: int = 4):
         super().__init__()
@@ -24,8 +25,7 @@ class _ReplicatedKV(nn.Module):
     def forward(self, ids):
         x = self.emb(ids)
         y = self.kv(x)
-        copied = y.new_empty(y.shape)
-        copied.copy_(y)
+        copied = y.flip(-1).flip(-1)
         k, v = copied.split(x.shape[-1], dim=-1)
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.heads, C // self.heads).transpose(1, 2)   # (B, nh, T, hs)
