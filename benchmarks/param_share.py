@@ -30,7 +30,11 @@ from autoshard import autoshard
 common, (cfg_name, model_name, extra), tp = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 model = getattr(hf, model_name)(getattr(hf, cfg_name)(**{**common, **extra})).eval()
-prog = autoshard(model, tp=tp, example_kwargs={"input_ids": torch.randint(0, 128, (2, 16))})
+try:
+    prog = autoshard(model, tp=tp, example_kwargs={"input_ids": torch.randint(0, 128, (2, 16))})
+except Exception as e:          # an older checkout may refuse
+    print(json.dumps({"refused": f"{type(e).__name__}: {str(e)[:80]}"}))
+    sys.exit(0)
 total = sum(p.numel() for p in model.parameters())
 rank0 = sum(p.numel() for p in prog.rank(0).parameters())
 fb = prog.sharding.fallbacks
@@ -62,7 +66,8 @@ def main() -> None:
             now = measure(name, tp, None)
             row = [name, tp, now["params"]]
             if args.before:
-                row.append(f"{measure(name, tp, args.before)['share']:.3f}")
+                old = measure(name, tp, args.before)
+                row.append("refused" if "refused" in old else f"{old['share']:.3f}")
             rows.append(row + [f"{now['share']:.3f}", f"{1 / tp:.3f}", now["by_design"], now["fallbacks"]])
     headers = ["model", "tp", "parameters"] + (["rank 0 share before"] if args.before else []) + \
         ["rank 0 share", "1/tp", "whole by design", "other fallbacks"]

@@ -27,7 +27,7 @@ _ATTENTION = frozenset(["scaled_dot_product_attention"])
 _LOOKAHEAD = 40      # nodes visited when asking where a normalized value goes
 
 
-def _kept(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], keepdim: bool) -> Shard:
+def _kept(p: Shard, dims: list[int], keepdim: bool) -> Shard:
     """The shard after reducing `dims` (none of them sharded)."""
     return moved(p, p.dim if keepdim else p.dim - sum(1 for x in dims if x < p.dim))
 
@@ -44,10 +44,10 @@ def _reduce_over(ctx: RuleContext, node: fx.Node, dims: list[int], keepdim: bool
     dims = _dims(ctx, node, dims)
     if p.dim in dims:
         raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
-    return NodeSharding(_kept(ctx, node, p, dims, keepdim))
+    return NodeSharding(_kept(p, dims, keepdim))
 
 
-def _feeds_weight(node: fx.Node, ctx: RuleContext) -> bool:
+def _feeds_weight(ctx: RuleContext, node: fx.Node) -> bool:
     """Whether the value this statistic normalizes reaches a matmul against a parameter before it is
     viewed into heads or meets attention: a norm between a down- and an up-projection."""
     seen, frontier = {node}, list(node.users)
@@ -78,7 +78,7 @@ def _statistic(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], mean:
     local = local_size(p.layout)
     if dims != [p.dim] or p.dim != nd - 1 or local is None or not is_partition(p.layout, p.size):
         raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
-    if _feeds_weight(node, ctx):
+    if _feeds_weight(ctx, node):
         raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a low-rank down-projection that "
                                f"feeds another weight; kept whole, as Megatron keeps these", by_design=True)
     return NodeSharding(REPLICATE, role="statistic", edits=[PartialStatistic(local / p.size if mean else 1.0)])
@@ -138,7 +138,7 @@ def layer_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     nd = len(ctx.shape(node))
     k = len(node.args[1])
     p = ctx.place(node.args[0])
-    if isinstance(p, Shard) and p.dim >= nd - k and _feeds_weight(node, ctx):
+    if isinstance(p, Shard) and p.dim >= nd - k and _feeds_weight(ctx, node):
         raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a projection that feeds another "
                                f"weight; kept whole, as Megatron keeps these", by_design=True)
     return _reduce_over(ctx, node, list(range(nd - k, nd)), True)

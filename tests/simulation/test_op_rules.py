@@ -70,6 +70,13 @@ def _copy_into_new_empty(m, h):
     return _flat(out[..., 1:HD + 1])
 
 
+def _cat_with_shared(m, h):
+    """MLA's keys: per-head features concatenated with a part every head shares, expanded over heads."""
+    q = _heads(h)
+    k = torch.cat([q, m.shared.expand(*q.shape[:-1], 2)], dim=-1)     # (B, T, nh, hs + 2)
+    return _flat(k[..., 2:] * k[..., :HD].sum(-1, keepdim=True))
+
+
 def _complex_rotary(m, h):
     q = torch.view_as_complex(_heads(h).float().reshape(*h.shape[:2], H, HD // 2, 2))
     angles = torch.arange(h.shape[1], dtype=torch.float32)[:, None] * torch.arange(1, HD // 2 + 1)
@@ -112,6 +119,7 @@ CASES = {
     "in-place": (_in_place, {"bias": torch.randn(H * HD)}),
     "new_empty+copy_": (_copy_into_new_empty, {"shared": torch.randn(2)}),
     "view_as_complex": (_complex_rotary, {}),
+    "cat with a shared part": (_cat_with_shared, {"shared": torch.randn(2)}),
     "repeat": (_repeat_heads, {}),
     "strided slice": (_every_other_column, {}),
     "pad": (_pad_features_of_heads, {}),
