@@ -53,18 +53,18 @@ def export_refusal(model: nn.Module, e: BaseException) -> str:
         return base
     owner = _owner(model, frame)
     where = f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
+    fix = "change that code so that what it runs does not depend on tensor values"
     if owner is not None:
         path, m = owner
         where += f" in {path} ({type(m).__name__}.{frame.name})"
-        switchable = hasattr(m, "has_gate") and hasattr(m, "is_transposed")   # transformers' experts interface
-        fix = (f"set model.config._experts_implementation = \"grouped_mm\" (or \"batched_mm\"): "
-               f"{type(m).__name__} supports transformers' experts interface" if switchable else
-               f"{type(m).__name__} does not support transformers' experts interface "
-               f"(config._experts_implementation), so change its code to run every expert "
-               f"(`for e in range(num_experts)` over masked tokens) rather than only those hit, "
-               f"or use a model class whose experts support that interface")
-    else:
-        fix = "change that code so that it does not depend on tensor values (e.g. loop over every expert)"
+        if hasattr(m, "has_gate") and hasattr(m, "is_transposed"):      # transformers' experts interface
+            fix = (f"set model.config._experts_implementation = \"grouped_mm\" (or \"batched_mm\"): "
+                   f"{type(m).__name__} supports transformers' experts interface")
+        elif hasattr(m, "num_experts") or "expert" in type(m).__name__.lower():
+            fix = (f"{type(m).__name__} does not support transformers' experts interface "
+                   f"(config._experts_implementation), so change its code to run every expert "
+                   f"(`for e in range(num_experts)` over masked tokens) rather than only those hit, "
+                   f"or use a model class whose experts support that interface")
     return (f"torch.export could not trace {type(model).__name__}: {where} loops or branches on tensor values "
-            f"(which experts received tokens), which one static graph cannot hold; {fix}. "
+            f"(in a mixture of experts: which experts received tokens), which one static graph cannot hold; {fix}. "
             f"The tracer said: {type(e).__name__}: {first}")

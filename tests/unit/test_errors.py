@@ -1,4 +1,6 @@
 """Bad input gets a clear error; what cannot be sharded runs replicated and correct."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -51,8 +53,11 @@ class _Branchy(nn.Module):
 
 
 def test_untraceable_model_shows_the_tracers_reason():
-    with pytest.raises(CaptureError, match="torch.export could not trace _Branchy: .*data-dependent"):
+    with pytest.raises(CaptureError, match="torch.export could not trace _Branchy: .*data-dependent") as e:
         autoshard(_Branchy(), tp=2, example_inputs=(torch.randn(2, 8),))
+    # the line that branches, in which module, and what to change (before: the tracer's first line only)
+    assert re.search(r"test_errors.py:\d+ `if x.sum\(\) > 0:", str(e.value)) and "in <top> (_Branchy.forward)" in str(e.value)
+    assert "does not depend on tensor values" in str(e.value)
 
 
 def test_missing_example_inputs_are_asked_for():
