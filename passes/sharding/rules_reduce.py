@@ -47,24 +47,33 @@ def _reduce_over(ctx: RuleContext, node: fx.Node, dims: list[int], keepdim: bool
     return NodeSharding(_kept(p, dims, keepdim))
 
 
-def _feeds_weight(ctx: RuleContext, node: fx.Node) -> bool:
-    """Whether the value this statistic normalizes reaches a matmul against a parameter before it is
-    viewed into heads or meets attention: a norm between a down- and an up-projection."""
+def _reaches(node: fx.Node, found, stop) -> bool:
+    """Whether a value computed from `node` meets a node `found(n)` is true of, within _LOOKAHEAD
+    nodes, not going past nodes `stop(n)` is true of."""
     seen, frontier = {node}, list(node.users)
     while frontier and len(seen) < _LOOKAHEAD:
         u = frontier.pop(0)
         if u in seen or u.op != "call_function":
             continue
         seen.add(u)
-        name = op_name(u.target)
-        if name in _MATMULS and any(ctx.param(a) is not None for a in u.args[1:3]):
+        if found(u):
             return True
-        if name in _ATTENTION or name in _MATMULS:
-            continue
-        if name in ("view", "reshape", "_unsafe_view") and _splits_features(u):
-            continue
-        frontier.extend(u.users)
+        if not stop(u):
+            frontier.extend(u.users)
     return False
+
+
+def _feeds_weight(ctx: RuleContext, node: fx.Node) -> bool:
+    """Whether the value this statistic normalizes reaches a matmul against a parameter before it is
+    viewed into heads or meets attention: a norm between a down- and an up-projection."""
+    def weight_matmul(u: fx.Node) -> bool:
+        return op_name(u.target) in _MATMULS and any(ctx.param(a) is not None for a in u.args[1:3])
+
+    def heads_or_attention(u: fx.Node) -> bool:
+        name = op_name(u.target)
+        return name in _ATTENTION or name in _MATMULS or \
+            (name in ("view", "reshape", "_unsafe_view") and _splits_features(u))
+    return _reaches(node, weight_matmul, heads_or_attention)
 
 
 def _splits_features(node: fx.Node) -> bool:
@@ -129,6 +138,13 @@ def topk(ctx: RuleContext, node: fx.Node) -> NodeSharding:
 
 
 def softmax(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """Over a sharded dim it is refused; where its probabilities go to a top-k, it is a router's
+    softmax over its experts (Mixtral, Qwen-MoE), whole by design."""
+    p = ctx.place(node.args[0])
+    if isinstance(p, Shard) and norm_dim(node.args[1], len(ctx.shape(node))) == p.dim and \
+            _reaches(node, lambda u: op_name(u.target) == "topk", lambda u: False):
+        raise Abandon(p.roots, f"{ctx.where(node)} takes a softmax over sharded dim {p.dim} that a top-k "
+                               f"reads (a router over its experts); kept whole, as Megatron keeps routers", by_design=True)
     return _reduce_over(ctx, node, [node.args[1]], True)
 
 

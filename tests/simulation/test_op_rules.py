@@ -212,15 +212,18 @@ def test_stacked_expert_weights_split_like_linear_layers():
     assert selected_linear.__name__ in str(prog.rank(0).graph_module.code)
 
 
-def test_a_router_top_k_over_its_experts_is_whole_by_design():
+@pytest.mark.parametrize("softmax_first", [False, True])      # gpt-oss's order, Mixtral's
+def test_a_router_top_k_over_its_experts_is_whole_by_design(softmax_first):
     class Router(nn.Module):
         def __init__(self):
             super().__init__()
             self.gate, self.out = nn.Linear(D, 4), nn.Linear(2, D)
 
         def forward(self, x):
-            values, _ = self.gate(x).topk(2, dim=-1)
-            return self.out(values.softmax(-1))
+            logits = self.gate(x)
+            if softmax_first:
+                return self.out(logits.softmax(-1).topk(2, dim=-1).values)
+            return self.out(logits.topk(2, dim=-1).values.softmax(-1))
     prog = autoshard(Router(), tp=2, example_inputs=(torch.randn(2, 6, D),))
     (f,) = prog.sharding.fallbacks
     assert f.by_design and "router" in f.reason and "gate" in f.modules[0]
