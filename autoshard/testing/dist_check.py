@@ -47,6 +47,34 @@ def _optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
+def train_alongside(rt, ref, steps: list, make_optimizer) -> float:
+    """Train the rank module `rt` and the single-device `ref` side by side, one optimizer step per
+    entry of `steps` (each `step(model) -> loss`); returns the worst relative loss difference."""
+    opt, ref_opt = make_optimizer(rt.parameters()), make_optimizer(ref.parameters())
+    worst = 0.0
+    for step in steps:
+        loss, ref_loss = step(rt), step(ref)
+        worst = max(worst, max_rel(loss, ref_loss))
+        for o, value in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            value.backward()
+            o.step()
+    return worst
+
+
+def shard_error(prog, rt, ref, rank: int) -> tuple[float, str]:
+    """The worst scaled error of this rank's parameter shards against the same slices of `ref`'s
+    parameters, and the parameter it is in."""
+    local = {n: p.detach() for n, p in rt.named_parameters()}
+    want = {}
+    for pname, p in ref.named_parameters():
+        use = prog.sharding.params.get(pname)
+        want[pname] = slice_layout(p.detach(), use.dim, use.layout[rank]) if use else p.detach()
+    errs = scaled_errors(local, want)
+    where = max(errs, key=errs.get)
+    return errs[where], where
+
+
 def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: str, shape: dict,
                 in_graph: bool, sequence_parallel: bool = False, fuse: bool = False) -> dict:
     ref = build_model(name, **shape)
@@ -61,25 +89,9 @@ def check_model(name: str, steps: int, rank: int, world: int, lr: float, optim: 
         example[label_name(name)] = batches[0][1]
     prog = autoshard(model, tp=world, example_kwargs=example, sequence_parallel=sequence_parallel, fuse=fuse)
     rt = prog.distributed()
-    opt = _optimizer(optim, rt.parameters(), lr)
-    ref_opt = _optimizer(optim, ref.parameters(), lr)
-    worst_loss = 0.0
-    for ids, labels in batches:
-        loss = _loss(rt, name, ids, labels, in_graph)
-        ref_loss = _loss(ref, name, ids, labels, in_graph)
-        worst_loss = max(worst_loss, max_rel(loss, ref_loss))
-        for o, l in ((opt, loss), (ref_opt, ref_loss)):
-            o.zero_grad()
-            l.backward()
-            o.step()
-    local = {n: p.detach() for n, p in rt.named_parameters()}
-    want = {}
-    for pname, p in ref.named_parameters():
-        use = prog.sharding.params.get(pname)
-        want[pname] = slice_layout(p.detach(), use.dim, use.layout[rank]) if use else p.detach()
-    errs = scaled_errors(local, want)
-    where = max(errs, key=errs.get)
-    worst_param = errs[where]
+    worst_loss = train_alongside(rt, ref, [lambda m, b=b: _loss(m, name, *b, in_graph) for b in batches],
+                                 lambda params: _optimizer(optim, params, lr))
+    worst_param, where = shard_error(prog, rt, ref, rank)
     return {"model": name, "rank": rank, "world": world, "optim": optim, "in_graph_loss": in_graph,
             "sequence_parallel": sequence_parallel, "fuse": fuse, "steps": len(batches), "loss_rel": worst_loss,
             "param_rel": worst_param, "worst_param": where, "sharded": len(prog.sharding.params)}

@@ -3,8 +3,10 @@
     torchrun --standalone --nproc-per-node 2 -m tests.harness.current_models_check --models Olmo2 GptOss
 
 Each rank builds the same seeded model (autoshard/testing/current_models.py), compiles it with
-autoshard(tp=world size), and trains its own rank module with gloo collectives for a few AdamW steps
-on batches with a padding mask and -100 labels (the loss in the graph). After each step its loss is
+autoshard(tp=world size), and trains its own rank module with gloo collectives for a few SGD steps
+(with momentum; `--optim adamw` for AdamW, whose division by sqrt(v) turns gradients that are float
+noise on both sides into lr-sized steps) on batches with a padding mask and -100 labels (the loss
+in the graph). After each step its loss is
 compared with single-device training of the same model, and at the end its own parameter shards.
 The rules exercised: the distributed norm's g (OLMo 2), attention sinks, strided gate/up columns and
 expert biases read split (gpt-oss), MLA keys built in place (DeepSeek-V3), experts selected in a loop
@@ -18,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from autoshard import autoshard
-from autoshard.compile.rank import slice_layout
 from autoshard.testing.current_models import CURRENT_MODELS, build_current
+from autoshard.testing.dist_check import shard_error, train_alongside
 from autoshard.testing.launch import agree, run_checker
-from autoshard.testing.metrics import max_rel, scaled_errors
 
 
 def _batches(steps: int) -> list[dict]:
@@ -46,24 +47,11 @@ def check(name: str, steps: int, rank: int, world: int, optim: str) -> dict:
     batches = _batches(steps)
     prog = autoshard(model, tp=world, example_kwargs=batches[0])
     rt = prog.distributed()
-    opt, ref_opt = _optimizer(optim, rt.parameters()), _optimizer(optim, ref.parameters())
-    worst_loss = 0.0
-    for batch in batches:
-        loss, ref_loss = rt(**batch).loss, ref(**batch).loss
-        worst_loss = max(worst_loss, max_rel(loss, ref_loss))
-        for o, value in ((opt, loss), (ref_opt, ref_loss)):
-            o.zero_grad()
-            value.backward()
-            o.step()
-    local = {n: p.detach() for n, p in rt.named_parameters()}
-    want = {}
-    for pname, p in ref.named_parameters():
-        use = prog.sharding.params.get(pname)
-        want[pname] = slice_layout(p.detach(), use.dim, use.layout[rank]) if use else p.detach()
-    errs = scaled_errors(local, want)
-    where = max(errs, key=errs.get)
+    worst_loss = train_alongside(rt, ref, [lambda m, b=b: m(**b).loss for b in batches],
+                                 lambda params: _optimizer(optim, params))
+    worst_param, where = shard_error(prog, rt, ref, rank)
     return {"model": name, "rank": rank, "world": world, "steps": steps, "optim": optim, "loss_rel": worst_loss,
-            "param_rel": errs[where], "worst_param": where, "sharded": len(prog.sharding.params)}
+            "param_rel": worst_param, "worst_param": where, "sharded": len(prog.sharding.params)}
 
 
 def main() -> None:
