@@ -167,6 +167,22 @@ def _mode(model: nn.Module, training: bool | None):
             m.training = was
 
 
+@contextmanager
+def _no_cache(model: nn.Module):
+    """A Hugging Face model that takes `use_cache` only through **kwargs (GraniteMoe) reads it from
+    its config and would return a DynamicCache, which export cannot hold: the config says no cache
+    while the model is traced (a training graph has none), and is restored after."""
+    config = getattr(model, "config", None)
+    if not _is_hf(model) or not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
 def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,
             training: bool | None = None) -> Captured:
     """`dynamic=False` exports every size static (sequence parallelism cuts the sequence by index).
@@ -231,7 +247,7 @@ def _export(model: nn.Module, named: dict[str, object], dynamic: bool, training:
     errors = []
     for dyn in ((True, False) if dynamic else (False,)):
         try:
-            with _mode(model, training):
+            with _mode(model, training), _no_cache(model):
                 return torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
                                            strict=False)
         except Exception as e:  # the tracer's own reason is what the user needs to see

@@ -89,3 +89,18 @@ def test_a_loop_over_the_experts_hit_is_refused_naming_the_loop_and_the_change()
     with pytest.raises(CaptureError, match='_experts_implementation = "grouped_mm"'):
         autoshard(hf.MixtralForCausalLM(mixtral).eval(), tp=2,
                   example_kwargs={"input_ids": torch.randint(0, 128, (2, 8))})
+
+
+def test_a_model_taking_use_cache_through_kwargs_is_captured_without_its_cache():
+    # before: "torch.export could not trace GraniteMoeForCausalLM: RuntimeError: Found <class
+    # 'transformers.cache_utils.DynamicCache'> in output" (use_cache only through **kwargs, read from
+    # the config)
+    cfg = hf.GraniteMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                              num_key_value_heads=4, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = hf.GraniteMoeForCausalLM(cfg).eval()
+    kw = _inputs()
+    prog = autoshard(model, tp=2, example_kwargs=kw)
+    assert model.config.use_cache is True                     # restored after the trace
+    assert max_rel(prog.simulate(**kw).loss, model(**kw).loss) <= 1e-5
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in prog.sharding.params
