@@ -1,5 +1,5 @@
 """Tier (c): the current models' new rules (issue 35) on real gloo collectives, not only in the
-simulator: OLMo 2, gpt-oss, DeepSeek-V3 and JetMoE at tp=2 train three steps equal to one device.
+simulator: OLMo 2, gpt-oss and JetMoE at tp=2 train three steps equal to one device.
 The job shares the suite's world-2 launch (tests/launches.py)."""
 import pytest
 
@@ -12,7 +12,7 @@ CURRENT = Job("current-models", "tests.harness.current_models_check", ("--steps"
 @needs(CURRENT)
 def test_current_models_train_on_gloo_equal_to_one_device(launched):
     lines = launched(CURRENT)
-    assert {r["model"] for r in lines} == {"Olmo2", "GptOss", "DeepseekV3", "JetMoe"}
+    assert {r["model"] for r in lines} == {"Olmo2", "GptOss", "JetMoe"}
     for r in lines:
         assert r["all_ranks_ok"] and r["world"] == 2, r
         assert r["loss_rel"] <= 1e-5 and r["param_rel"] <= 1e-5, r

@@ -9,8 +9,8 @@ noise on both sides into lr-sized steps) on batches with a padding mask and -100
 in the graph). After each step its loss is
 compared with single-device training of the same model, and at the end its own parameter shards.
 The rules exercised: the distributed norm's g (OLMo 2), attention sinks, strided gate/up columns and
-expert biases read split (gpt-oss), MLA keys built in place (DeepSeek-V3), experts selected in a loop
-and heads per top-k slot (JetMoE). Exit status 1 on any mismatch; rank 0 prints one line per model.
+expert biases read split (gpt-oss), experts selected in a loop and heads per top-k slot (JetMoE); the
+others run in simulation (tests/simulation/test_current_models.py). Exit status 1 on any mismatch; rank 0 prints one line per model.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def check(name: str, steps: int, rank: int, world: int, optim: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["Olmo2", "GptOss", "DeepseekV3", "JetMoe"],
+    ap.add_argument("--models", nargs="+", default=["Olmo2", "GptOss", "JetMoe"],
                     choices=sorted(CURRENT_MODELS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tol", type=float, default=1e-5)
