@@ -173,14 +173,15 @@ def _no_cache(model: nn.Module):
     its config and would return a DynamicCache, which export cannot hold: the config says no cache
     while the model is traced (a training graph has none), and is restored after."""
     config = getattr(model, "config", None)
-    if not _is_hf(model) or not getattr(config, "use_cache", False):
+    was = getattr(config, "use_cache", False)
+    if not _is_hf(model) or not was:
         yield
         return
     config.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        config.use_cache = was
 
 
 def capture(model: nn.Module, named: dict[str, object], *, dynamic: bool = True,

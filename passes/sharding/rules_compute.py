@@ -28,7 +28,7 @@ from autoshard.passes.sharding.rules_attention import activation_matmul
 from autoshard.passes.sharding.rules_shape import moved, norm_dim, sharded_inputs
 from autoshard.passes.sharding.rules_tensors import gathered_param_dim
 
-__all__ = ["COMPUTE_RULES", "param_matmul", "row_parallel_error"]
+__all__ = ["COMPUTE_RULES", "default", "elementwise", "mm", "param_matmul", "row_parallel_error"]
 
 
 def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None, object]]) -> NodeSharding:

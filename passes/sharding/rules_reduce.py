@@ -99,8 +99,8 @@ def reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
     p = ctx.place(node.args[0])
     name = op_name(node.target)
-    if isinstance(p, Shard) and p.dim in _dims(ctx, node, dims) and name in ("mean", "sum"):
-        return _statistic(ctx, node, p, _dims(ctx, node, dims), name == "mean")
+    if isinstance(p, Shard) and name in ("mean", "sum") and p.dim in (reduced := _dims(ctx, node, dims)):
+        return _statistic(ctx, node, p, reduced, name == "mean")
     return _reduce_over(ctx, node, dims, keep)
 
 

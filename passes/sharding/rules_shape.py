@@ -9,7 +9,7 @@ from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, Nod
 from autoshard.passes.sharding.rule_context import RuleContext
 from autoshard.passes.sharding.shape_algebra import map_reshape_dim
 
-__all__ = ["SHAPE_RULES", "sharded_inputs", "norm_dim", "moved"]
+__all__ = ["SHAPE_RULES", "PASSTHROUGH", "sharded_inputs", "norm_dim", "moved", "passthrough"]
 
 
 def norm_dim(d: int, ndim: int) -> int:
