@@ -20,7 +20,7 @@ import sys
 from results import report
 from tabulate import tabulate
 
-from autoshard.testing.current_models import CURRENT_MODELS
+from autoshard.testing.current_models import COMMON, CURRENT_MODELS
 
 _CHILD = """
 import json, sys, warnings
@@ -45,7 +45,6 @@ print(json.dumps({"share": rank0 / total, "params": total,
 
 
 def measure(name: str, tp: int, checkout: str | None) -> dict:
-    from autoshard.testing.current_models import COMMON
     env = dict(os.environ)
     if checkout:
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(checkout), env.get("PYTHONPATH", "")])

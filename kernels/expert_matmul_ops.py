@@ -7,7 +7,8 @@
 gathered_linear: row s is x[s] @ w[ids[s]] (Hugging Face's `batched_mm` experts, written there as
 `bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)` on the stored [experts, out, in] weight). einsum_linear:
 an einsum against the weight. selected_linear: F.linear(x, w[e], bias), one expert's weight chosen
-by a Python loop over the experts (JetMoE's `F.linear(inputs[i], self.weight[i])`). passes/expert_matmuls.py rewrites both patterns to these ops so that
+by a Python loop over the experts (JetMoE's `F.linear(inputs[i], self.weight[i])`).
+passes/expert_matmuls.py rewrites the three patterns to these ops so that
 passes/sharding/rules_experts.py sees one matmul against a parameter. No CUDA kernel: the same torch
 ops, under autograd.
 """

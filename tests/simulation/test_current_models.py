@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from autoshard import autoshard
+from autoshard.errors import CaptureError
 from autoshard.testing import grad_errors, max_rel
 from autoshard.testing.current_models import CURRENT_MODELS, build_current
 
@@ -73,7 +74,6 @@ def test_current_models_shard_every_weight_megatron_splits(arch, tp, pp):
 def test_a_loop_over_the_experts_hit_is_refused_naming_the_loop_and_the_change():
     # before: "torch.export could not trace DbrxForCausalLM: GuardOnDataDependentSymNode: Could not
     # guard on data-dependent expression Eq(u0, 0)", naming neither the loop nor what to change
-    from autoshard.errors import CaptureError
     cfg = hf.DbrxConfig(d_model=64, n_heads=8, n_layers=1, max_seq_len=64, vocab_size=128,
                         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                         ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})

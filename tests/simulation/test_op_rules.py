@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard import autoshard
+from autoshard import ShardingError, autoshard
 from autoshard.kernels.expert_matmul_ops import selected_linear
+from autoshard.passes.rewrite import edits
+from autoshard.passes.sharding.placement import PartialStatistic
 from autoshard.testing import grad_errors, max_rel
 
 D, H, HD = 16, 4, 8           # model width, heads, head size: the column side is H * HD = 32 wide
@@ -159,8 +161,6 @@ def test_per_head_layer_norm_modules_split_with_the_heads():
 def test_a_norm_over_all_heads_sums_its_statistic_and_fails_without_it(monkeypatch):
     """The distributed norm's all-reduce (g on each rank's mean) is what makes it right: dropped,
     each rank normalizes by its own features' mean and the output is wrong."""
-    from autoshard.passes.rewrite import edits
-    from autoshard.passes.sharding.placement import PartialStatistic
     torch.manual_seed(0)
     x = torch.randn(2, 6, D)
     model = _Around(_norm_over_all_heads, scale=torch.rand(H * HD) + 0.5)
@@ -272,7 +272,6 @@ def test_a_refusal_names_the_op_without_a_rule_first():
     # before: "tp=4 cannot split the input of node linear_3 (module o): ... the attention heads must
     # be divisible by tp=4 ..." although its 4 query heads divide by 4 (gpt-oss at tp=4, whose
     # attention-sink max had no rule)
-    from autoshard import ShardingError
     with pytest.raises(ShardingError) as e:
         autoshard(_QueriesWithoutARule(), tp=4, example_inputs=(torch.randn(2, 5, 32),))
     text = str(e.value)
