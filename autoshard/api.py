@@ -29,7 +29,7 @@ __all__ = ["autoshard"]
 
 
 def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-              ep: int | None = None, virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+              ep: int | None = None, cp: int | None = None, virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool | None = None, recompute: str | None = None,
@@ -45,6 +45,11 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     mesh; `simulate()` runs the program as ep=1). microbatches: per data-parallel rank
     and step. schedule: "1f1b" (default), "gpipe" or "interleaved" (default when virtual > 1;
     needs microbatches divisible by pp). See `ShardedProgram.distributed` for training.
+    cp: context parallelism (long sequences): each of cp ranks holds 1/cp of every sequence's tokens
+    from the embedding to the loss, in 2 * cp load-balanced pieces (rank c: pieces c and 2cp-1-c);
+    attention gathers keys and values over the cp ranks (passes/context/split.py). Every rank is
+    given the whole batch and cuts it; the sequence length must be a multiple of 2 * cp. Parameters
+    are replicated over cp and their gradients summed over cp x dp. World size tp x cp x dp x pp.
 
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
@@ -84,6 +89,9 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     if recompute is None and getattr(model, "is_gradient_checkpointing", False) is True:
         recompute = "full"          # Hugging Face's gradient_checkpointing_enable(): capture drops it, so honour it here
     chosen = None
+    if world_size is not None and cp not in (None, 1):
+        raise ShardingError(f"cp={cp} with world_size={world_size}: the planner does not search context "
+                            "parallelism yet; give tp/pp/dp/cp yourself")
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches))
@@ -91,11 +99,13 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
     recompute = "none" if recompute is None else recompute
-    tp, pp, dp, ep, virtual, microbatches = (1 if x is None else x for x in (tp, pp, dp, ep, virtual, microbatches))
-    for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("virtual", virtual),
+    tp, pp, dp, ep, cp, virtual, microbatches = (1 if x is None else x
+                                                 for x in (tp, pp, dp, ep, cp, virtual, microbatches))
+    for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("cp", cp), ("virtual", virtual),
                     ("microbatches", microbatches)):
         require_positive_int(name, x)
     _check_expert_parallel(model, ep, dp, sequence_parallel)
+    _check_context_parallel(cp, ep, sequence_parallel)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
@@ -105,7 +115,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
                            sequence_parallel=sequence_parallel)
     named = normalize_inputs(model, args, kwargs)
-    dims = ParallelDims(tp, pp, dp, ep)
+    dims = ParallelDims(tp, pp, dp, ep, cp)
     if virtual > 1 and pp == 1:
         raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
     schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
@@ -114,7 +124,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 
     # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
-                        ep=ep)
+                        ep=ep, cp=cp)
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
@@ -137,6 +147,18 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel
     if sequence_parallel:
         raise ShardingError(f"ep={ep} is not built with sequence_parallel=True yet (untested: refused rather than "
                             "risk a wrong result)")
+
+
+def _check_context_parallel(cp: int, ep: int, sequence_parallel: bool) -> None:
+    """cp > 1 is not built with expert parallelism or sequence parallelism yet: refused, not guessed."""
+    if cp == 1:
+        return
+    if ep > 1:
+        raise ShardingError(f"cp={cp} with ep={ep} is not built yet (expert parallelism's groups do not "
+                            "know the context-parallel axis)")
+    if sequence_parallel:
+        raise ShardingError(f"cp={cp} with sequence_parallel=True is not built yet (sequence parallelism "
+                            "exports static sizes; context parallelism reads the sequence length's symbol)")
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "is_causal_mask"]
+__all__ = ["attention", "is_causal_mask", "causal_attention_at"]
 
 
 def is_causal_mask(mask: torch.Tensor) -> bool:
@@ -41,3 +41,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def causal_attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+                        dropout_p: float = 0.0, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal SDPA of queries at global `positions` (q [b, h, L, e], L = len(positions)) against
+    every key of the sequence (k, v [b, h_kv, S, e], in position order): query i sees keys
+    0 ... positions[i]. Context parallelism's form of `is_causal=True` (a rank's queries are not the
+    first L positions, so SDPA's top-left causal triangle would be wrong)."""
+    keys = torch.arange(k.shape[-2], device=positions.device)
+    mask = keys[None, :] <= positions[:, None]            # (L, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=enable_gqa)

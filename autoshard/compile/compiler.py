@@ -6,7 +6,9 @@ signature (or mode, or autocast state) a call brings:
     compile_signature: capture (torch.export) -> expert matmuls (bmm / einsum forms as ops)
                        -> per-head norms (a list of LayerNorms over split heads as one op)
                        -> annotate (sharding analysis, writes node.meta)
-    rank_graph:        rewrite (rank r's graph and its collectives) -> fuse (optional)
+    rank_graph:        rewrite (rank r's graph and its collectives)
+                       -> context (cp > 1: context-parallel rank c's tokens, keys and values gathered)
+                       -> fuse (optional)
                        -> tables (size-only values outlined into one cached call)
                        -> causal attention (SDPA with a causal table mask takes SDPA's causal path)
                        -> experts (ep > 1: each experts call outlined into one expert-parallel call)
@@ -29,6 +31,7 @@ from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
+from autoshard.passes.context.split import split_context
 from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
 from autoshard.passes.outline_experts import outline_experts
 from autoshard.passes.per_head_norms import rewrite_per_head_norms
@@ -56,9 +59,9 @@ class Compiler:
     """Runs the passes for one model and tp; keeps every signature compiled so far (`compiled`)."""
 
     def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
-                 example_inputs: dict[str, object], recompute: str = "none", ep: int = 1):
+                 example_inputs: dict[str, object], recompute: str = "none", ep: int = 1, cp: int = 1):
         self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
-        self.recompute, self.ep = recompute, ep
+        self.recompute, self.ep, self.cp = recompute, ep, cp
         # experts modules without their weights (their code, for expert parallelism's calls)
         self.expert_templates = {path: weightless_copy(m) for path, m in expert_modules(source.model).items()} \
             if ep > 1 else {}
@@ -84,21 +87,26 @@ class Compiler:
         self.compiled.append(entry)
         return entry
 
-    def rank_graph(self, entry: Compiled, r: int) -> RankGraph:
-        """rewrite -> fuse -> tables -> causal attention -> experts -> recompute: rank r's graph of one compiled signature."""
+    def rank_graph(self, entry: Compiled, r: int, cp_rank: int = 0) -> RankGraph:
+        """rewrite -> context -> fuse -> tables -> causal attention -> experts -> recompute: tensor-parallel
+        rank r's graph of one compiled signature (of context-parallel rank `cp_rank` when cp > 1)."""
         cap = entry.captured
         suffix = f"_s{entry.index}" if entry.index else ""
         rg = rewrite_rank(cap.gm, entry.plan, cap.param_names, r, suffix)
-        if self.fuse:
-            fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         by_name = {n.name: n for n in cap.gm.graph.nodes}
         attr = lambda target: rg.restrict_buffers[target] if target in rg.restrict_buffers \
             else fetch_attr(cap.gm, target)   # noqa: E731
+        value = lambda n: attr(n.target) if n.op == "get_attr" else _example_value(n, by_name)   # noqa: E731
+        if self.cp > 1:         # before fusion and tables: they then see the rank's cut masks and gathers
+            rg.context = split_context(rg.graph, cp=self.cp, rank=cp_rank, value=value, param_names=cap.param_names,
+                                       suffix=suffix, token_wise=set(expert_modules(self.source.model)))
+            rg.modules.extend(rg.context.specs)
+        if self.fuse:
+            fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))
         specialize_attention(rg.graph, rg.tables)
         if self.ep > 1:
             counts = {path: expert_count(m) for path, m in self.expert_templates.items()}
-            value = lambda n: attr(n.target) if n.op == "get_attr" else _example_value(n, by_name)   # noqa: E731
             rg.experts = outline_experts(rg.graph, counts, value, cap.param_names, self.ep, suffix)
         if self.recompute != "none":       # last: a recomputed region runs the same ops as the plain graph
             rg.regions = outline_recompute(rg.graph, self.recompute, lambda n: by_name.get(n.meta.get("captured")),

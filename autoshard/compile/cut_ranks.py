@@ -3,6 +3,7 @@
     cut = CutRanks(prog)
     rank = cut.get(r)                  # tensor-parallel rank r: its shards of every parameter
     rank = cut.get(r, ep_rank=e)       # ... of expert-parallel rank e: of the experts, only its own
+    rank = cut.get(r, cp_rank=c)       # ... of context-parallel rank c: the same shards, its tokens' graph
 
 Each rank is cut once, from one state of the model (compile/weights.py's WeightSource), and keeps
 the graphs of every signature compiled so far and later. At ep > 1 the stacked expert parameters
@@ -57,28 +58,32 @@ class CutRanks:
     def all(self) -> list[RankProgram]:
         return list(self._ranks.values())
 
-    def get(self, r: int, ep_rank: int | None = None) -> RankProgram:
+    def get(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankProgram:
         prog = self._prog
         if not 0 <= r < prog.tp:
             raise IndexError(f"rank {r} out of range for world size {prog.tp}")
+        if cp_rank is not None and not 0 <= cp_rank < prog.cp:
+            raise IndexError(f"cp_rank {cp_rank} out of range for cp={prog.cp}")
         if ep_rank is not None and prog.dims.ep == 1:
             raise ShardingError(f"ep_rank={ep_rank}: this program has no expert parallelism (ep=1); use prog.rank({r})")
         if ep_rank is not None and not 0 <= ep_rank < prog.dims.ep:
             raise IndexError(f"ep_rank {ep_rank} out of range for ep={prog.dims.ep}")
         key = r if ep_rank is None else (r, ep_rank)
+        if cp_rank:                 # context-parallel rank 0 is the plain rank r
+            key = (r, "cp", cp_rank)
         if key not in self._ranks:
             with building():
-                self._ranks[key] = self._cut(r, ep_rank)
+                self._ranks[key] = self._cut(r, ep_rank, cp_rank or 0)
             self.check_all_cut()
         return self._ranks[key]
 
     def check_all_cut(self) -> None:
         """Once every rank there is to cut is cut, a loaded state is no longer needed."""
         prog = self._prog
-        if len(self._ranks) == prog.tp * (1 if prog.dims.ep == 1 else 1 + prog.dims.ep):
+        if len(self._ranks) == prog.tp * (1 if prog.dims.ep == 1 else 1 + prog.dims.ep) * prog.cp:
             prog._source.all_cut()
 
-    def _cut(self, r: int, ep_rank: int | None) -> RankProgram:
+    def _cut(self, r: int, ep_rank: int | None, cp_rank: int = 0) -> RankProgram:
         prog = self._prog
         full = prog._source.tensors(cut=list(self._ranks))      # one state of the model for every rank
         trainable = {name: p.requires_grad for name, p in prog.model.named_parameters()}
@@ -86,7 +91,7 @@ class CutRanks:
         params = {name: nn.Parameter(rank_slice(full[name], prog.sharding.params.get(name), r,
                                                 group if name in prog.expert_params else None).clone(),
                                      requires_grad=grad) for name, grad in trainable.items()}
-        rank = RankProgram(r, prog.tp, params, prog._bind, compile_for=prog._compile)
+        rank = RankProgram(r, prog.tp, params, prog._bind, compile_for=prog._compile, cp_rank=cp_rank, cp=prog.cp)
         rank.expert_params = prog.expert_params if group is not None else set()
         rank.train(prog._training)
         rank.rng.manual_seed(prog._seed)

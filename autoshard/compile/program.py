@@ -14,6 +14,7 @@ from torch import nn
 
 from autoshard.compile.capture import InputBinder
 from autoshard.compile.compiler import Compiled, Compiler
+from autoshard.compile.context_replicas import ContextReplicas
 from autoshard.compile.cut_ranks import CutRanks, building, experts_per_rank
 from autoshard.compile.describe import describe
 from autoshard.compile.expert_replicas import ExpertReplicas
@@ -67,6 +68,7 @@ class ShardedProgram:
         self._names_with_ties = stages.names_with_ties
         self._simulator = ProgramSimulator(stages)
         self._expert_replicas: ExpertReplicas | None = None      # prog.simulate() at ep > 1
+        self._context_replicas: ContextReplicas | None = None    # prog.simulate() at cp > 1
         self.param_weight = NormWeights(self.sharding, stages.param_holders, self.param_shapes)
 
     @property
@@ -90,6 +92,10 @@ class ShardedProgram:
     @property
     def dp(self) -> int:
         return self.dims.dp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
 
     @property
     def param_holders(self) -> dict[str, set[int]]:
@@ -122,10 +128,10 @@ class ShardedProgram:
 
     def _add_graph(self, rank: RankProgram, entry: Compiled) -> None:
         cap = entry.captured
-        if rank.rank == 0 and entry.index == 0 and self._rank0 is not None:
+        if rank.rank == 0 and rank.cp_rank == 0 and entry.index == 0 and self._rank0 is not None:
             rg, self._rank0 = self._rank0, None
         else:
-            rg = self._compiler.rank_graph(entry, rank.rank)
+            rg = self._compiler.rank_graph(entry, rank.rank, rank.cp_rank)
         attrs: dict[str, object] = dict(rg.restrict_buffers)
         for n in cap.gm.graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in cap.param_names and n.target not in attrs:
@@ -133,15 +139,17 @@ class ShardedProgram:
                 attrs[n.target] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
         rank.expert_templates = self._compiler.expert_templates
         regions = [*rg.experts, *rg.regions, *([rg.tables] if rg.tables is not None else [])]
-        rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, regions)
+        gm = rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, regions)
+        gm.meta["context"] = rg.context         # cp > 1: which outputs hold the rank's tokens (ContextReplicas)
 
     # ---- ranks -------------------------------------------------------------------------------
-    def rank(self, r: int, ep_rank: int | None = None) -> RankProgram:
+    def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankProgram:
         """Rank r's module: its parameter shards and its graph(s); `.code` prints them. With
         `ep_rank` (ep > 1): tensor-parallel rank r of expert-parallel rank `ep_rank`, holding only
         that rank's experts, its experts calls bound to a simulated group until the runtime binds
-        its process group (compile/cut_ranks.py)."""
-        return self._cut.get(r, ep_rank)
+        its process group (compile/cut_ranks.py). With `cp_rank` (cp > 1): the graph of that
+        context-parallel rank (the same shards; `prog.rank(r)` is context-parallel rank 0)."""
+        return self._cut.get(r, ep_rank, cp_rank)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load full-size weights (the model's own names, as `model.state_dict()` gives them) into
@@ -222,7 +230,7 @@ class ShardedProgram:
         back-propagates into every rank, as each rank's own loss does under torch.distributed. At
         ep > 1 the ep expert-parallel ranks run too, each on its slice of the batch, exchanging tokens
         (compile/expert_replicas.py)."""
-        if self.dims.ep > 1:
+        if self.dims.ep > 1 or self.cp > 1:
             replicas = self._replicas()
             return replicas.join(*replicas.run(self._simulator, args, kwargs))
         outs, out_spec = self._simulator.run(self.ranks(), [(args, kwargs)] * self.tp)
@@ -231,13 +239,18 @@ class ShardedProgram:
     def simulate_all(self, *args, **kwargs) -> list[object]:
         """Every rank's own output, unjoined (for checking that the copies agree; at ep > 1 every
         expert-parallel rank's on its slice of the batch, expert-parallel rank major)."""
-        if self.dims.ep > 1:
+        if self.dims.ep > 1 or self.cp > 1:
             outs, out_spec = self._replicas().run(self._simulator, args, kwargs)
         else:
             outs, out_spec = self._simulator.run(self.ranks(), [(args, kwargs)] * self.tp)
         return [pytree.tree_unflatten(list(o), out_spec) for o in outs]
 
-    def _replicas(self) -> ExpertReplicas:
+    def _replicas(self) -> ExpertReplicas | ContextReplicas:
+        if self.cp > 1:
+            if self._context_replicas is None:
+                with building():
+                    self._context_replicas = ContextReplicas(self)
+            return self._context_replicas
         if self._expert_replicas is None:
             with building():
                 self._expert_replicas = ExpertReplicas(self)
@@ -247,12 +260,16 @@ class ShardedProgram:
         """Gradients reassembled to full shapes, keyed by the model's own parameter names."""
         def read(p):
             return None if p.grad is None else p.grad.detach()
+        if self.cp > 1:
+            return self._replicas().assemble(read, summed=True)
         if self._expert_replicas is not None:
             return self._expert_replicas.assemble(read, summed=True)
         return assemble(self.ranks(), self.sharding, self.param_shapes, read)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters reassembled to full shapes, keyed by the model's own parameter names."""
+        if self.cp > 1:
+            return self._replicas().assemble(lambda p: p.detach(), summed=False)
         if self._expert_replicas is not None:
             return self._expert_replicas.assemble(lambda p: p.detach(), summed=False)
         return assemble(self.ranks(), self.sharding, self.param_shapes, lambda p: p.detach())

@@ -51,10 +51,12 @@ class RankProgram(nn.Module):
 
     def __init__(self, rank: int, tp: int, params: dict[str, nn.Parameter],
                  normalize: Callable[[tuple, dict], dict],
-                 compile_for: Callable[[dict[str, object], bool], object] | None = None):
+                 compile_for: Callable[[dict[str, object], bool], object] | None = None,
+                 cp_rank: int = 0, cp: int = 1):
         super().__init__()
-        self.rank, self.tp = rank, tp
+        self.rank, self.tp, self.cp_rank, self.cp = rank, tp, cp_rank, cp
         self.handle = CommHandle(rank, tp)
+        self.cp_handle = CommHandle(cp_rank, cp)       # context parallelism's group (cp > 1)
         self.rng = RNGTracker(rank)
         for name, p in params.items():
             assign_attr(self, name, p)
@@ -130,6 +132,10 @@ class RankProgram(nn.Module):
         """Run collectives on `comm` (a Communicator, or a torch.distributed group; None: WORLD)."""
         self.handle.comm = comm if hasattr(comm, "all_reduce") else ProcessGroupComm(comm)
         return self
+
+    def bind_context(self, group: torch.distributed.ProcessGroup | None) -> None:
+        """Gather keys and values over `group`, this rank's context-parallel group (cp > 1)."""
+        self.cp_handle.comm = ProcessGroupComm(group)
 
     def expert_calls(self) -> list[ExpertsCall]:
         return [m for m in self.modules() if isinstance(m, ExpertsCall)]

@@ -12,6 +12,7 @@ from typing import Protocol
 from torch import nn
 
 from autoshard.parallel.comm import CommHandle
+from autoshard.parallel.context_parallel import ContextGatherSpec
 from autoshard.parallel.rng import RandomOpSpec, RNGTracker
 from autoshard.parallel.sequence_parallel import SequenceSpec
 from autoshard.parallel.tensor_parallel import SyncSpec
@@ -24,10 +25,11 @@ class RankResources(Protocol):
     """What a rank lends the modules it builds."""
 
     handle: CommHandle        # its communicator
+    cp_handle: CommHandle     # its context-parallel group's
     rng: RNGTracker           # its generator states, per RNG region
 
 
-ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec
+ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec | ContextGatherSpec
 
 # spec type -> the rank resource its `build` takes
 COLLECTIVES: dict[type, str] = {
@@ -36,6 +38,7 @@ COLLECTIVES: dict[type, str] = {
     GatherSpec: "handle",          # gather_<node>: sharded outputs the model returns
     CrossEntropySpec: "handle",    # vocab_cross_entropy_<node>: the loss on vocabulary shards
     RandomOpSpec: "rng",           # <region>_rng_<node>: a random op under its region's generator
+    ContextGatherSpec: "cp_handle",  # cp_gather_<node>: keys or values of every token (context parallelism)
 }
 
 

@@ -41,8 +41,11 @@ def pick_loss(outputs: object) -> torch.Tensor:
     return loss
 
 
-def check_loss_options(has_loss_fn: bool, loss_reduction: str) -> None:
-    """train_step's loss arguments: a reduction it knows, "sum" only for a loss_fn."""
+def check_loss_options(has_loss_fn: bool, loss_reduction: str, cp: int = 1) -> None:
+    """train_step's loss arguments: a reduction it knows, "sum" only for a loss_fn, no loss_fn at cp > 1."""
+    if has_loss_fn and cp > 1:
+        raise ShardingError(f"cp={cp}: train_step takes the model's own loss (each rank's outputs hold only its "
+                            "tokens, so a loss_fn would see part of each sequence)")
     if loss_reduction not in ("mean", "sum"):
         raise ShardingError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if loss_reduction == "sum" and not has_loss_fn:

@@ -189,7 +189,7 @@ class DistributedOptimizer:
         themselves (bf16, fp16), and the loss scaler's state in the parameter groups. Every dp rank
         must call it (it all-reduces)."""
         mine = {k: isinstance(v, torch.Tensor) and v.dim() > 0 for s in self.optimizer.state.values() for k, v in s.items()}
-        sharded = self.grads.sharded and self.runtime.dims.dp > 1
+        sharded = self.grads.sharded and self.runtime.dims.data > 1
         kinds: dict[str, bool] = {}
         for part in (all_gather_json(mine, self.runtime.groups.dp) if sharded else [mine]):
             kinds.update(part)          # a rank may own no piece: every rank takes every key

@@ -21,13 +21,13 @@ from torch import nn
 
 from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
-from autoshard.parallel.expert_parallel import ExpertGroup
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
 from autoshard.runtime.gradients import Gradients, refuse_changed
 from autoshard.runtime.loss_tokens import loss_factors, loss_tokens
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
+from autoshard.runtime.rank_binding import bound_rank_program
 from autoshard.runtime.schedules import Action, stage_index, stage_owner
 from autoshard.runtime.trace import REDUCE, ActionRecord
 
@@ -48,6 +48,7 @@ class RankView(Protocol):
     def set_tensors(self, values: dict[str, torch.Tensor]) -> None: ...
     def expert_calls(self) -> list: ...
     def bind_experts(self, group: object) -> None: ...
+    def bind_context(self, group: object) -> None: ...
     def named_parameters(self): ...
     def train(self, mode: bool = True) -> nn.Module: ...
 
@@ -62,7 +63,7 @@ class ProgramView(Protocol):
     shared_params: dict[tuple[int, ...], list[str]]
     experts_per_rank: int | None
 
-    def rank(self, r: int, ep_rank: int | None = None) -> RankView: ...
+    def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankView: ...
     def stage_graphs(self, gm: fx.GraphModule) -> list[StageGraph]: ...
     def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float: ...
 
@@ -88,10 +89,7 @@ class MeshRuntime(nn.Module):
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         self._prog = prog
-        e = self.dims.ep_rank(self.dp_rank) if self.dims.ep > 1 else None    # ep > 1: only its experts are cut
-        program = prog.rank(self.tp_rank, ep_rank=e).bind(groups.tp)
-        if e is not None:           # their exchanges run on its expert-parallel group
-            program.bind_experts(ExpertGroup(groups.ep, e, self.dims.ep, prog.experts_per_rank))
+        program = bound_rank_program(prog, groups, self.dp_rank, self.tp_rank)
         self.expert_group = program.expert_group      # ep > 1: its group, experts per rank, bytes sent
         self.expert_params = set(program.expert_params)
         # not a submodule: this runtime registers the tensors its chunks read itself (below)
@@ -169,14 +167,15 @@ class MeshRuntime(nn.Module):
         microbatch's samples; the step averages the microbatches' means, which equals the per-token
         mean only when every microbatch counts the same tokens). Any other loss of the model is
         averaged over microbatches the same way."""
-        check_loss_options(loss_fn is not None, loss_reduction)
+        check_loss_options(loss_fn is not None, loss_reduction, self.dims.cp)
         if loss_fn is None and targets is not None:     # the model's own input (nanoGPT's `targets`)
             kwargs["targets"] = targets
         named = self._program.bind_inputs(args, kwargs)
         refuse_num_items(named)
         if loss_fn is not None:
             named = {**named, TARGETS: targets}
-        mine = named if local_batch else split_batch(named, self.dims.dp, "dp")[self.dp_rank]
+        # the cp ranks of a replica read the same sequences (each graph cuts its own tokens)
+        mine = named if local_batch else split_batch(named, self.dims.dp, "dp")[self.dp_rank // self.dims.cp]
         micro = split_batch(mine, self.microbatches, "microbatches")
         goals = [mb.pop(TARGETS, None) for mb in micro]
 
@@ -193,7 +192,7 @@ class MeshRuntime(nn.Module):
         gain = grads.loss_scale                      # fp16: the loss is scaled for backward
         scales = [s * gain for s in scales]
         # per token, the loss factors already sum to one over the dp ranks; else each rank's sum to one
-        averaged_over = 1 if per_token else self.dims.dp
+        averaged_over = 1 if per_token else self.dims.data
         grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin)
         losses = self._run(chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
@@ -213,7 +212,7 @@ class MeshRuntime(nn.Module):
             self._tokens[id(gm)] = loss_tokens(gm)
         counter = self._tokens[id(gm)] if loss_fn is None else None
         return loss_factors(counter, flats, goals, loss_fn is not None, reduction, ignore_index,
-                            self.groups.dp if self.dims.dp > 1 else None, self.device)
+                            self.groups.dp if self.dims.data > 1 else None, self.device)
 
     def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec,
              loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
@@ -237,12 +236,11 @@ class MeshRuntime(nn.Module):
                 if stage == last:
                     loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
                     scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
-                    # No token counted: the model's mean is 0/0 (NaN) and the microbatch adds nothing.
-                    # With expert parallelism its backward still runs (it exchanges tokens with the
-                    # other ranks), through loss * 0: the NaN gets a zero gradient, and its value
-                    # is not counted.
+                    # No token counted: the model's mean is 0/0 (NaN) and the microbatch adds nothing. At
+                    # ep or cp > 1 its backward still runs (it exchanges tokens or keys with the other
+                    # ranks), through loss * 0: the NaN gets a zero gradient, and its value is not counted.
                     empty = isinstance(scale, torch.Tensor) and not bool(scale)
-                    outs = [torch.zeros_like(loss) if empty and self.dims.ep == 1 else loss * scale]
+                    outs = [torch.zeros_like(loss) if empty and self.dims.ep == 1 and self.dims.cp == 1 else loss * scale]
                     counted = torch.zeros_like(outs[0]) if empty else outs[0]
                     losses.append(counted.detach().to(self.device, torch.float32))
                 else:

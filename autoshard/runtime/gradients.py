@@ -62,7 +62,7 @@ def global_grad_norm(weighted: list[tuple[torch.Tensor, torch.Tensor | float]], 
     of it this rank counts: 1 / (number of ranks holding it) per element or row, broadcastable.
     Data-parallel replicas hold equal gradients after the all-reduce, so the world sum is divided by
     `replicas` (default dp; 1 when each dp rank holds a disjoint shard, as a sharded buffer's)."""
-    replicas = dims.dp if replicas is None else replicas
+    replicas = dims.data if replicas is None else replicas
     device = weighted[0][0].device if weighted else None
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g, w in weighted:
@@ -117,9 +117,9 @@ class Gradients:
         dims = groups.dims
         self.dims, self.sharded, self.weight_of = dims, shard, weight_of
         if overlap is None:      # on gloo the reduction costs the cores backward runs on (benchmarks/RESULTS.md)
-            overlap = dims.dp > 1 and dist.get_backend(groups.dp) != "gloo"
+            overlap = dims.data > 1 and dist.get_backend(groups.dp) != "gloo"
         dp_rank = dims.coords(groups.rank)[1]
-        spans = [([(n, p) for n, p in trainable if n not in experts], groups.dp, dims.dp, dp_rank)]
+        spans = [([(n, p) for n, p in trainable if n not in experts], groups.dp, dims.data, dp_rank)]
         if dims.ep > 1:           # experts: over the ranks holding the same experts (dp / ep of them)
             spans.append(([(n, p) for n, p in trainable if n in experts], groups.expert_dp, dims.dp // dims.ep,
                           dp_rank // dims.ep))
@@ -134,7 +134,7 @@ class Gradients:
             buffer = GradBuffer(params, layout, group, rank if shard else 0, size, tied_here, overlap,
                                 dtype=main_dtype(params[0].dtype))
             self.parts.append(GradPart(names, params, group, size, rank, buffer))
-        self.base_replicas = 1 if shard else dims.dp        # ranks holding each non-expert element
+        self.base_replicas = 1 if shard else dims.data        # ranks holding each non-expert element
         self.scaler: LossScaler | None = None
         self.skipped = False           # the last end() found an inf or NaN gradient (with a scaler)
         self._pointers = self._storage()

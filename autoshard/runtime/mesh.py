@@ -1,9 +1,13 @@
-"""The device mesh: tp x dp x pp ranks, their coordinates and their process groups.
+"""The device mesh: tp x cp x dp x pp ranks, their coordinates and their process groups.
 
 Global rank order is Megatron's: tensor-parallel ranks are adjacent (they exchange the most bytes,
-so they share a node), then data-parallel, then pipeline:
+so they share a node), then context-parallel, then data-parallel, then pipeline. Context
+parallelism lives inside the data-parallel axis of `data = dp * cp` ranks: data rank
+j = g * cp + c is context-parallel rank c of batch replica g (the cp ranks of a replica read the
+same sequences, each holding its own tokens), and every replicated parameter's gradient is summed
+over the whole axis, cp and dp alike:
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (data * tp) + data_rank * tp + tp_rank,   data_rank = dp_rank * cp + cp_rank
 
 Expert parallelism lives inside the data-parallel dimension, as in Megatron-Core: `ep` divides dp,
 and data-parallel ranks dp_rank = g * ep + e (e < ep) form expert-parallel group g, in which rank e
@@ -28,9 +32,10 @@ class ParallelDims:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "ep"):
+        for name in ("tp", "pp", "dp", "ep", "cp"):
             require_positive_int(name, getattr(self, name))
         if (problem := expert_split_problem(self.dp, self.ep)) is not None:
             raise ValueError(problem)
@@ -40,18 +45,23 @@ class ParallelDims:
         return dp_rank % self.ep
 
     @property
+    def data(self) -> int:
+        """Ranks of the data-parallel axis: dp batch replicas of cp context-parallel ranks each."""
+        return self.dp * self.cp
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.data
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        """(pp_rank, data_rank, tp_rank) of a global rank (data_rank = dp_rank * cp + cp_rank)."""
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} out of range for world size {self.world_size} "
-                             f"(tp={self.tp} x dp={self.dp} x pp={self.pp})")
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+                             f"(tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp})")
+        return rank // (self.data * self.tp), rank // self.tp % self.data, rank % self.tp
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+    def rank_of(self, pp_rank: int, data_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.data * self.tp + data_rank * self.tp + tp_rank
 
 
 class MeshGroups:
@@ -59,7 +69,8 @@ class MeshGroups:
     torch.distributed requires; each keeps the ones it belongs to.
 
     tp: its tensor-parallel ranks. dp: the ranks holding the same shards in other data-parallel
-    replicas. shared[ranks]: for each set of pipeline ranks that hold one parameter (a tied
+    replicas and context-parallel ranks (gradients are summed over it). cp (cp > 1): its
+    context-parallel ranks (keys and values are gathered in it). shared[ranks]: for each set of pipeline ranks that hold one parameter (a tied
     embedding: first and last stage), the group of those ranks at this (dp, tp) position.
     With ep > 1, ep: the expert-parallel group (tokens are exchanged in it); expert_dp: the ranks
     holding the same experts (experts' gradients are summed over it).
@@ -69,12 +80,17 @@ class MeshGroups:
         self.dims, self.rank = dims, rank
         p, d, t = dims.coords(rank)
         self.tp = self._make([[dims.rank_of(i, j, k) for k in range(dims.tp)]
-                              for i in range(dims.pp) for j in range(dims.dp)])
-        self.dp = self._make([[dims.rank_of(i, j, k) for j in range(dims.dp)]
+                              for i in range(dims.pp) for j in range(dims.data)])
+        self.dp = self._make([[dims.rank_of(i, j, k) for j in range(dims.data)]
                               for i in range(dims.pp) for k in range(dims.tp)])
+        self.cp = None
+        if dims.cp > 1:
+            c = dims.cp
+            self.cp = self._make([[dims.rank_of(i, g * c + j, k) for j in range(c)]
+                                  for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.dp)])
         self.shared: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for pps in sorted(set(shared_pp_sets)):
-            group = self._make([[dims.rank_of(i, j, k) for i in pps] for j in range(dims.dp) for k in range(dims.tp)])
+            group = self._make([[dims.rank_of(i, j, k) for i in pps] for j in range(dims.data) for k in range(dims.tp)])
             if p in pps:
                 self.shared[pps] = group
         self.ep = self.expert_dp = None

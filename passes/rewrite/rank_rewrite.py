@@ -37,6 +37,7 @@ class RankGraph:
     regions: list = field(default_factory=list)     # passes/recompute.py's RecomputeRegion, once outlined
     tables: object = None                           # passes/tables.py's TableRegion, once outlined
     experts: list = field(default_factory=list)     # passes/outline_experts.py's ExpertRegion, once outlined
+    context: object = None                          # passes/context/split.py's ContextCut (cp > 1)
 
 
 def _edited(rw: RankRewrite, node: fx.Node, ns: NodeSharding) -> fx.Node:

@@ -1,0 +1,139 @@
+"""Context parallelism (cp) in simulation: every rank holds 1/cp of each sequence's tokens, attention
+gathers keys and values, and the program equals the single-device model: logits, the loss
+(token-weighted over the ranks) and every gradient, with a padding mask and -100 labels.
+
+Nine Hugging Face decoders cover the forms the pass reads (autoshard/testing/context_models.py), all
+at cp=2 and some at cp=4, cp=2 x tp=2 and cp=2 x pp=2; nanoGPT brings SDPA with is_causal=True.
+"""
+import pytest
+import torch
+from torch import nn
+
+from autoshard import autoshard
+from autoshard.errors import ShardingError
+from autoshard.parallel.context_parallel import context_positions, rank_order
+from autoshard.testing import grad_errors, max_rel
+from autoshard.testing.context_models import CONTEXT_MODELS, build_context, context_batch
+from autoshard.testing.models import build_model
+
+pytest.importorskip("transformers")
+
+CASES = [(name, dict(cp=2)) for name in sorted(CONTEXT_MODELS)] + [
+    ("gemma2", dict(cp=4)), ("bloom", dict(cp=4)), ("llama", dict(cp=4)),
+    ("llama", dict(cp=2, tp=2)), ("falcon", dict(cp=2, tp=2)), ("mixtral", dict(cp=2, tp=2)),
+    ("gpt2", dict(cp=2, tp=2)), ("mistral", dict(cp=2, pp=2, microbatches=2)),
+    ("phi", dict(cp=2, pp=2, microbatches=2)), ("qwen2", dict(cp=2, pp=2, microbatches=2)),
+]
+_REFERENCE: dict[str, tuple] = {}       # model -> its single-device logits, loss and gradients (computed once)
+
+
+def _reference(name: str, batch: dict):
+    if name not in _REFERENCE:
+        model = build_context(name)
+        out = model(**batch)
+        out.loss.backward()
+        _REFERENCE[name] = (out.logits.detach(), out.loss.detach(),
+                            {n: p.grad.clone() for n, p in model.named_parameters()})
+    return _REFERENCE[name]
+
+
+def _check(prog, batch: dict, logits, loss, grads) -> None:
+    out = prog.simulate(**batch)
+    assert max_rel(out.logits, logits) <= 1e-5
+    assert abs(out.loss.item() - loss.item()) <= 1e-5 * abs(loss.item())
+    out.loss.backward()
+    errs = grad_errors(prog.full_grads(), grads)
+    assert max(errs.values()) <= 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in m.items())}" for n, m in CASES])
+def test_context_parallel_equals_one_device(name, mesh):
+    batch = context_batch()
+    logits, loss, grads = _reference(name, batch)
+    prog = autoshard(build_context(name), example_kwargs=batch, **mesh)
+    _check(prog, batch, logits, loss, grads)
+
+
+def test_is_causal_sdpa_new_length_and_a_rank_without_tokens():
+    """nanoGPT calls SDPA with is_causal=True (no mask table): each rank masks by its own positions.
+    A second length compiles nothing new (the sequence dim is dynamic); a rank whose tokens are all
+    -100 adds nothing to the loss and takes no NaN into the gradients."""
+    model, ref = build_model("nanogpt", layers=2), build_model("nanogpt", layers=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
+    targets = torch.randint(0, 128, (2, 16), generator=g)
+    prog = autoshard(model, cp=2, example_kwargs=dict(idx=ids, targets=targets))
+    assert "causal_attention_at" in prog.rank(0, cp_rank=1).code
+    for seq in (16, 32):
+        ids = torch.randint(0, 128, (2, seq), generator=g)
+        targets = torch.randint(0, 128, (2, seq), generator=g)
+        if seq == 32:       # rank 0 holds positions 0-7 and 24-31
+            targets[:, :8] = -100
+            targets[:, 24:] = -100
+        out, want = prog.simulate(ids, targets=targets), ref(ids, targets=targets)
+        assert max_rel(out[0], want[0]) <= 1e-5 and abs(out[1].item() - want[1].item()) <= 1e-5 * want[1].item()
+        for p in list(ref.parameters()) + [p for r in prog._replicas().ranks() for p in r.parameters()]:
+            p.grad = None
+        out[1].backward()
+        want[1].backward()
+        errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+        assert max(errs.values()) <= 1e-5
+
+
+def test_the_comparison_fails_when_the_tokens_come_back_in_the_wrong_order(monkeypatch):
+    """The equivalence check can fail: join the ranks' logits in rank order instead of position order."""
+    import autoshard.compile.context_replicas as replicas
+    batch = context_batch()
+    logits, _, _ = _reference("llama", batch)
+    prog = autoshard(build_context("llama"), example_kwargs=batch, cp=2)
+    monkeypatch.setattr(replicas, "rank_order", lambda seq, cp, device=None: torch.arange(seq))
+    assert max_rel(prog.simulate(**batch).logits, logits) > 1e-2
+
+
+def test_load_balanced_pieces_give_every_rank_the_same_causal_work():
+    """Rank r holds pieces r and 2cp-1-r: disjoint, covering, and under a causal mask each rank
+    scores the same number of (query, key) pairs (contiguous chunks would give the last rank
+    2cp-1 times the first's)."""
+    seq = 64
+    for cp in (2, 4, 8):
+        held = [context_positions(seq, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(held).tolist()) == list(range(seq))
+        work = [int((p + 1).sum()) for p in held]       # query at position p sees p + 1 keys
+        assert max(work) / (sum(work) / cp) <= 1.02, work
+        gathered = torch.cat(held)                      # what an all-gather returns, rank after rank
+        assert gathered[rank_order(seq, cp)].tolist() == list(range(seq))
+
+
+def test_rank_code_shows_the_cut_and_the_gathers():
+    batch = context_batch()
+    prog = autoshard(build_context("llama"), example_kwargs=batch, cp=2)
+    code = prog.rank(0, cp_rank=1).code
+    assert "context_positions(" in code and ", 2, 1," in code     # cp=2, rank 1's positions
+    assert code.count("= self.cp_gather_") == 4                   # keys and values of 2 layers
+
+
+def test_refusals_name_the_numbers_and_the_node():
+    batch = context_batch(seq=14)
+    prog = autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2)
+    with pytest.raises(ShardingError, match="2 \\* cp = 4 equal pieces, but the sequence has 14 tokens"):
+        prog.simulate(**batch)
+    with pytest.raises(ShardingError, match="sequence_parallel"):
+        autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2, tp=2, sequence_parallel=True)
+
+
+class _CumulativeMean(nn.Module):
+    """A model that averages its hidden states over the tokens so far (a scan over the sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids):
+        h = self.emb(ids).cumsum(1)
+        return self.head(h)
+
+
+def test_a_scan_over_the_tokens_is_refused_naming_the_node():
+    with pytest.raises(ShardingError, match=r"node cumsum \(cumsum\).*reads along dim 1"):
+        autoshard(_CumulativeMean(), cp=2, example_inputs=(torch.randint(0, 128, (2, 16)),))
