@@ -29,7 +29,7 @@ __all__ = ["autoshard"]
 
 
 def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-              ep: int | None = None, cp: int | None = None, virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+              ep: int | None = None, cp: int | None = None, cp_attention: str = "ring", virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool | None = None, recompute: str | None = None,
@@ -50,6 +50,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     attention gathers keys and values over the cp ranks (passes/context/split.py). Every rank is
     given the whole batch and cuts it; the sequence length must be a multiple of 2 * cp. Parameters
     are replicated over cp and their gradients summed over cp x dp. World size tp x cp x dp x pp.
+    cp_attention: how an SDPA call meets the other ranks' keys: "ring" (blocks passed around the
+    group with point-to-point sends overlapped with the block's compute, merged by log-sum-exp;
+    only the rank's own keys are saved) or "all_gather" (every token's keys and values gathered,
+    then SDPA). Attention written out as ops (matmul, softmax, matmul) always gathers.
 
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
@@ -105,7 +109,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                     ("microbatches", microbatches)):
         require_positive_int(name, x)
     _check_expert_parallel(model, ep, dp, sequence_parallel)
-    _check_context_parallel(cp, ep, sequence_parallel)
+    _check_context_parallel(cp, ep, sequence_parallel, cp_attention)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
@@ -124,7 +128,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 
     # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
-                        ep=ep, cp=cp)
+                        ep=ep, cp=cp, cp_attention=cp_attention)
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
@@ -149,8 +153,10 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel
                             "risk a wrong result)")
 
 
-def _check_context_parallel(cp: int, ep: int, sequence_parallel: bool) -> None:
+def _check_context_parallel(cp: int, ep: int, sequence_parallel: bool, attention: str) -> None:
     """cp > 1 is not built with expert parallelism or sequence parallelism yet: refused, not guessed."""
+    if attention not in ("ring", "all_gather"):
+        raise ShardingError(f"cp_attention must be 'ring' or 'all_gather', got {attention!r}")
     if cp == 1:
         return
     if ep > 1:

@@ -55,7 +55,7 @@ def _through_full_slices(n: object) -> object:
     return n
 
 
-def _repeated(n: object) -> tuple[fx.Node, int] | None:
+def repeated_kv(n: object) -> tuple[fx.Node, int] | None:
     """(x, n_rep) when `n` is repeat_kv(x): reshape(expand(x[:, :, None], [b, kv, n, s, d]), [b, kv * n, s, d])."""
     if not (isinstance(n, fx.Node) and n.target in (aten.reshape.default, aten.view.default)):
         return None
@@ -100,7 +100,7 @@ def specialize_attention(graph: fx.Graph, tables: TableRegion | None) -> int:
                 flags[index] = graph.create_node("call_function", operator.getitem, (call, len(outs)),
                                                  name=f"{mask.name}_is_causal")
         kw = {"scale": node.kwargs.get("scale"), "enable_gqa": node.kwargs.get("enable_gqa", False)}
-        rk, rv = _repeated(k), _repeated(v)
+        rk, rv = repeated_kv(k), repeated_kv(v)
         if rk and rv and rk[1] == rv[1] and not kw["enable_gqa"]:
             (k, rep), (v, _) = rk, rv
             kw["repeat"] = rep

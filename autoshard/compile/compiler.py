@@ -59,9 +59,10 @@ class Compiler:
     """Runs the passes for one model and tp; keeps every signature compiled so far (`compiled`)."""
 
     def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
-                 example_inputs: dict[str, object], recompute: str = "none", ep: int = 1, cp: int = 1):
+                 example_inputs: dict[str, object], recompute: str = "none", ep: int = 1, cp: int = 1,
+                 cp_attention: str = "ring"):
         self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
-        self.recompute, self.ep, self.cp = recompute, ep, cp
+        self.recompute, self.ep, self.cp, self.cp_attention = recompute, ep, cp, cp_attention
         # experts modules without their weights (their code, for expert parallelism's calls)
         self.expert_templates = {path: weightless_copy(m) for path, m in expert_modules(source.model).items()} \
             if ep > 1 else {}
@@ -99,7 +100,8 @@ class Compiler:
         value = lambda n: attr(n.target) if n.op == "get_attr" else _example_value(n, by_name)   # noqa: E731
         if self.cp > 1:         # before fusion and tables: they then see the rank's cut masks and gathers
             rg.context = split_context(rg.graph, cp=self.cp, rank=cp_rank, value=value, param_names=cap.param_names,
-                                       suffix=suffix, token_wise=set(expert_modules(self.source.model)))
+                                       suffix=suffix, token_wise=set(expert_modules(self.source.model)),
+                                       attention=self.cp_attention)
             rg.modules.extend(rg.context.specs)
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)

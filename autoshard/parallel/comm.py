@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "Reducer", "distributed_reducer", "SIMULATED",
-           "Collective", "write_rows", "scatter_into_full", "take_from_full"]
+           "Collective", "Pending", "write_rows", "scatter_into_full", "take_from_full"]
 
 # torch 2.13 renamed all_gather_into_tensor (which now warns on every call) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,6 +39,12 @@ class Communicator(Protocol):
 
     def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows send[j] of `t` (in order) to rank j; the rows received, rank by rank (recv[j] from j)."""
+
+    def shift(self, ts: tuple[torch.Tensor, ...]) -> "Pending":
+        """Started: `ts` to the next rank of the group (a ring), the previous rank's received."""
+
+    def size(self) -> int:
+        """Ranks in the group."""
 
 
 class ProcessGroupComm:
@@ -79,6 +85,30 @@ class ProcessGroupComm:
         self.sent_bytes += row * (sum(send) - send[dist.get_rank(self.group)])
         return out
 
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def shift(self, ts: tuple[torch.Tensor, ...]) -> "Pending":
+        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        peer = (lambda i: i) if self.group is None else (lambda i: dist.get_global_rank(self.group, i))
+        received = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in ts)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer((r + 1) % n), self.group) for t in ts]
+        ops += [dist.P2POp(dist.irecv, t, peer((r - 1) % n), self.group) for t in received]
+        return Pending(received, dist.batch_isend_irecv(ops))
+
+
+class Pending:
+    """Tensors on their way (point-to-point requests); `wait()` returns them once they are here."""
+
+    def __init__(self, value, requests: list = ()):
+        self.value, self.requests = value, list(requests)
+
+    def wait(self):
+        for req in self.requests:
+            req.wait()
+        self.requests = []
+        return self.value
+
 
 class CommHandle:
     """The communicator a rank's collectives use; shared by all graphs of one rank, bound when the
@@ -110,6 +140,9 @@ class Reducer:
     # rows of each rank's tensor sent to the others (sends[i][j]: rows rank i sends to j) -> the rows
     # each received in sender order, and recvs[j][i] (known already: pass them, else exchanged)
     all_to_all: Callable[[Ranked, list[list[int]], list[list[int]] | None], tuple[Ranked, list[list[int]]]]
+    # each rank's tuple of tensors to the next rank of the ring, started: `.wait()` -> what each received
+    shift: Callable[[list[tuple]], "Pending"]
+    group_size: Callable[[int], int]                  # ranks in the group (given the ranks present)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -137,7 +170,13 @@ def distributed_reducer(handle: CommHandle) -> Reducer:
     return Reducer(sum=lambda xs: [comm.all_reduce(xs[0])], max=lambda xs: [comm.all_reduce_max(xs[0])],
                    all_gather=lambda xs, d: [comm.all_gather(xs[0], d)],
                    reduce_scatter=lambda xs, d: [comm.reduce_scatter(xs[0], d)],
-                   split=lambda xs, d: [xs[0].chunk(world, d)[rank].contiguous()], all_to_all=all_to_all)
+                   split=lambda xs, d: [xs[0].chunk(world, d)[rank].contiguous()], all_to_all=all_to_all,
+                   shift=lambda items: _one(comm.shift(items[0])), group_size=lambda n: comm.size())
+
+
+def _one(pending: "Pending") -> "Pending":
+    """This rank's received tuple, as the list of one a Reducer returns."""
+    return Pending([pending.value], pending.requests)
 
 
 def _dim_major(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -175,7 +214,9 @@ def _sim_all_to_all(xs: Ranked, sends: list[list[int]], recvs: list[list[int]] |
 
 SIMULATED = Reducer(sum=_sim_sum, max=_sim_max, all_gather=_sim_all_gather, reduce_scatter=_sim_reduce_scatter,
                     split=lambda xs, d: [x.chunk(len(xs), d)[i].contiguous() for i, x in enumerate(xs)],
-                    all_to_all=_sim_all_to_all)
+                    all_to_all=_sim_all_to_all,
+                    shift=lambda items: Pending([items[(i - 1) % len(items)] for i in range(len(items))]),
+                    group_size=lambda n: n)
 
 
 class Collective(nn.Module):

@@ -13,6 +13,7 @@ from torch import nn
 
 from autoshard.parallel.comm import CommHandle
 from autoshard.parallel.context_parallel import ContextGatherSpec
+from autoshard.parallel.ring_attention import RingAttentionSpec
 from autoshard.parallel.rng import RandomOpSpec, RNGTracker
 from autoshard.parallel.sequence_parallel import SequenceSpec
 from autoshard.parallel.tensor_parallel import SyncSpec
@@ -29,7 +30,8 @@ class RankResources(Protocol):
     rng: RNGTracker           # its generator states, per RNG region
 
 
-ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec | ContextGatherSpec
+ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec | ContextGatherSpec \
+    | RingAttentionSpec
 
 # spec type -> the rank resource its `build` takes
 COLLECTIVES: dict[type, str] = {
@@ -39,6 +41,7 @@ COLLECTIVES: dict[type, str] = {
     CrossEntropySpec: "handle",    # vocab_cross_entropy_<node>: the loss on vocabulary shards
     RandomOpSpec: "rng",           # <region>_rng_<node>: a random op under its region's generator
     ContextGatherSpec: "cp_handle",  # cp_gather_<node>: keys or values of every token (context parallelism)
+    RingAttentionSpec: "cp_handle",  # cp_ring_<node>: SDPA with the keys passed around the context-parallel ring
 }
 
 

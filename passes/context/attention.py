@@ -11,11 +11,15 @@ A contraction over LOCAL tokens on both sides (a linear-attention k^T v) is refu
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
 from autoshard.kernels.attention import causal_attention_at
 from autoshard.parallel.context_parallel import ContextGatherSpec
+from autoshard.parallel.ring_attention import RingAttentionSpec
+from autoshard.passes.causal_attention import repeated_kv
 from autoshard.passes.context.rules import cut_tables
 from autoshard.passes.context.tokens import GLOBAL, LOCAL, ORDERED_VIEWS, PERMUTES
 
@@ -69,8 +73,6 @@ def attention_tags(sp, n: fx.Node) -> None:
     qt = sp.tags.get(q)
     if q not in sp.computed or qt[-2] != LOCAL:
         sp.refuse(n, "its queries do not hold this rank's tokens")
-    kg = gather_keys(sp, k, len(sp.shape(k)) - 2, n) if sp.tags[k][-2] == LOCAL else k
-    vg = gather_keys(sp, v, len(sp.shape(v)) - 2, n) if sp.tags[v][-2] == LOCAL else v
     mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
     out_tags = tuple(qt)
     if isinstance(mask, fx.Node):
@@ -82,10 +84,14 @@ def attention_tags(sp, n: fx.Node) -> None:
         elif sp.is_token(shape[-2]):
             n.replace_input_with(mask, sp.cut_table(mask, [len(shape) - 2], before=n))
     causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+    if isinstance(mask, fx.Node) and causal:
+        sp.refuse(n, "SDPA with both a mask and is_causal=True")
+    dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
+    if sp.attention == "ring" and dropout == 0.0:
+        return _ring(sp, n, q, k, v, n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), causal)
+    kg = gather_keys(sp, k, len(sp.shape(k)) - 2, n) if sp.tags[k][-2] == LOCAL else k
+    vg = gather_keys(sp, v, len(sp.shape(v)) - 2, n) if sp.tags[v][-2] == LOCAL else v
     if causal:
-        if isinstance(mask, fx.Node):
-            sp.refuse(n, "SDPA with both a mask and is_causal=True")
-        dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
         kw = {"dropout_p": dropout, "scale": n.kwargs.get("scale"), "enable_gqa": n.kwargs.get("enable_gqa", False)}
         with sp.graph.inserting_before(n):
             new = sp.graph.call_function(causal_attention_at, (q, kg, vg, sp.positions_node()), kw)
@@ -100,6 +106,31 @@ def attention_tags(sp, n: fx.Node) -> None:
     if vg is not v:
         n.replace_input_with(v, vg)
     sp.tags[n] = out_tags
+
+
+def _ring(sp, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: object, causal: bool) -> None:
+    """SDPA -> ring attention (parallel/ring_attention.py): q, this rank's keys and values (before
+    GQA's repetition: fewer bytes around the ring), its positions and the mask cut to its rows."""
+    if not (sp.tags[k][-2] == LOCAL and sp.tags[v][-2] == LOCAL):
+        sp.refuse(n, "its keys or values do not hold this rank's tokens")
+    rk, rv = repeated_kv(k), repeated_kv(v)
+    if rk and rv and rk[1] == rv[1]:
+        k, v = rk[0], rv[0]
+    scale = n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+    if scale is None:
+        scale = 1.0 / math.sqrt(int(sp.shape(q)[-1]))
+    name = f"cp_ring_{n.name}{sp.suffix}"
+    has_mask = isinstance(mask, fx.Node)
+    sp.cut.specs.append(RingAttentionSpec(name, float(scale), bool(causal), has_mask))
+    args = (q, k, v, sp.positions_node(), *((mask,) if has_mask else ()))
+    with sp.graph.inserting_before(n):
+        new = sp.graph.create_node("call_module", name, args, {}, name=f"{n.name}_ring")
+    new.meta = dict(n.meta)
+    sp.computed.add(new)
+    sp.tags[new] = tuple(sp.tags[q])
+    sp.shapes[new] = sp.shape(n)
+    n.replace_all_uses_with(new)
+    sp.graph.erase_node(n)
 
 
 def gather_keys(sp, operand: fx.Node, dim: int, consumer: fx.Node) -> fx.Node:

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 4 -m tests.harness.context_check --models gpt2 llama --steps 10
 
 For each model and mesh (cp=2 x dp=2, cp=2 x tp=2) every rank builds the same seeded model, compiles
-it with autoshard(cp=2, ...) and trains its MeshRuntime with AdamW on batches of 4 sequences of 16
+it with autoshard(cp=2, ...) (SDPA as ring attention: point-to-point sends around the group;
+`--gather-models`: also with the key/value all-gather) and trains its MeshRuntime with AdamW on batches of 4 sequences of 16
 tokens with a padding mask and -100 labels (cut so that at cp=2 x dp=2 one rank counts no token:
 its loss adds nothing, and its backward still runs for the others' keys), while a single-device copy trains on the same batches. After each step
 the losses are compared (<= 1e-5 relative), at the end this rank's parameter shards: norm-wise
@@ -47,10 +48,10 @@ def _batches(steps: int) -> list[dict]:
     return out
 
 
-def check(name: str, mesh: str, steps: int) -> dict:
+def check(name: str, mesh: str, steps: int, attention: str) -> dict:
     ref, model = build_model(name, kv_heads=2), build_model(name, kv_heads=2)
     batches = _batches(steps)
-    prog = autoshard(model, example_kwargs=batches[0], **MESHES[mesh])
+    prog = autoshard(model, example_kwargs=batches[0], cp_attention=attention, **MESHES[mesh])
     rt = prog.distributed()
     opt, ref_opt = (torch.optim.AdamW(ps, lr=1e-3) for ps in (rt.parameters(), ref.parameters()))
     worst_loss = 0.0
@@ -69,7 +70,8 @@ def check(name: str, mesh: str, steps: int) -> dict:
         use = prog.sharding.params.get(pname)
         want[pname] = slice_layout(p.detach(), use.dim, use.layout[rt.tp_rank]) if use else p.detach()
     worst_element, where = shard_error(prog, rt, ref, rt.tp_rank)
-    return {"model": name, "mesh": mesh, "rank": dist.get_rank(), "steps": steps, "loss_rel": worst_loss,
+    return {"model": name, "mesh": mesh, "attention": attention, "rank": dist.get_rank(), "steps": steps,
+            "loss_rel": worst_loss,
             "param_rel": norm_rel(local, want), "element_rel": worst_element, "worst_element": where}
 
 
@@ -79,15 +81,18 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     ap.add_argument("--meshes", nargs="+", default=["cp2xdp2", "cp2xtp2"], choices=sorted(MESHES))
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--gather-models", nargs="*", default=[],
+                    help="models also checked at cp=2 x dp=2 with cp_attention='all_gather' (the rest: ring)")
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
 
     def checks() -> bool:
         ok = True
-        for name in args.models:
-            for mesh in args.meshes:
-                res = check(name, mesh, args.steps)
-                ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.tol)
+        runs = [(name, mesh, "ring") for name in args.models for mesh in args.meshes]
+        runs += [(name, "cp2xdp2", "all_gather") for name in args.gather_models]
+        for name, mesh, attention in runs:
+            res = check(name, mesh, args.steps, attention)
+            ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.tol)
         return ok
     run_checker(checks)
 

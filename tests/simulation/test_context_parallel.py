@@ -3,7 +3,9 @@ gathers keys and values, and the program equals the single-device model: logits,
 (token-weighted over the ranks) and every gradient, with a padding mask and -100 labels.
 
 Nine Hugging Face decoders cover the forms the pass reads (autoshard/testing/context_models.py), all
-at cp=2 and some at cp=4, cp=2 x tp=2 and cp=2 x pp=2; nanoGPT brings SDPA with is_causal=True.
+at cp=2 and some at cp=4, cp=2 x tp=2 and cp=2 x pp=2; nanoGPT brings SDPA with is_causal=True. SDPA
+calls run as ring attention (the default) and, in some cases, with the key/value all-gather;
+written-out attention (Gemma2, GPT-2 eager, Bloom) always gathers.
 """
 import pytest
 import torch
@@ -23,6 +25,9 @@ CASES = [(name, dict(cp=2)) for name in sorted(CONTEXT_MODELS)] + [
     ("llama", dict(cp=2, tp=2)), ("falcon", dict(cp=2, tp=2)), ("mixtral", dict(cp=2, tp=2)),
     ("gpt2", dict(cp=2, tp=2)), ("mistral", dict(cp=2, pp=2, microbatches=2)),
     ("phi", dict(cp=2, pp=2, microbatches=2)), ("qwen2", dict(cp=2, pp=2, microbatches=2)),
+    # SDPA calls run as ring attention by default; the key/value all-gather too:
+    ("llama", dict(cp=2, cp_attention="all_gather")), ("falcon", dict(cp=4, cp_attention="all_gather")),
+    ("mixtral", dict(cp=2, tp=2, cp_attention="all_gather")),
 ]
 _REFERENCE: dict[str, tuple] = {}       # model -> its single-device logits, loss and gradients (computed once)
 
@@ -46,7 +51,12 @@ def _check(prog, batch: dict, logits, loss, grads) -> None:
     assert max(errs.values()) <= 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
 
 
-@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in m.items())}" for n, m in CASES])
+def _case_id(name: str, mesh: dict) -> str:
+    parts = [name, *(f"{k}{v}" for k, v in mesh.items() if k not in ("cp_attention", "microbatches"))]
+    return "-".join(parts + (["gather"] if mesh.get("cp_attention") == "all_gather" else []))
+
+
+@pytest.mark.parametrize("name,mesh", CASES, ids=[_case_id(n, m) for n, m in CASES])
 def test_context_parallel_equals_one_device(name, mesh):
     batch = context_batch()
     logits, loss, grads = _reference(name, batch)
@@ -54,7 +64,8 @@ def test_context_parallel_equals_one_device(name, mesh):
     _check(prog, batch, logits, loss, grads)
 
 
-def test_is_causal_sdpa_new_length_and_a_rank_without_tokens():
+@pytest.mark.parametrize("attention,op", [("ring", "cp_ring_"), ("all_gather", "causal_attention_at")])
+def test_is_causal_sdpa_new_length_and_a_rank_without_tokens(attention, op):
     """nanoGPT calls SDPA with is_causal=True (no mask table): each rank masks by its own positions.
     A second length compiles nothing new (the sequence dim is dynamic); a rank whose tokens are all
     -100 adds nothing to the loss and takes no NaN into the gradients."""
@@ -62,8 +73,8 @@ def test_is_causal_sdpa_new_length_and_a_rank_without_tokens():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 128, (2, 16), generator=g)
     targets = torch.randint(0, 128, (2, 16), generator=g)
-    prog = autoshard(model, cp=2, example_kwargs=dict(idx=ids, targets=targets))
-    assert "causal_attention_at" in prog.rank(0, cp_rank=1).code
+    prog = autoshard(model, cp=2, example_kwargs=dict(idx=ids, targets=targets), cp_attention=attention)
+    assert op in prog.rank(0, cp_rank=1).code
     for seq in (16, 32):
         ids = torch.randint(0, 128, (2, seq), generator=g)
         targets = torch.randint(0, 128, (2, seq), generator=g)
@@ -104,12 +115,13 @@ def test_load_balanced_pieces_give_every_rank_the_same_causal_work():
         assert gathered[rank_order(seq, cp)].tolist() == list(range(seq))
 
 
-def test_rank_code_shows_the_cut_and_the_gathers():
+def test_rank_code_shows_the_cut_the_rings_and_the_gathers():
     batch = context_batch()
-    prog = autoshard(build_context("llama"), example_kwargs=batch, cp=2)
-    code = prog.rank(0, cp_rank=1).code
-    assert "context_positions(" in code and ", 2, 1," in code     # cp=2, rank 1's positions
-    assert code.count("= self.cp_gather_") == 4                   # keys and values of 2 layers
+    ring = autoshard(build_context("llama"), example_kwargs=batch, cp=2).rank(0, cp_rank=1).code
+    assert "context_positions(" in ring and ", 2, 1," in ring     # cp=2, rank 1's positions
+    assert ring.count("= self.cp_ring_") == 2 and "cp_gather_" not in ring     # one ring per layer
+    gather = autoshard(build_context("llama"), example_kwargs=batch, cp=2, cp_attention="all_gather")
+    assert gather.rank(0, cp_rank=1).code.count("= self.cp_gather_") == 4      # keys and values of 2 layers
 
 
 def test_refusals_name_the_numbers_and_the_node():
@@ -137,3 +149,40 @@ class _CumulativeMean(nn.Module):
 def test_a_scan_over_the_tokens_is_refused_naming_the_node():
     with pytest.raises(ShardingError, match=r"node cumsum \(cumsum\).*reads along dim 1"):
         autoshard(_CumulativeMean(), cp=2, example_inputs=(torch.randint(0, 128, (2, 16)),))
+
+
+@pytest.mark.parametrize("form", ["bool-mask", "additive-mask", "causal", "gqa-causal", "no-mask"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ring_attention_equals_sdpa(form, overlap):
+    """The ring (blocks merged by their log-sum-exp, dk / dv travelling home) against SDPA on every
+    token: outputs and q, k, v gradients, with the sends overlapped or not. The additive mask has a
+    row whose every key is the dtype's lowest value, where SDPA's backward reads p = 1 per key."""
+    from autoshard.parallel.comm import SIMULATED
+    from autoshard.parallel.ring_attention import ring_attention
+    g = torch.Generator().manual_seed(5)
+    b, h, seq, e, cp = 2, 4, 24, 8, 3
+    hk = 2 if form == "gqa-causal" else h
+    q, k, v = (torch.randn(b, n, seq, e, generator=g, requires_grad=True) for n in (h, hk, hk))
+    causal = "causal" in form
+    mask = None
+    if form == "bool-mask":
+        mask = torch.rand(b, 1, seq, seq, generator=g) > 0.3
+        mask[0, 0, 5] = False                                   # a row that sees no key: 0, as SDPA
+    elif form == "additive-mask":
+        mask = torch.randn(b, h, seq, seq, generator=g).masked_fill(torch.rand(b, h, seq, seq, generator=g) > 0.6,
+                                                                    torch.finfo(torch.float32).min)
+        mask[1, :, 4] = torch.finfo(torch.float32).min
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                            enable_gqa=hk < h)
+    dout = torch.randn(want.shape, generator=g)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    pos = [context_positions(seq, cp, r) for r in range(cp)]
+    outs = ring_attention(SIMULATED, [q[:, :, p] for p in pos], [k[:, :, p] for p in pos], [v[:, :, p] for p in pos],
+                          pos, None if mask is None else [mask[:, :, p] for p in pos], scale=e ** -0.5, causal=causal,
+                          overlap=overlap)
+    got = torch.zeros_like(want)
+    for p, o in zip(pos, outs):
+        got = got.index_copy(2, p, o)
+    assert (got - want).abs().max() <= 1e-5
+    for mine, theirs in zip(torch.autograd.grad(got, (q, k, v), dout), grads):
+        assert (mine - theirs).abs().max() <= 1e-5 * max(1.0, theirs.abs().max().item())
