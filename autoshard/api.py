@@ -94,8 +94,9 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         recompute = "full"          # Hugging Face's gradient_checkpointing_enable(): capture drops it, so honour it here
     chosen = None
     if world_size is not None and cp not in (None, 1):
-        raise ShardingError(f"cp={cp} with world_size={world_size}: the planner does not search context "
-                            "parallelism yet; give tp/pp/dp/cp yourself")
+        raise ShardingError(f"cp={cp} with world_size={world_size}: world_size plans tp, pp and dp without "
+                            "context parallelism; see autoshard.plan(..., context_parallel=True) and give "
+                            "tp/pp/dp/cp yourself")
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches))

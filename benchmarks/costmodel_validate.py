@@ -58,7 +58,7 @@ def table1_errors(hardware="a100-80gb") -> list[tuple[dict, Estimate, float]]:
 
 def planner_ranks() -> list[tuple[dict, int | None, Estimate, Estimate | None]]:
     """(row, 1-based rank of the paper's (tp, pp), planner's first choice, paper's estimate) per row;
-    full recompute, as the paper's runs."""
+    full recompute and no context parallelism, as the paper's runs."""
     out = []
     for row in table1():
         plans = plan(ModelShape(row["hidden"], row["layers"], row["heads"], VOCAB, SEQ), gpus=row["gpus"],

@@ -25,6 +25,7 @@ import torch
 
 from autoshard.parallel.comm import Collective, CommHandle, Reducer
 from autoshard.parallel.context_parallel import context_groups
+from autoshard.parallel.ring_pieces import ring_pieces
 
 __all__ = ["RingAttention", "RingAttentionSpec", "ring_attention"]
 
@@ -141,8 +142,28 @@ def _start(red: Reducer, items: list[tuple]):
 
 def ring_attention(red: Reducer, qs, ks, vs, positions, masks, *, scale: float, causal: bool,
                    overlap: bool = True) -> list[torch.Tensor]:
+    """Every rank's attention output (lists over the ranks present). Without a mask (or with the
+    causal one, checked from the positions) on CPU, the blocks run as pieces (ring_pieces.py);
+    otherwise as scores with the mask's columns (this file's `_Ring`)."""
     n = len(qs)
+    if masks is not None and all(_is_causal_at(m, p) for m, p in zip(masks, positions)):
+        masks, causal = None, True
+    if masks is None and all(q.device.type == "cpu" for q in qs):
+        return ring_pieces(red, qs, ks, vs, positions, scale=scale, causal=causal, overlap=overlap)
     return list(_Ring.apply(red, scale, causal, overlap, n, *qs, *ks, *vs, *positions, *(masks or ())))
+
+
+def _is_causal_at(mask: torch.Tensor, positions: torch.Tensor, rows: int = 512) -> bool:
+    """True when `mask` ([.., L, S] boolean, rows at `positions`) keeps exactly key <= query position;
+    compared `rows` rows at a time, so the check holds no more than rows x S booleans."""
+    if mask.dtype != torch.bool or mask.dim() < 2:
+        return False
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    for a in range(0, mask.shape[-2], rows):
+        keep = keys[None, :] <= positions[a:a + rows, None]
+        if not torch.equal(mask[..., a:a + rows, :], keep.expand_as(mask[..., a:a + rows, :])):
+            return False
+    return True
 
 
 class RingAttention(Collective):

@@ -19,10 +19,10 @@ in `hardware`; this file puts them together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from autoshard.errors import expert_split_problem, require_positive_int
 from autoshard.planning.collective_timing import allreduce_seconds, tp_allreduce_seconds
+from autoshard.planning.context_cost import ring_seconds
 from autoshard.planning.cost_formulas import evaluate
 from autoshard.planning.gemm_timing import (
     LayerShape,
@@ -32,68 +32,14 @@ from autoshard.planning.gemm_timing import (
     layer_gemm_seconds,
 )
 from autoshard.planning.hardware import Hardware, get_hardware
-from autoshard.planning.memory_model import RankMemory, busiest_rank
+from autoshard.planning.estimate import RESERVED, Estimate
+from autoshard.planning.memory_model import busiest_rank
 from autoshard.planning.moe_cost import MoELayerCosts, MoEShape, moe_layer_costs
 
 __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
 
 RECOMPUTE = ("full", "selective", "none")
-_RESERVED = 0.1     # device memory kept back for the CUDA context, NCCL buffers and fragmentation
 _ADAM_BYTES = 28    # per parameter per step: read fp16 grad, fp32 master, m, v; write them and fp16 weight
-
-
-@dataclass(frozen=True)
-class Estimate:
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    seq: int
-    tp: int
-    pp: int
-    dp: int
-    global_batch: int
-    microbatch: int
-    virtual: int                    # pipeline chunks per rank (the paper's v)
-    hardware: str
-    recompute: str
-    sequence_parallel: bool
-    seconds_per_iteration: float
-    tflops_per_gpu: float           # FLOPs counted as the paper does, recomputation included
-    model_tflops_per_gpu: float     # FLOPs of the model alone (no recomputation): model FLOP utilization
-    memory_gib_per_gpu: float
-    fits: bool
-    peak_tflops: float
-    breakdown: dict[str, float] = field(default_factory=dict)   # seconds per iteration, by cause
-    memory: RankMemory | None = None    # the busiest rank's peak, by cause
-    busiest_pp_rank: int = 0            # the pipeline rank holding the most
-    memory_gib_total: float = 0.0       # the hardware's memory per device
-    ep: int = 1                         # expert-parallel ranks (inside dp) of a mixture-of-experts model
-    moe: MoEShape | None = None
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // (self.dp * self.microbatch)
-
-    @property
-    def percent_of_peak(self) -> float:
-        return 100 * self.tflops_per_gpu / self.peak_tflops
-
-    def explain(self) -> str:
-        parts = ", ".join(f"{k} {100 * x / self.seconds_per_iteration:.0f}%"
-                          for k, x in self.breakdown.items() if x > 0)
-        split = f"tp={self.tp} pp={self.pp} dp={self.dp}" + f" ep={self.ep}" * (self.ep > 1) + " sp" * self.sequence_parallel
-        return (f"{split} microbatch={self.microbatch} virtual={self.virtual}: "
-                f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "
-                f"{self.seconds_per_iteration:.2f} s/iteration, {self.memory_gib_per_gpu:.1f} GiB per GPU"
-                f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}"
-                + (f"; memory (pipeline rank {self.busiest_pp_rank}, recompute={self.recompute}): "
-                   f"{self.memory.explain()}, {'within' if self.fits else 'over'} "
-                   f"{(1 - _RESERVED) * self.memory_gib_total:.1f} GiB usable" if self.memory else ""))
 
 
 def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
@@ -151,7 +97,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              hardware: str | Hardware = "a100-80gb", recompute: str = "full",
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
              distributed_optimizer: bool = False, moe: MoEShape | None = None,
-             ep: int = 1) -> Estimate:
+             ep: int = 1, cp: int = 1, kv_heads: int | None = None, cp_overlap: bool = True,
+             attention: str = "math") -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
     gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
@@ -163,6 +110,11 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     the reduce-scatter and all-gather move what the all-reduce does, so time is unchanged).
     moe: every layer's MLP is E experts (planning/moe_cost.py), divided over `ep` data-parallel
     ranks (ep divides dp and E); their all-to-alls are `breakdown["ep_comm"]`.
+    cp: context-parallel ranks (each holds seq / cp tokens; planning/context_cost.py): the ring's
+    exposed sends are `breakdown["cp_comm"]` (`cp_overlap=False`: none hidden); `kv_heads` sizes
+    the blocks (default: heads). Activations are those of seq / cp tokens; gradients are reduced
+    over dp x cp ranks; GPUs are tp x pp x dp x cp. attention: "math" (the attention core keeps its
+    s^2 scores, as the papers' Megatron) or "flash" (a fused kernel: memory_model.py).
 
     `microbatch=None` or `virtual=None` (pipeline chunks per rank, the paper's v) choose the fastest
     legal value that fits memory (if none fits, the configuration with the least memory, marked
@@ -186,6 +138,9 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
             raise ValueError(f"microbatch={microbatch} does not divide the per-replica batch "
                              f"global_batch/dp = {global_batch}/{dp} = {global_batch // dp}")
     require_positive_int("ep", ep)
+    require_positive_int("cp", cp)
+    if seq % (2 * cp):
+        raise ValueError(f"cp={cp} cuts the sequence in 2 * cp = {2 * cp} pieces, which seq={seq} is not a multiple of")
     if ep > 1 and moe is None:
         raise ValueError(f"ep={ep} needs experts: a dense model has ep=1")
     if (problem := expert_split_problem(dp, ep, moe.experts if moe else None)) is not None:
@@ -202,7 +157,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     shape = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
                  global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
                  overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits,
-                 distributed_optimizer=distributed_optimizer, moe=moe, ep=ep)
+                 distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, kv_heads=kv_heads,
+                 cp_overlap=cp_overlap, attention=attention)
     results = [_one(hw, microbatch=mb, v=vv, **shape) for mb, vv in pairs]
     fitting = [e for e in results if e.fits]
     if fitting:
@@ -211,13 +167,17 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
 
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
-         recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer, moe, ep) -> Estimate:
+         recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer, moe, ep, cp,
+         kv_heads, cp_overlap, attention) -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
-    x = LayerShape(microbatch, seq, hidden, heads, tp, sequence_parallel)
+    x = LayerShape(microbatch, seq // cp, hidden, heads, tp, sequence_parallel)     # this rank's tokens
     m = global_batch // (dp * microbatch)
     layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute)
     node = hw.gpus_per_node
+    ring = ring_seconds(x, hw, cp=cp, kv_heads=kv_heads, recompute=recompute, overlap=cp_overlap,
+                        link_gb_s=hw.nvlink_gb_s if tp * cp <= node else hw.network_gb_s)
+    layer_forward, layer_backward = layer_forward + ring.forward, layer_backward + ring.backward
     experts = moe_layer_costs(x, hw, moe, ep, hw.nvlink_gb_s if tp * ep <= node else hw.network_gb_s) \
         if moe else MoELayerCosts(0.0, 0.0, 0.0, 0.0, 0.0)
     layer_forward += experts.forward
@@ -225,7 +185,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     layer_ep = experts.all_to_all * (3 if recompute == "full" else 2)     # forward, backward, recomputed
     # ranks sharing fewer CPU cores than there are ranks run in turns: compute, and every message,
     # which waits for its peer's turn
-    share = max(1.0, tp * pp * dp / hw.cores) if hw.cores else 1.0
+    share = max(1.0, tp * pp * dp * cp / hw.cores) if hw.cores else 1.0
     layer_forward, layer_backward = share * layer_forward, share * layer_backward
     layer_compute = layer_forward + layer_backward
     embed, head, embed_comm = _ends_seconds(x, vocab, hw)
@@ -238,12 +198,15 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
         work_comm += allreduce_seconds(2 * microbatch * seq * vocab, tp, hw.nvlink_gb_s, hw) / 2 * (tp > 1)
     work_comm *= share
     work_ep = share * per_rank * layer_ep
-    work = work_compute + work_comm + work_ep
+    work_cp = share * per_rank * ring.comm_exposed
+    work = work_compute + work_comm + work_ep + work_cp
     one_node = tp * pp * dp <= node
     breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm,
                  "bubble": evaluate("bubble_fraction", p=pp, v=v, m=m) * m * work}
     if moe is not None:
         breakdown["ep_comm"] = m * work_ep
+    if cp > 1:
+        breakdown["cp_comm"] = m * work_cp
     tied = 0.0
     if pp > 1:
         link = hw.nvlink_gb_s if one_node else hw.network_gb_s
@@ -256,9 +219,9 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     grads = evaluate("dp_allreduce_bytes", **sym) * hw.reduce_bytes / 2    # formula: fp16 gradients
     expert_grads = 0.0 if moe is None else \
         per_rank * 3 * hidden * moe.ffn * moe.experts / (tp * ep) * hw.reduce_bytes
-    dp_link = hw.nvlink_gb_s if tp * dp <= node else hw.network_gb_s
+    dp_link = hw.nvlink_gb_s if tp * dp * cp <= node else hw.network_gb_s
     grads += per_rank * experts.params * hw.reduce_bytes - expert_grads      # the dense part, over dp
-    grad_reduce = allreduce_seconds(grads, dp, dp_link, hw) + allreduce_seconds(expert_grads, dp // ep, dp_link, hw)
+    grad_reduce = allreduce_seconds(grads, dp * cp, dp_link, hw) + allreduce_seconds(expert_grads, dp // ep, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
         grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
     breakdown["dp_comm"] = (tied + grad_reduce) * share
@@ -276,10 +239,11 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     moe_flops = experts.flops * layers * global_batch / microbatch      # forward, the whole batch
     flops += moe_flops * {"full": 4, "selective": 3, "none": 3}[recompute]
     model_flops += 3 * moe_flops
-    gpus = tp * pp * dp
-    busiest, held = busiest_rank(hw, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
+    gpus = tp * pp * dp * cp
+    busiest, held = busiest_rank(hw, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq // cp, tp=tp, pp=pp,
                                  microbatch=microbatch, microbatches=m, virtual=v, recompute=recompute,
-                                 sequence_parallel=sequence_parallel, dp=dp, ep=ep, expert_params=experts.expert_params,
+                                 sequence_parallel=sequence_parallel, dp=dp * cp, ep=ep, expert_params=experts.expert_params,
+                                 attention=attention,
                                  distributed_optimizer=distributed_optimizer, layer_params_added=experts.params,
                                  ffn=4.0 if moe is None else 2 * moe.top_k * moe.ffn / hidden)
     memory = held.peak
@@ -288,5 +252,6 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                     sequence_parallel=sequence_parallel, seconds_per_iteration=seconds,
                     tflops_per_gpu=flops / seconds / gpus / 1e12,
                     model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
-                    memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - _RESERVED) * hw.memory_gib * 2**30,
-                    peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest, ep=ep, moe=moe)
+                    memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - RESERVED) * hw.memory_gib * 2**30,
+                    peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest, ep=ep, moe=moe,
+                    cp=cp)

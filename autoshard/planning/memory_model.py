@@ -199,15 +199,17 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
                     pp_rank: int, microbatch: int, microbatches: int, virtual: int, recompute: str,
                     sequence_parallel: bool, resid_dropouts: int = 2, dp: int = 1,
                     distributed_optimizer: bool = False, layer_params_added: float = 0.0,
-                    ffn: float = 4.0, expert_params: float = 0.0, ep: int = 1) -> RankMemory:
+                    ffn: float = 4.0, expert_params: float = 0.0, ep: int = 1, attention: str = "math") -> RankMemory:
     """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask,
     weight and gradient bytes) under 1F1B (interleaved when virtual > 1), with AdamW's state whole or
     divided over `dp` ranks (`distributed_optimizer`). A mixture-of-experts layer: its parameters
     beyond the dense layer's on this rank (`layer_params_added`) and its MLP activations as an FFN
     width `ffn` x hidden (planning/moe_cost.py); `expert_params` of them per layer are experts, whose
-    optimizer state the distributed optimizer divides over dp / ep ranks only."""
+    optimizer state the distributed optimizer divides over dp / ep ranks only. `attention`: "math"
+    (the s^2 scores kept) or "flash" (a fused kernel: a log-sum-exp per row)."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
-                        e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts, ffn=ffn)
+                        e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts, ffn=ffn,
+                        attention=attention)
     schedule = "interleaved" if virtual > 1 else "1f1b"
     here = -(-layers // pp)
     first, last = pp_rank == 0, pp_rank == pp - 1

@@ -68,13 +68,18 @@ def shape_of(model_or_shape: nn.Module | ModelShape | dict) -> ModelShape:
     return ModelShape(**found)
 
 
-def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware):
+def _splits(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, seq: int, context: bool):
+    """(tp, pp, dp, cp) splits of `gpus`; cp > 1 only with `context` and a sequence of 2 * cp pieces."""
     for tp in range(1, min(gpus, hw.gpus_per_node) + 1):
         if gpus % tp or shape.heads % tp or shape.hidden % shape.heads:
             continue
         for pp in range(1, min(gpus // tp, shape.layers) + 1):
-            if (gpus // tp) % pp == 0 and global_batch % (gpus // (tp * pp)) == 0:
-                yield tp, pp, gpus // (tp * pp)
+            if (gpus // tp) % pp:
+                continue
+            rest = gpus // (tp * pp)
+            for cp in range(1, rest + 1) if context else (1,):
+                if rest % cp == 0 and seq % (2 * cp) == 0 and global_batch % (rest // cp) == 0:
+                    yield tp, pp, rest // cp, cp
 
 
 def _expert_splits(dp: int, moe: MoEShape | None, sequence_parallel: bool) -> list[int]:
@@ -87,12 +92,17 @@ def _expert_splits(dp: int, moe: MoEShape | None, sequence_parallel: bool) -> li
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
          hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str | None = None,
          sequence_parallel: bool = False, top: int | None = None,
-         distributed_optimizer: bool = False, moe: MoEShape | None = None) -> list[Estimate]:
+         distributed_optimizer: bool = False, moe: MoEShape | None = None,
+         context_parallel: bool = False, attention: str = "math") -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
     and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory.
     moe: the model's experts (read from a model's config when not given); the planner then also
-    searches ep (dividing dp and the experts; ep=1 with sequence parallelism)."""
+    searches ep (dividing dp and the experts; ep=1 with sequence parallelism). context_parallel:
+    also search cp (each rank seq / cp tokens; not with sequence parallelism or experts, which the
+    runtime does not build with cp yet). Off by default: at short sequences cp splits come within
+    a percent of the best and crowd the ranking (benchmarks/RESULTS.md). attention: "math" or
+    "flash" (the attention core's memory: costmodel.estimate)."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
@@ -100,12 +110,14 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     modes = RECOMPUTE if recompute is None else (recompute,)
     if moe is None and isinstance(model_or_shape, nn.Module):
         moe = moe_shape(model_or_shape)
+    seq = seq or shape.seq
+    context = context_parallel and not sequence_parallel and moe is None
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
-                      seq=seq or shape.seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
+                      seq=seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
-                      distributed_optimizer=distributed_optimizer, moe=moe, ep=ep)
-             for tp, pp, dp in _splits(shape, gpus, global_batch, hw) for ep in _expert_splits(dp, moe, sequence_parallel)
-             for mode in modes]
+                      distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, attention=attention)
+             for tp, pp, dp, cp in _splits(shape, gpus, global_batch, hw, seq, context)
+             for ep in _expert_splits(dp, moe, sequence_parallel) for mode in modes]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:
         least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)

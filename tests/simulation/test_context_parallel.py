@@ -186,3 +186,21 @@ def test_ring_attention_equals_sdpa(form, overlap):
     assert (got - want).abs().max() <= 1e-5
     for mine, theirs in zip(torch.autograd.grad(got, (q, k, v), dout), grads):
         assert (mine - theirs).abs().max() <= 1e-5 * max(1.0, theirs.abs().max().item())
+
+
+def test_a_causal_mask_table_runs_the_ring_in_pieces(monkeypatch):
+    """Without padding, a Hugging Face mask table is the causal one: the ring reads it from the
+    positions and runs fused attention per piece pair (no [L, L] scores), equal to one device."""
+    import autoshard.parallel.ring_attention as ring
+    calls = []
+    real = ring.ring_pieces
+    monkeypatch.setattr(ring, "ring_pieces", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, ref = build_context("llama"), build_context("llama")
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    prog = autoshard(model, cp=2, example_kwargs=dict(input_ids=ids, labels=ids))
+    out, want = prog.simulate(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert calls and max_rel(out.logits, want.logits) <= 1e-5
+    out.loss.backward()
+    want.loss.backward()
+    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    assert max(errs.values()) <= 1e-5
