@@ -55,8 +55,9 @@ def _param_rows(prog: Described) -> list[list[object]]:
 
 def describe(prog: Described) -> str:
     ep = prog.dims.ep
-    head = f"autoshard program: tp={prog.tp} x pp={prog.pp} x dp={prog.dp}{f' (ep={ep})' if ep > 1 else ''}, " \
-           f"world size {prog.world_size}"
+    cp = prog.dims.cp
+    head = f"autoshard program: tp={prog.tp}{f' x cp={cp}' if cp > 1 else ''} x pp={prog.pp} x dp={prog.dp}" \
+           f"{f' (ep={ep})' if ep > 1 else ''}, world size {prog.world_size}"
     headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if prog.pp > 1 else [])
     table = tabulate(_param_rows(prog), headers=headers)
     graph = prog.rank0_graph
@@ -67,6 +68,12 @@ def describe(prog: Described) -> str:
     notes += [f"{'whole by design' if f.by_design else 'fallback'} (replicated): {', '.join(f.modules)}: {f.reason}"
               for f in prog.sharding.fallbacks]
     notes += [f"not sharded: {s}" for s in prog.sharding.skipped]
+    rings = sum(1 for n in graph.nodes if n.op == "call_module" and n.target.startswith("cp_ring_"))
+    gathers = sum(1 for n in graph.nodes if n.op == "call_module" and n.target.startswith("cp_gather_"))
+    if cp > 1:
+        notes.append(f"context parallelism: each rank holds 1/{cp} of every sequence's tokens (pieces c and "
+                     f"{2 * cp - 1}-c of {2 * cp}); {rings} ring attention calls, {gathers} key/value all-gathers "
+                     "per rank per step; parameters replicated over cp")
     experts = [n for n in graph.nodes if n.op == "call_module" and "experts" in n.meta]
     if experts:
         notes.append(f"expert parallelism: {len(experts)} experts call(s) (e.g. {experts[0].meta['experts']}), each "

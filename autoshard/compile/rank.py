@@ -57,7 +57,7 @@ class RankProgram(nn.Module):
         self.rank, self.tp, self.cp_rank, self.cp = rank, tp, cp_rank, cp
         self.handle = CommHandle(rank, tp)
         self.cp_handle = CommHandle(cp_rank, cp)       # context parallelism's group (cp > 1)
-        self.rng = RNGTracker(rank)
+        self.rng = RNGTracker(rank, cp_rank=cp_rank)
         for name, p in params.items():
             assign_attr(self, name, p)
         self.f = CopyToTensorParallelRegion(self.handle)

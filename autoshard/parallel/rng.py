@@ -4,7 +4,9 @@ Inside a tensor-parallel region each rank holds different features, so its dropo
 from the other ranks'; outside, every rank holds the same activations and must drop the same
 elements, or the replicas drift apart. Each rank keeps two generator states, swapped in around the
 random op: `replicated` (seeded alike on every rank) and `tensor_parallel` (seed + 2718 + rank, the
-offset Megatron uses). Both come from one seed, so a run is reproducible.
+offset Megatron uses). Both come from one seed, so a run is reproducible. Context-parallel ranks
+hold different tokens, so every region's stream is shifted by CP_SEED_OFFSET x cp_rank (the ranks of
+one context-parallel rank still agree outside tensor-parallel regions).
 """
 from __future__ import annotations
 
@@ -16,19 +18,21 @@ from torch import nn
 
 from autoshard.parallel.random_ops import RandomOp
 
-__all__ = ["RNGTracker", "RegionRandomOp", "RandomOpSpec", "TP_SEED_OFFSET"]
+__all__ = ["RNGTracker", "RegionRandomOp", "RandomOpSpec", "TP_SEED_OFFSET", "CP_SEED_OFFSET"]
 
 TP_SEED_OFFSET = 2718
+CP_SEED_OFFSET = 1_000_003      # far from seed + TP_SEED_OFFSET + tp rank
 
 
 class RNGTracker:
     """Generator states of one rank: CPU state, and the state of each CUDA device used."""
 
-    def __init__(self, rank: int, seed: int = 0):
-        self.rank = rank
+    def __init__(self, rank: int, seed: int = 0, cp_rank: int = 0):
+        self.rank, self.cp_rank = rank, cp_rank
         self.manual_seed(seed)
 
     def manual_seed(self, seed: int) -> None:
+        seed += CP_SEED_OFFSET * self.cp_rank
         self.seeds = {"replicated": seed, "tensor_parallel": seed + TP_SEED_OFFSET + self.rank}
         self.states: dict[tuple[str, str], torch.Tensor] = {}
 

@@ -63,19 +63,22 @@ def _on_rank0(fn):
 
 
 def split_of(opts: TrainOptions, world: int) -> dict:
-    """tp, pp, dp, virtual, microbatches from the options and the world size (not with --plan)."""
-    tp, pp = opts.tp, opts.pp
-    if world % (tp * pp):
-        raise TrainError(f"the world has {world} processes, not a multiple of tp={tp} x pp={pp} = {tp * pp}")
-    dp = opts.dp or world // (tp * pp)
-    if tp * pp * dp != world:
-        raise TrainError(f"the world has {world} processes but tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp}")
+    """tp, pp, dp, cp, virtual, microbatches from the options and the world size (not with --plan)."""
+    tp, pp, cp = opts.tp, opts.pp, opts.cp
+    with_cp = f" x cp={cp}" if cp > 1 else ""
+    if world % (tp * pp * cp):
+        raise TrainError(f"the world has {world} processes, not a multiple of tp={tp} x pp={pp}{with_cp} = "
+                         f"{tp * pp * cp}")
+    dp = opts.dp or world // (tp * pp * cp)
+    if tp * pp * dp * cp != world:
+        raise TrainError(f"the world has {world} processes but tp={tp} x pp={pp} x dp={dp}{with_cp} = "
+                         f"{tp * pp * dp * cp}")
     micro = opts.microbatches or (2 * pp if pp > 1 else 1)
     if opts.batch % (dp * micro):
         raise TrainError(f"--batch {opts.batch} cannot be split into dp={dp} x microbatches={micro} equal parts")
     if (problem := expert_split_problem(dp, opts.ep)) is not None:
         raise TrainError(f"--ep: {problem}")
-    return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, virtual=opts.virtual, microbatches=micro)
+    return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, cp=cp, virtual=opts.virtual, microbatches=micro)
 
 
 def _peak_gib(place: Placement) -> float | None:
@@ -107,7 +110,7 @@ def _estimated_seconds(opts: TrainOptions, source, split: dict) -> float | None:
                         vocab=cfg.vocab_size, seq=opts.seq_len, tp=split["tp"], pp=split["pp"], dp=split["dp"],
                         global_batch=opts.batch, microbatch=opts.batch // (split["dp"] * split["microbatches"]),
                         virtual=split["virtual"], hardware=opts.hardware, recompute=split.get("recompute", "none"),
-                        sequence_parallel=opts.sequence_parallel).seconds_per_iteration
+                        sequence_parallel=opts.sequence_parallel, cp=split.get("cp", 1)).seconds_per_iteration
     except (AttributeError, ValueError, TypeError):     # not a transformer config the cost model reads
         return None
 
@@ -222,8 +225,9 @@ def run(opts: TrainOptions) -> int:
     optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=opts.distributed_optimizer, **adamw)
                  if opts.distributed_optimizer or opts.precision != "fp32"
                  else torch.optim.AdamW(rt.parameters(), **adamw))
+    # the cp ranks of a replica read the same sequences (data rank = replica x cp + cp rank)
     batches = Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=split["dp"],
-                           dp_rank=rt.dp_rank, seed=opts.seed, extra=int(source.shifted))
+                           dp_rank=rt.dp_rank // split.get("cp", 1), seed=opts.seed, extra=int(source.shifted))
     run_info = {"seq_len": opts.seq_len, "batch": opts.batch, "seed": opts.seed, "steps": opts.steps, "lr": opts.lr,
                 "warmup": opts.warmup, "min_lr_ratio": opts.min_lr_ratio,
                 "data_key": os.path.basename(token_file), "split": split}
@@ -233,7 +237,8 @@ def run(opts: TrainOptions) -> int:
     if rank == 0:
         count = sum(p.numel() for p in source.model.parameters())
         print(f"autoshard train: {type(source.model).__name__} ({count / 1e6:.2f}M parameters), tp={split['tp']} pp={split['pp']} dp={split['dp']} "
-              + (f"ep={split['ep']} " if split.get("ep", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
+              + (f"ep={split['ep']} " if split.get("ep", 1) > 1 else "")
+              + (f"cp={split['cp']} " if split.get("cp", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
               + (f"AdamW state sharded over dp={split['dp']}"
                  + (f" (experts' over dp/ep={split['dp'] // split['ep']})" if split.get("ep", 1) > 1 else "") + ", "
                  if opts.distributed_optimizer else "")

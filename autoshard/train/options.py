@@ -33,6 +33,7 @@ class TrainOptions:
     virtual: int
     dp: int | None
     ep: int
+    cp: int
     microbatches: int | None
     plan: bool
     sequence_parallel: bool
@@ -90,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the rest of the world)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism for MoE models: each layer's experts divided "
                                                      "over this many data-parallel ranks (divides dp)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: each of cp ranks holds 1/cp of every "
+                                                     "sequence's tokens (--seq-len a multiple of 2 x cp)")
     p.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank and step (default: 2 x pp)")
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -131,7 +134,7 @@ def parse(argv: list[str]) -> TrainOptions:
     """The options, checked: positive sizes, and files that exist."""
     args = parser().parse_args(argv)
     opts = TrainOptions(**vars(args))
-    for name in ("tp", "pp", "virtual", "seq_len", "batch", "steps", "save_every", "log_every"):
+    for name in ("tp", "pp", "cp", "virtual", "seq_len", "batch", "steps", "save_every", "log_every"):
         if getattr(opts, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(opts, name)}")
     for name in ("dp", "microbatches", "nproc_per_node", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
@@ -147,7 +150,12 @@ def parse(argv: list[str]) -> TrainOptions:
         raise TrainError(f"--model {opts.model}: no such folder")
     if os.path.isdir(opts.model) and not os.path.isfile(os.path.join(opts.model, "config.json")):
         raise TrainError(f"--model {opts.model}: the folder has no config.json (a Hugging Face model folder needs one)")
-    given = opts.dp is not None or opts.microbatches is not None or (opts.tp, opts.pp, opts.virtual) != (1, 1, 1)
+    if opts.seq_len % (2 * opts.cp):
+        raise TrainError(f"--cp {opts.cp} cuts each sequence in 2 x cp = {2 * opts.cp} equal pieces: --seq-len "
+                         f"{opts.seq_len} is not a multiple of {2 * opts.cp}")
+    given = opts.dp is not None or opts.microbatches is not None or \
+        (opts.tp, opts.pp, opts.cp, opts.virtual) != (1, 1, 1, 1)
     if opts.plan and given:
-        raise TrainError("--plan chooses tp, pp, dp, virtual and microbatches itself; give none of them with it")
+        raise TrainError("--plan chooses tp, pp, dp, virtual and microbatches itself; give none of them (nor --cp) "
+                         "with it")
     return opts

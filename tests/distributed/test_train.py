@@ -99,7 +99,8 @@ def test_train_llama_tp2_pp2_resumes_exactly_reshards_and_exports(tmp_path):
 @pytest.mark.slow
 def test_the_planners_dp2_and_the_distributed_optimizer_give_the_same_losses_and_bf16_tracks_them(tmp_path):
     """The planner chooses dp=2 for this model on two processes; that run (plain AdamW) is the
-    reference of the distributed optimizer's run at dp=2 (within 1e-5) and of its bf16 run (2e-2)."""
+    reference of the distributed optimizer's run at dp=2 (within 1e-5), of its bf16 run (2e-2), and of
+    a context-parallel run at cp=2 (each process half of every sequence, within 1e-5)."""
     out = _train(tmp_path / "plain", *LLAMA, "--plan", "--steps", "20", nproc=2).stdout
     assert "tp=1 pp=1 dp=2 virtual=1 microbatches=1 recompute=none" in out, out
     plain = [float(r["loss"]) for r in _rows(tmp_path / "plain")]
@@ -113,6 +114,10 @@ def test_the_planners_dp2_and_the_distributed_optimizer_give_the_same_losses_and
     assert "bf16 with fp32 main weights" in out
     half = [float(r["loss"]) for r in _rows(tmp_path / "bf16")]
     assert max(abs(a - b) / abs(b) for a, b in zip(half, plain)) < 2e-2, (half, plain)     # bf16's rounding
+    out = _train(tmp_path / "cp", *LLAMA, "--cp", "2", "--steps", "20", nproc=2).stdout
+    assert "tp=1 pp=1 dp=1 cp=2 " in out, out
+    context = [float(r["loss"]) for r in _rows(tmp_path / "cp")]
+    assert len(context) == 20 and max(abs(a - b) / abs(b) for a, b in zip(context, plain)) < 1e-5, (context, plain)
 
 
 @pytest.mark.slow

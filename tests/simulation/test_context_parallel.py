@@ -122,6 +122,8 @@ def test_rank_code_shows_the_cut_the_rings_and_the_gathers():
     assert ring.count("= self.cp_ring_") == 2 and "cp_gather_" not in ring     # one ring per layer
     gather = autoshard(build_context("llama"), example_kwargs=batch, cp=2, cp_attention="all_gather")
     assert gather.rank(0, cp_rank=1).code.count("= self.cp_gather_") == 4      # keys and values of 2 layers
+    assert "tp=1 x cp=2 x pp=1 x dp=1, world size 2" in str(gather)
+    assert "0 ring attention calls, 4 key/value all-gathers" in str(gather)
 
 
 def test_refusals_name_the_numbers_and_the_node():
@@ -204,3 +206,12 @@ def test_a_causal_mask_table_runs_the_ring_in_pieces(monkeypatch):
     want.loss.backward()
     errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
     assert max(errs.values()) <= 1e-5
+
+
+def test_dropout_streams_differ_per_context_parallel_rank():
+    """cp ranks hold different tokens: each region's dropout stream differs between them, while the
+    tensor-parallel ranks of one cp rank still draw the same replicated-region masks."""
+    prog = autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2, tp=2)
+    seeds = {(t, c): prog.rank(t, cp_rank=c).rng.seeds for t in range(2) for c in range(2)}
+    assert seeds[(0, 0)]["replicated"] == seeds[(1, 0)]["replicated"] != seeds[(0, 1)]["replicated"]
+    assert len({s["tensor_parallel"] for s in seeds.values()}) == 4

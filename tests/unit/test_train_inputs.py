@@ -104,10 +104,15 @@ def test_world_size_that_does_not_match_the_split_is_named(tmp_path, text):
         split_of(_opts(text, tmp_path, "--tp", "2", "--dp", "3"), 4)
     with pytest.raises(TrainError, match=r"the world has 3 processes, not a multiple of tp=2 x pp=1 = 2"):
         split_of(_opts(text, tmp_path, "--tp", "2"), 3)
+    assert split_of(_opts(text, tmp_path, "--cp", "2"), 4)["dp"] == 2
+    with pytest.raises(TrainError, match=r"the world has 6 processes, not a multiple of tp=1 x pp=1 x cp=4 = 4"):
+        split_of(_opts(text, tmp_path, "--cp", "4"), 6)
+    with pytest.raises(TrainError, match=r"--cp 3 cuts each sequence in 2 x cp = 6 equal pieces: --seq-len 64"):
+        _opts(text, tmp_path, "--cp", "3", "--seq-len", "64")
     with pytest.raises(TrainError, match=r"--batch 6 cannot be split into dp=1 x microbatches=4 equal parts"):
         split_of(_opts(text, tmp_path, "--pp", "2", "--batch", "6"), 2)
-    assert split_of(_opts(text, tmp_path, "--tp", "2", "--pp", "2"), 8) == dict(tp=2, pp=2, dp=2, ep=1, virtual=1,
-                                                                                 microbatches=4)
+    assert split_of(_opts(text, tmp_path, "--tp", "2", "--pp", "2"), 8) == dict(tp=2, pp=2, dp=2, ep=1, cp=1,
+                                                                                 virtual=1, microbatches=4)
     with pytest.raises(TrainError, match=r"--ep: ep=2 must divide dp=3"):
         split_of(_opts(text, tmp_path, "--dp", "3", "--ep", "2", "--batch", "6"), 3)
 
