@@ -137,3 +137,17 @@ def test_hardware_presets_are_data_and_overridable():
         get_hardware("h200", matmul_efficiency=1.5)
     h200 = estimate(hardware="h200", **kw)
     assert h200.seconds_per_iteration < slow_e.seconds_per_iteration and not math.isnan(h200.tflops_per_gpu)
+
+
+def test_context_parallelism_divides_activations_and_hides_the_ring_at_long_sequences():
+    """cp in the cost model: each rank's activations are those of seq / cp tokens, the GPUs are
+    tp x pp x dp x cp, and at a long sequence the ring's sends hide behind the blocks' compute
+    (cp_overlap=False exposes all of them)."""
+    shape = dict(hidden=4096, layers=32, heads=32, vocab=32000, seq=65536, tp=4, pp=1, dp=1, global_batch=4,
+                 microbatch=1, virtual=1, hardware="h100-80gb", recompute="selective", attention="flash")
+    one, two = estimate(cp=1, **shape), estimate(cp=2, **shape)
+    assert two.gpus == 8 and two.memory.activations == pytest.approx(one.memory.activations / 2)
+    hidden, shown = estimate(cp=2, kv_heads=8, **shape), estimate(cp=2, kv_heads=8, cp_overlap=False, **shape)
+    assert hidden.breakdown["cp_comm"] < shown.breakdown["cp_comm"]
+    with pytest.raises(ValueError, match="seq=65535 is not a multiple"):
+        estimate(cp=2, **{**shape, "seq": 65535})
