@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path, op_name
@@ -102,8 +103,11 @@ def _attention_core(nodes: list[fx.Node], captured_of: Callable[[fx.Node], fx.No
 
 
 def _same(a, b) -> bool:
+    """Equal for every size the graph was exported for, decided without a guard: `bool(a == b)` on
+    symbolic sizes would add one to the export's shape environment and could specialize a size to
+    the example's (the captured graph's shapes would then read differently to the next rank's call)."""
     try:
-        return bool(a == b)
+        return bool(statically_known_true(a == b))
     except Exception:           # an undecidable symbolic comparison: not the same
         return False
 

@@ -125,7 +125,7 @@ def _write_index(folder: str, prog: ShardedProgram, manifests: list[dict], step:
     groups = next((m["param_groups"] for m in manifests if "param_groups" in m), [])
     write_index_atomic(os.path.join(folder, INDEX), {
         "format": FORMAT, "step": step, "model": prog.model_name,
-        "mesh": {"tp": prog.tp, "pp": prog.pp, "dp": prog.dp, "ep": prog.dims.ep}, "tensors": tensors,
+        "mesh": {"tp": prog.tp, "pp": prog.pp, "dp": prog.dp, "ep": prog.dims.ep, "cp": prog.cp}, "tensors": tensors,
         "scalars": {k: v for m in manifests for k, v in m["scalars"].items()}, "param_groups": groups,
         "files": {k: v for m in manifests for k, v in m["files"].items()}, "extra": extra or {}})
 

@@ -61,7 +61,8 @@ class ContextReplicas:
                 joined.append(full.index_select(d, rank_order(full.shape[d], self.cp, full.device)))
             elif cut is not None and i == cut.loss_output:
                 # a replica that counts no token has a mean of 0/0: it adds nothing (and no gradient)
-                joined.append(sum(torch.where(w > 0, v * w, 0.0) for v, w in zip(leaf, self._token_weights(graphs))))
+                joined.append(sum(torch.where(w > 0, v * w.to(v.dtype), 0.0)
+                                  for v, w in zip(leaf, self._token_weights(graphs))))
             else:
                 joined.append(join_replicated(list(leaf)))
         return pytree.tree_unflatten(joined, spec)

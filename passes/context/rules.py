@@ -6,6 +6,7 @@ reads to this rank's tokens. Attention and matmuls, where tokens meet tokens, ar
 """
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -94,6 +95,27 @@ def ordered(sp, n: fx.Node) -> None:
         if sp.tags[src][dim] == LOCAL and not _whole_slice(n):
             sp.refuse(n, f"it takes part of dim {dim}, which holds this rank's tokens only")
     sp.tags[n] = map_in_order(sp, n, in_tags)
+    if n.target != aten.expand.default:
+        _same_tokens(sp, n, src)
+
+
+def _same_tokens(sp, n: fx.Node, src: fx.Node) -> None:
+    """A view may merge a token dim with others or split other dims off it ([B, S] -> [B * S], a
+    token's top-k slots [B * S * k] -> [B * S, k]) but must keep the sequence whole: [B, S, H] ->
+    [B, S / 2, 2H] pairs neighbouring tokens, which a rank's pieces do not keep together. So every
+    LOCAL token dim of the output is the sequence length times a whole number of other things."""
+    shape = sp.shape(n)
+    outs = shape if shape and isinstance(shape[0], list) else [shape]
+    in_tags = [sp.tags[src][d] for d in sp.token_dims(sp.shape(src))]
+    for out in outs:
+        for e, tag in zip([out[d] for d in sp.token_dims(out)], in_tags):
+            seq = next(iter(sp.seqs & e.free_symbols), None)
+            rest = sympy.simplify(e / seq) if seq is not None else None
+            whole = rest is not None and not sp.is_token(rest) and sympy.fraction(rest)[1] == 1 and \
+                rest.as_coeff_Mul()[0].is_integer
+            if tag == LOCAL and not whole:
+                sp.refuse(n, f"it reshapes a token dim into {e}: tokens would be grouped or split across a "
+                             "rank's pieces")
 
 
 def map_in_order(sp, n: fx.Node, in_tags: list) -> object:

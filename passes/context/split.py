@@ -6,11 +6,13 @@ sequence's tokens from the embedding to the loss.
 Every rank is called with the whole batch (ids, masks and labels are small); the graph cuts them
 to its tokens (`context_positions`: load-balanced pieces) where they first meet a value computed
 from parameters, so every activation holds only the rank's tokens. Where tokens meet each other,
-in attention, the keys and values are all-gathered in position order (`cp_gather_<node>` modules:
-parallel/context_parallel.py) as close to their projection as the graph allows (before GQA's head
-repetition); the queries stay local, so scores are [.., local queries, all keys] and the mask
-table is cut to the rank's query rows. SDPA with `is_causal=True` becomes kernels/attention.py's
-`causal_attention_at`, whose mask is built from the rank's positions.
+in attention (attention.py): an SDPA call becomes ring attention (`cp_ring_<node>` modules:
+parallel/ring_attention.py) with the rank's queries, keys, values, positions and mask rows; with
+`attention="all_gather"`, and for attention written out as ops, the keys and values are gathered in
+position order (`cp_gather_<node>`: parallel/context_parallel.py) as close to their projection as
+the graph allows (before GQA's head repetition), the queries stay local, so scores are [.., local
+queries, all keys] and the mask table is cut to the rank's query rows; SDPA with `is_causal=True`
+then becomes kernels/attention.py's `causal_attention_at`, whose mask is built from the positions.
 
 Sizes: the graph's shapes are written with the sequence length S; a view of a local value is
 given S / cp where the graph wrote S (`SIZE_ARG`). The loss is each rank's mean over its own

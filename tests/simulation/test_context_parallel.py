@@ -2,8 +2,9 @@
 gathers keys and values, and the program equals the single-device model: logits, the loss
 (token-weighted over the ranks) and every gradient, with a padding mask and -100 labels.
 
-Nine Hugging Face decoders cover the forms the pass reads (autoshard/testing/context_models.py), all
-at cp=2 and some at cp=4, cp=2 x tp=2 and cp=2 x pp=2; nanoGPT brings SDPA with is_causal=True. SDPA
+Nine Hugging Face decoders cover the forms the pass reads (autoshard/testing/context_models.py), each
+at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2 (and some with recomputation); nanoGPT brings SDPA with
+is_causal=True. SDPA
 calls run as ring attention (the default) and, in some cases, with the key/value all-gather;
 written-out attention (Gemma2, GPT-2 eager, Bloom) always gathers.
 """
@@ -20,14 +21,13 @@ from autoshard.testing.models import build_model
 
 pytest.importorskip("transformers")
 
-CASES = [(name, dict(cp=2)) for name in sorted(CONTEXT_MODELS)] + [
-    ("gemma2", dict(cp=4)), ("bloom", dict(cp=4)), ("llama", dict(cp=4)),
-    ("llama", dict(cp=2, tp=2)), ("falcon", dict(cp=2, tp=2)), ("mixtral", dict(cp=2, tp=2)),
-    ("gpt2", dict(cp=2, tp=2)), ("mistral", dict(cp=2, pp=2, microbatches=2)),
-    ("phi", dict(cp=2, pp=2, microbatches=2)), ("qwen2", dict(cp=2, pp=2, microbatches=2)),
+MESHES = [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2)]
+CASES = [(name, mesh) for name in sorted(CONTEXT_MODELS) for mesh in MESHES] + [
     # SDPA calls run as ring attention by default; the key/value all-gather too:
     ("llama", dict(cp=2, cp_attention="all_gather")), ("falcon", dict(cp=4, cp_attention="all_gather")),
-    ("mixtral", dict(cp=2, tp=2, cp_attention="all_gather")),
+    ("mixtral", dict(cp=2, tp=2, cp_attention="all_gather")), ("qwen2", dict(cp=2, pp=2, cp_attention="all_gather")),
+    # recomputation: the ring and the gathers run again in backward
+    ("llama", dict(cp=2, recompute="full")), ("gemma2", dict(cp=2, tp=2, recompute="selective")),
 ]
 _REFERENCE: dict[str, tuple] = {}       # model -> its single-device logits, loss and gradients (computed once)
 
@@ -52,7 +52,8 @@ def _check(prog, batch: dict, logits, loss, grads) -> None:
 
 
 def _case_id(name: str, mesh: dict) -> str:
-    parts = [name, *(f"{k}{v}" for k, v in mesh.items() if k not in ("cp_attention", "microbatches"))]
+    parts = [name, *(f"{k}{v}" for k, v in mesh.items() if k not in ("cp_attention", "microbatches", "recompute"))]
+    parts += [mesh["recompute"]] if "recompute" in mesh else []
     return "-".join(parts + (["gather"] if mesh.get("cp_attention") == "all_gather" else []))
 
 
@@ -215,3 +216,24 @@ def test_dropout_streams_differ_per_context_parallel_rank():
     seeds = {(t, c): prog.rank(t, cp_rank=c).rng.seeds for t in range(2) for c in range(2)}
     assert seeds[(0, 0)]["replicated"] == seeds[(1, 0)]["replicated"] != seeds[(0, 1)]["replicated"]
     assert len({s["tensor_parallel"] for s in seeds.values()}) == 4
+
+
+class _PairTokens(nn.Module):
+    """A model that merges each two neighbouring tokens into one (a pooling over the sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        b, s, c = h.shape
+        return self.head(h.reshape(b, s // 2, 2 * c))
+
+
+def test_a_view_that_pairs_neighbouring_tokens_is_refused():
+    """Merging tokens with the batch is fine; merging them with each other would pair tokens of
+    different pieces on a rank: refused, naming the node."""
+    with pytest.raises(ShardingError, match=r"node reshape \(reshape\) in <top> \(_PairTokens\)"):
+        autoshard(_PairTokens(), cp=2, example_inputs=(torch.randint(0, 128, (2, 16)),))

@@ -12,7 +12,7 @@ from autoshard.testing.models import build_model
 # program sums its partial products in another order, so its roundings differ (measured 1.1e-2 and 1.7e-3)
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 OPTIONS = {"sp": dict(sequence_parallel=True), "full": dict(recompute="full"),
-           "selective": dict(recompute="selective"), "fuse": dict(fuse=True)}
+           "selective": dict(recompute="selective"), "fuse": dict(fuse=True), "cp": dict(cp=2)}
 
 
 def _run(prog, ids):
