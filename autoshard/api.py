@@ -19,8 +19,9 @@ from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError, expert_split_problem, require_positive_int
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.passes.sharding.options import ShardOptions
+from autoshard.planning.context_cost import choose_attention
 from autoshard.planning.costmodel import Estimate
-from autoshard.planning.hardware import Hardware
+from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.planner import plan
 from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import check, make_schedule
@@ -29,7 +30,7 @@ __all__ = ["autoshard"]
 
 
 def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-              ep: int | None = None, cp: int | None = None, cp_attention: str = "ring", virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+              ep: int | None = None, cp: int | None = None, cp_attention: str = "auto", virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool | None = None, recompute: str | None = None,
@@ -52,8 +53,11 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     are replicated over cp and their gradients summed over cp x dp. World size tp x cp x dp x pp.
     cp_attention: how an SDPA call meets the other ranks' keys: "ring" (blocks passed around the
     group with point-to-point sends overlapped with the block's compute, merged by log-sum-exp;
-    only the rank's own keys are saved) or "all_gather" (every token's keys and values gathered,
-    then SDPA). Attention written out as ops (matmul, softmax, matmul) always gathers.
+    only the rank's own keys are saved), "all_gather" (every token's keys and values gathered,
+    then SDPA), or "auto" (default: the cost model's pick for the example's sizes on `hardware`,
+    planning/context_cost.py's choose_attention: the all-gather where the ring's steps would cost
+    more than they hide, short sequences at larger cp). Attention written out as ops (matmul,
+    softmax, matmul) always gathers.
 
     vocab_parallel: split input embeddings, LM heads and a cross-entropy loss by vocabulary rows.
     gather_output: return full tensors where the model returns vocab-sharded ones (logits); with
@@ -129,7 +133,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 
     # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
-                        ep=ep, cp=cp, cp_attention=cp_attention)
+                        ep=ep, cp=cp, cp_attention=cp_attention,
+                        cp_choose=lambda sizes: choose_attention(**sizes, cp=cp, tp=tp, hw=get_hardware(hardware)))
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
@@ -156,8 +161,8 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel
 
 def _check_context_parallel(cp: int, ep: int, sequence_parallel: bool, attention: str) -> None:
     """cp > 1 is not built with expert parallelism or sequence parallelism yet: refused, not guessed."""
-    if attention not in ("ring", "all_gather"):
-        raise ShardingError(f"cp_attention must be 'ring' or 'all_gather', got {attention!r}")
+    if attention not in ("ring", "all_gather", "auto"):
+        raise ShardingError(f"cp_attention must be 'ring', 'all_gather' or 'auto', got {attention!r}")
     if cp == 1:
         return
     if ep > 1:

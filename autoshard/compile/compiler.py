@@ -21,6 +21,7 @@ the rewrite so that fused ops see the shards and the collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
 
@@ -60,9 +61,10 @@ class Compiler:
 
     def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
                  example_inputs: dict[str, object], recompute: str = "none", ep: int = 1, cp: int = 1,
-                 cp_attention: str = "ring"):
+                 cp_attention: str = "auto", cp_choose: Callable[[dict], str] | None = None):
         self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
         self.recompute, self.ep, self.cp, self.cp_attention = recompute, ep, cp, cp_attention
+        self.cp_choose = cp_choose      # cp_attention="auto": the cost model's pick, given a call's sizes
         # experts modules without their weights (their code, for expert parallelism's calls)
         self.expert_templates = {path: weightless_copy(m) for path, m in expert_modules(source.model).items()} \
             if ep > 1 else {}
@@ -101,7 +103,7 @@ class Compiler:
         if self.cp > 1:         # before fusion and tables: they then see the rank's cut masks and gathers
             rg.context = split_context(rg.graph, cp=self.cp, rank=cp_rank, value=value, param_names=cap.param_names,
                                        suffix=suffix, token_wise=set(expert_modules(self.source.model)),
-                                       attention=self.cp_attention)
+                                       attention=self.cp_attention, choose=self.cp_choose)
             rg.modules.extend(rg.context.specs)
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)

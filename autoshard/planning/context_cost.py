@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from autoshard.planning.gemm_timing import LayerShape, layer_gemm_seconds
 from autoshard.planning.hardware import Hardware
 
-__all__ = ["RingCost", "ring_seconds"]
+__all__ = ["RingCost", "ring_seconds", "choose_attention"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,21 @@ def ring_seconds(x: LayerShape, hw: Hardware, *, cp: int, kv_heads: int | None =
     else:
         exposed = total
     return RingCost(steps * core_f, steps * (core_b + refwd), total, exposed)
+
+
+def choose_attention(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, cp: int, tp: int = 1,
+                     hw: Hardware) -> str:
+    """"ring" or "all_gather" for one attention call of this shape: the one whose communication
+    leaves less of the layer's time exposed. The all-gather moves the same bytes in one collective
+    before the attention (and a reduce-scatter after it in backward), hidden behind nothing; the
+    ring moves them in cp - 1 steps, each behind a block's compute. Short sequences (latency,
+    little compute per block) and few key/value heads favour the all-gather."""
+    if cp == 1:
+        return "ring"
+    x = LayerShape(b=batch, s=seq // cp, h=heads * head_dim, a=heads, t=tp)
+    ring = ring_seconds(x, hw, cp=cp, kv_heads=kv_heads).comm_exposed
+    kv_bytes = 2 * batch * seq * (kv_heads // tp if kv_heads >= tp else 1) * head_dim * hw.activation_bytes
+    link = hw.nvlink_gb_s * 1e9 * hw.network_efficiency
+    # k and v each: an all-gather in forward, a reduce-scatter in backward
+    gather = 4 * hw.latency_us * 1e-6 + 2 * kv_bytes * (cp - 1) / cp / link
+    return "all_gather" if gather < ring else "ring"

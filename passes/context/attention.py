@@ -87,7 +87,7 @@ def attention_tags(sp, n: fx.Node) -> None:
     if isinstance(mask, fx.Node) and causal:
         sp.refuse(n, "SDPA with both a mask and is_causal=True")
     dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
-    if sp.attention == "ring" and dropout == 0.0:
+    if _mode(sp, q, k) == "ring" and dropout == 0.0:
         return _ring(sp, n, q, k, v, n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), causal)
     kg = gather_keys(sp, k, len(sp.shape(k)) - 2, n) if sp.tags[k][-2] == LOCAL else k
     vg = gather_keys(sp, v, len(sp.shape(v)) - 2, n) if sp.tags[v][-2] == LOCAL else v
@@ -106,6 +106,18 @@ def attention_tags(sp, n: fx.Node) -> None:
     if vg is not v:
         n.replace_input_with(v, vg)
     sp.tags[n] = out_tags
+
+
+def _mode(sp, q: fx.Node, k: fx.Node) -> str:
+    """"ring" or "all_gather" for an SDPA call: the pass's `attention`, or with "auto" its `choose`'s
+    pick for the example sizes of the call's queries and keys ("ring" when they are unknown)."""
+    if sp.attention != "auto":
+        return sp.attention
+    vq, vk = sp.value(q), sp.value(k)
+    if sp.choose is None or not (isinstance(vq, torch.Tensor) and isinstance(vk, torch.Tensor)):
+        return "ring"
+    b, h, s, e = (int(x.node.hint) if isinstance(x, torch.SymInt) else int(x) for x in vq.shape)
+    return sp.choose(dict(batch=b, seq=s, heads=h, kv_heads=int(vk.shape[1]), head_dim=e))
 
 
 def _ring(sp, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: object, causal: bool) -> None:

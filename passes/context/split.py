@@ -50,7 +50,7 @@ aten = torch.ops.aten
 class ContextCut:
     """What the pass did to one rank graph."""
 
-    specs: list = field(default_factory=list)        # the key/value gathers and rings it calls (their specs)
+    specs: list = field(default_factory=list)        # the specs of the gathers and rings it calls
     local_outputs: dict[int, int] = field(default_factory=dict)      # flat output index -> its LOCAL token dim
     loss_output: int | None = None                                   # flat output index of the local mean loss
 
@@ -65,20 +65,20 @@ RULES = {"ordered": rules.ordered, "permute": rules.permute, "mixing": rules.mix
 
 def split_context(graph: fx.Graph, *, cp: int, rank: int, value: Callable[[fx.Node], object],
                   param_names: dict[str, str], suffix: str = "", token_wise: set[str] = frozenset(),
-                  attention: str = "ring") -> ContextCut:
-    """Cut `graph` (a rank graph, changed in place) to context-parallel rank `rank` of `cp`.
-    `value`: a node's example value; `token_wise`: paths of modules whose output for a token
-    depends on that token alone (mixture-of-experts' experts modules, as expert parallelism
-    assumes), inside which sorting and grouping a rank's tokens is left as the model wrote it.
-    `attention`: how SDPA calls meet the other ranks' keys, "ring" or "all_gather" (written-out
-    attention always gathers: its scores are ops of the graph)."""
-    return _Split(graph, cp, rank, value, param_names, suffix, token_wise, attention).run()
+                  attention: str = "ring", choose: Callable[[dict], str] | None = None) -> ContextCut:
+    """Cut `graph` (a rank graph, changed in place) to context-parallel rank `rank` of `cp`. `value`:
+    a node's example value; `token_wise`: paths of modules whose output for a token depends on that
+    token alone (experts modules, as expert parallelism assumes), inside which a rank's tokens are
+    sorted and grouped as the model wrote it. `attention`: how SDPA calls meet the other ranks'
+    keys, "ring", "all_gather" or "auto" (`choose`, given a call's example sizes)."""
+    return _Split(graph, cp, rank, value, param_names, suffix, token_wise, attention, choose).run()
 
 
 class _Split:
     def __init__(self, graph: fx.Graph, cp: int, rank: int, value, param_names, suffix: str, token_wise: set[str],
-                 attention: str):
+                 attention: str, choose: Callable[[dict], str] | None):
         self.graph, self.cp, self.rank, self.value, self.attention = graph, cp, rank, value, attention
+        self.choose = choose
         self.token_wise = set(token_wise)
         self.params, self.suffix = set(param_names) | set(param_names.values()), suffix   # captured targets, rank names
         self.cut = ContextCut()

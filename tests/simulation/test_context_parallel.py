@@ -22,12 +22,12 @@ from autoshard.testing.models import build_model
 pytest.importorskip("transformers")
 
 MESHES = [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2)]
-CASES = [(name, mesh) for name in sorted(CONTEXT_MODELS) for mesh in MESHES] + [
-    # SDPA calls run as ring attention by default; the key/value all-gather too:
+CASES = [(name, {**mesh, "cp_attention": "ring"}) for name in sorted(CONTEXT_MODELS) for mesh in MESHES] + [
+    # SDPA calls as ring attention (above), and with the key/value all-gather:
     ("llama", dict(cp=2, cp_attention="all_gather")), ("falcon", dict(cp=4, cp_attention="all_gather")),
     ("mixtral", dict(cp=2, tp=2, cp_attention="all_gather")), ("qwen2", dict(cp=2, pp=2, cp_attention="all_gather")),
     # recomputation: the ring and the gathers run again in backward
-    ("llama", dict(cp=2, recompute="full")), ("gemma2", dict(cp=2, tp=2, recompute="selective")),
+    ("llama", dict(cp=2, recompute="full", cp_attention="ring")), ("gemma2", dict(cp=2, tp=2, recompute="selective")),
 ]
 _REFERENCE: dict[str, tuple] = {}       # model -> its single-device logits, loss and gradients (computed once)
 
@@ -97,7 +97,7 @@ def test_the_comparison_fails_when_the_tokens_come_back_in_the_wrong_order(monke
     import autoshard.compile.context_replicas as replicas
     batch = context_batch()
     logits, _, _ = _reference("llama", batch)
-    prog = autoshard(build_context("llama"), example_kwargs=batch, cp=2)
+    prog = autoshard(build_context("llama"), example_kwargs=batch, cp=2, cp_attention="ring")
     monkeypatch.setattr(replicas, "rank_order", lambda seq, cp, device=None: torch.arange(seq))
     assert max_rel(prog.simulate(**batch).logits, logits) > 1e-2
 
@@ -118,7 +118,7 @@ def test_load_balanced_pieces_give_every_rank_the_same_causal_work():
 
 def test_rank_code_shows_the_cut_the_rings_and_the_gathers():
     batch = context_batch()
-    ring = autoshard(build_context("llama"), example_kwargs=batch, cp=2).rank(0, cp_rank=1).code
+    ring = autoshard(build_context("llama"), example_kwargs=batch, cp=2, cp_attention="ring").rank(0, cp_rank=1).code
     assert "context_positions(" in ring and ", 2, 1," in ring     # cp=2, rank 1's positions
     assert ring.count("= self.cp_ring_") == 2 and "cp_gather_" not in ring     # one ring per layer
     gather = autoshard(build_context("llama"), example_kwargs=batch, cp=2, cp_attention="all_gather")
@@ -200,7 +200,7 @@ def test_a_causal_mask_table_runs_the_ring_in_pieces(monkeypatch):
     monkeypatch.setattr(ring, "ring_pieces", lambda *a, **k: calls.append(1) or real(*a, **k))
     model, ref = build_context("llama"), build_context("llama")
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
-    prog = autoshard(model, cp=2, example_kwargs=dict(input_ids=ids, labels=ids))
+    prog = autoshard(model, cp=2, example_kwargs=dict(input_ids=ids, labels=ids), cp_attention="ring")
     out, want = prog.simulate(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     assert calls and max_rel(out.logits, want.logits) <= 1e-5
     out.loss.backward()
@@ -237,3 +237,15 @@ def test_a_view_that_pairs_neighbouring_tokens_is_refused():
     different pieces on a rank: refused, naming the node."""
     with pytest.raises(ShardingError, match=r"node reshape \(reshape\) in <top> \(_PairTokens\)"):
         autoshard(_PairTokens(), cp=2, example_inputs=(torch.randint(0, 128, (2, 16)),))
+
+
+def test_auto_lets_the_cost_model_choose_the_exchange_per_call():
+    """cp_attention="auto" (the default): at 16 tokens over cp=4 the ring's three steps cost more than
+    they hide, so the keys are gathered; at 1024 tokens the ring's sends hide behind its blocks."""
+    short = autoshard(build_context("llama"), example_kwargs=context_batch(), cp=4).rank(0).code
+    assert "cp_gather_" in short and "cp_ring_" not in short
+    long = autoshard(build_context("llama", max_position_embeddings=1024), example_kwargs=context_batch(seq=1024),
+                     cp=4).rank(0).code
+    assert "cp_ring_" in long and "cp_gather_" not in long
+    with pytest.raises(ShardingError, match="cp_attention must be 'ring', 'all_gather' or 'auto', got 'p2p'"):
+        autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2, cp_attention="p2p")
