@@ -21,8 +21,8 @@ from autoshard.errors import ShardingError
 from autoshard.parallel.comm import Collective, CommHandle, Reducer
 from autoshard.parallel.sequence_parallel import seq_all_gather
 
-__all__ = ["context_positions", "rank_order", "GatherFromContextParallelRegion", "ContextGatherSpec",
-           "context_groups"]
+__all__ = ["context_positions", "rank_order", "ContextCollective", "GatherFromContextParallelRegion",
+           "ContextGatherSpec", "context_groups"]
 
 
 def _pieces(seq: int, cp: int) -> int:
@@ -54,12 +54,24 @@ def context_groups(tp_groups: list[list[int]]) -> list[list[int]]:
     return [list(group) for group in zip(*tp_groups)]
 
 
-class GatherFromContextParallelRegion(Collective):
-    """This rank's tokens in, every token out in position order (forward all-gather, backward
-    reduce-scatter). Runs over the context-parallel group: in the simulator it spans the
+class ContextCollective(Collective):
+    """Base of the collectives over the context-parallel group: in the simulator they span the
     tensor-parallel groups (`spans_groups`), meeting the same tensor-parallel rank of each replica."""
 
     spans_groups = True
+
+    @classmethod
+    def simulate(cls, mods: list, rank_args: list[tuple], groups: list[list[int]] | None = None) -> list:
+        outs: list = [None] * len(mods)
+        for group in context_groups(groups) if groups is not None else [list(range(len(mods)))]:
+            for i, o in zip(group, super().simulate([mods[i] for i in group], [rank_args[i] for i in group])):
+                outs[i] = o
+        return outs
+
+
+class GatherFromContextParallelRegion(ContextCollective):
+    """This rank's tokens in, every token out in position order (forward all-gather, backward
+    reduce-scatter), over the context-parallel group."""
 
     def __init__(self, handle: CommHandle, dim: int, cp: int):
         super().__init__(handle)
@@ -72,14 +84,6 @@ class GatherFromContextParallelRegion(Collective):
         full = seq_all_gather(red, m.dim, 1, xs)          # (.., seq, ..) in rank order
         order = rank_order(full[0].shape[m.dim], m.cp, full[0].device)
         return [f.index_select(m.dim, order) for f in full]
-
-    @classmethod
-    def simulate(cls, mods: list, rank_args: list[tuple], groups: list[list[int]] | None = None) -> list:
-        outs: list = [None] * len(mods)
-        for group in context_groups(groups) if groups is not None else [list(range(len(mods)))]:
-            for i, o in zip(group, super().simulate([mods[i] for i in group], [rank_args[i] for i in group])):
-                outs[i] = o
-        return outs
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, cp={self.cp}"

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autoshard.parallel.comm import Collective, CommHandle, Reducer
-from autoshard.parallel.context_parallel import context_groups
+from autoshard.parallel.comm import CommHandle, Reducer
+from autoshard.parallel.context_parallel import ContextCollective
 from autoshard.parallel.ring_pieces import ring_pieces
 
 __all__ = ["RingAttention", "RingAttentionSpec", "ring_attention"]
@@ -166,10 +166,8 @@ def _is_causal_at(mask: torch.Tensor, positions: torch.Tensor, rows: int = 512) 
     return True
 
 
-class RingAttention(Collective):
+class RingAttention(ContextCollective):
     """SDPA of this rank's queries against every token's keys, the keys passed around the ring."""
-
-    spans_groups = True
 
     def __init__(self, handle: CommHandle, scale: float, causal: bool, has_mask: bool, overlap: bool = True):
         super().__init__(handle)
@@ -182,14 +180,6 @@ class RingAttention(Collective):
         masks = list(cols[4]) if m.has_mask else None
         return ring_attention(red, list(cols[0]), list(cols[1]), list(cols[2]), list(cols[3]), masks,
                               scale=m.scale, causal=m.causal, overlap=m.overlap)
-
-    @classmethod
-    def simulate(cls, mods: list, rank_args: list[tuple], groups: list[list[int]] | None = None) -> list:
-        outs: list = [None] * len(mods)
-        for group in context_groups(groups) if groups is not None else [list(range(len(mods)))]:
-            for i, o in zip(group, super().simulate([mods[i] for i in group], [rank_args[i] for i in group])):
-                outs[i] = o
-        return outs
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.4g}, causal={self.causal}, mask={self.has_mask}, overlap={self.overlap}"
