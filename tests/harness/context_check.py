@@ -13,16 +13,24 @@ some gradients are zero in exact arithmetic (GPT-2's key bias) and come out as f
 depends on the summation order, which Adam turns into steps of about lr on either side (the same
 happens at tp=2 x dp=2 or dp=4 without cp: tests/harness/zero_check.py's docstring). The keys and
 values are gathered on the real context-parallel group, and gradients summed over cp x dp, in the
-one gradient path. Exit status 1 on any mismatch; rank 0 prints one line per model and mesh.
+one gradient path. `--gather-models` trains a model again with the key/value all-gather and the distributed optimizer
+(its state divided over the cp x dp data axis), saves a sharded checkpoint and reads it back whole:
+cp splits no parameter, so the consolidated checkpoint equals the single-device model (<= 1e-5
+norm-wise). Exit status 1 on
+any mismatch; rank 0 prints one line per model and mesh.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 
 from autoshard import autoshard
+from autoshard.checkpoint.convert import load_full_state_dict
+from autoshard.checkpoint.sharded import save
+from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.dist_check import shard_error
 from autoshard.testing.launch import agree, run_checker
 from autoshard.compile.rank import slice_layout
@@ -48,12 +56,16 @@ def _batches(steps: int) -> list[dict]:
     return out
 
 
-def check(name: str, mesh: str, steps: int, attention: str) -> dict:
+def check(name: str, mesh: str, steps: int, attention: str, zero_to: str | None = None) -> dict:
+    """`zero_to`: train with the distributed optimizer (its state over cp x dp) and save a checkpoint
+    there, whose consolidated parameters are compared with the single-device model's too."""
     ref, model = build_model(name, kv_heads=2), build_model(name, kv_heads=2)
     batches = _batches(steps)
     prog = autoshard(model, example_kwargs=batches[0], cp_attention=attention, **MESHES[mesh])
     rt = prog.distributed()
-    opt, ref_opt = (torch.optim.AdamW(ps, lr=1e-3) for ps in (rt.parameters(), ref.parameters()))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-3) if zero_to else torch.optim.AdamW(rt.parameters(),
+                                                                                                 lr=1e-3)
     worst_loss = 0.0
     for batch in batches:
         loss = rt.train_step(**batch)
@@ -70,8 +82,14 @@ def check(name: str, mesh: str, steps: int, attention: str) -> dict:
         use = prog.sharding.params.get(pname)
         want[pname] = slice_layout(p.detach(), use.dim, use.layout[rt.tp_rank]) if use else p.detach()
     worst_element, where = shard_error(prog, rt, ref, rt.tp_rank)
-    return {"model": name, "mesh": mesh, "attention": attention, "rank": dist.get_rank(), "steps": steps,
-            "loss_rel": worst_loss,
+    saved = None
+    if zero_to:
+        save(zero_to, prog, rt, opt, step=steps)
+        dist.barrier()                  # rank 0 writes the index last
+        full = load_full_state_dict(zero_to)
+        saved = norm_rel(full, {n: p.detach() for n, p in ref.named_parameters()})
+    return {"model": name, "mesh": mesh, "attention": attention, "distributed_optimizer": bool(zero_to),
+            "checkpoint_rel": saved, "rank": dist.get_rank(), "steps": steps, "loss_rel": worst_loss,
             "param_rel": norm_rel(local, want), "element_rel": worst_element, "worst_element": where}
 
 
@@ -82,17 +100,21 @@ def main() -> None:
     ap.add_argument("--meshes", nargs="+", default=["cp2xdp2", "cp2xtp2"], choices=sorted(MESHES))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--gather-models", nargs="*", default=[],
-                    help="models also checked at cp=2 x dp=2 with cp_attention='all_gather' (the rest: ring)")
+                    help="models also checked at cp=2 x dp=2 with cp_attention='all_gather' (the rest: ring), "
+                         "with the distributed optimizer, then saved to --root and read back whole")
+    ap.add_argument("--root", default=None, help="scratch folder for --gather-models' checkpoints")
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
 
     def checks() -> bool:
         ok = True
-        runs = [(name, mesh, "ring") for name in args.models for mesh in args.meshes]
-        runs += [(name, "cp2xdp2", "all_gather") for name in args.gather_models]
-        for name, mesh, attention in runs:
-            res = check(name, mesh, args.steps, attention)
-            ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.tol)
+        runs = [(name, mesh, "ring", None) for name in args.models for mesh in args.meshes]
+        runs += [(name, "cp2xdp2", "all_gather", os.path.join(args.root, f"{name}-gather"))
+                 for name in args.gather_models]
+        for name, mesh, attention, zero_to in runs:
+            res = check(name, mesh, args.steps, attention, zero_to)
+            saved_ok = zero_to is None or res["checkpoint_rel"] <= args.tol
+            ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.tol and saved_ok)
         return ok
     run_checker(checks)
 
