@@ -22,6 +22,7 @@ any mismatch; rank 0 prints one line per model and mesh.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
@@ -56,25 +57,37 @@ def _batches(steps: int) -> list[dict]:
     return out
 
 
+@functools.cache
+def _reference(name: str, steps: int) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    """The single-device model trained on the same batches (once per model in this process): its
+    loss at each step, and the model after the last."""
+    ref = build_model(name, kv_heads=2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses = []
+    for batch in _batches(steps):
+        loss = ref(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, ref
+
+
 def check(name: str, mesh: str, steps: int, attention: str, zero_to: str | None = None) -> dict:
     """`zero_to`: train with the distributed optimizer (its state over cp x dp) and save a checkpoint
     there, whose consolidated parameters are compared with the single-device model's too."""
-    ref, model = build_model(name, kv_heads=2), build_model(name, kv_heads=2)
+    ref_losses, ref = _reference(name, steps)
     batches = _batches(steps)
-    prog = autoshard(model, example_kwargs=batches[0], cp_attention=attention, **MESHES[mesh])
+    prog = autoshard(build_model(name, kv_heads=2), example_kwargs=batches[0], cp_attention=attention,
+                     **MESHES[mesh])
     rt = prog.distributed()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-3) if zero_to else torch.optim.AdamW(rt.parameters(),
                                                                                                  lr=1e-3)
     worst_loss = 0.0
-    for batch in batches:
+    for batch, ref_loss in zip(batches, ref_losses):
         loss = rt.train_step(**batch)
         opt.step()
         opt.zero_grad()
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
         worst_loss = max(worst_loss, max_rel(loss, ref_loss))
     local = {n: p.detach() for n, p in rt.named_parameters()}
     want = {}
@@ -91,7 +104,6 @@ def check(name: str, mesh: str, steps: int, attention: str, zero_to: str | None 
     return {"model": name, "mesh": mesh, "attention": attention, "distributed_optimizer": bool(zero_to),
             "checkpoint_rel": saved, "rank": dist.get_rank(), "steps": steps, "loss_rel": worst_loss,
             "param_rel": norm_rel(local, want), "element_rel": worst_element, "worst_element": where}
-
 
 
 def main() -> None:
