@@ -193,13 +193,14 @@ class ShardedProgram:
         """This process's part of the program (inside torchrun).
 
         tp only: rank module called like the model, its collectives on `group` (default: WORLD).
-        With pp, dp or microbatches > 1, or `mesh=True`: a `MeshRuntime` for the WORLD group, whose
+        With pp, dp, cp or microbatches > 1, or `mesh=True`: a `MeshRuntime` for the WORLD group, whose
         `train_step(batch..., labels=...)` runs the schedule and returns the loss.
         """
         size = dist.get_world_size(group)
         if size != self.world_size:
             raise ShardingError(f"the process group has {size} ranks but the program was built for "
-                                f"tp={self.tp} x pp={self.pp} x dp={self.dp} = {self.world_size}")
+                                f"tp={self.tp}{f' x cp={self.cp}' if self.cp > 1 else ''} x pp={self.pp} x "
+                                f"dp={self.dp} = {self.world_size}")
         if self.world_size == self.tp and self.microbatches == 1 and not mesh:
             mine = self.rank(dist.get_rank(group)).bind(group)
             self._release()
