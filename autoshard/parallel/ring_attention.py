@@ -25,7 +25,7 @@ import torch
 
 from autoshard.parallel.comm import CommHandle, Reducer
 from autoshard.parallel.context_parallel import ContextCollective
-from autoshard.parallel.ring_pieces import ring_pieces
+from autoshard.parallel.ring_pieces import heads_to_kv, repeat_heads, ring_pieces
 
 __all__ = ["RingAttention", "RingAttentionSpec", "ring_attention"]
 
@@ -33,7 +33,7 @@ __all__ = ["RingAttention", "RingAttentionSpec", "ring_attention"]
 def _scores(q, k, pos, kpos, mask, scale: float, causal: bool):
     """Masked scores [B, H, L, Lk] of one block; -inf where a key is not seen."""
     rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+    k = repeat_heads(k, rep)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
         cols = mask.index_select(-1, kpos)
@@ -57,12 +57,6 @@ def _probs(s, m, denom):
     return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
 
 
-def _heads_to_kv(x, hk: int):
-    """[B, H, L, E] summed over the query heads sharing each key/value head -> [B, Hk, L, E]."""
-    b, h, l, e = x.shape
-    return x if h == hk else x.view(b, hk, h // hk, l, e).sum(2)
-
-
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, red: Reducer, scale: float, causal: bool, overlap: bool, n: int, *flat):
@@ -72,22 +66,22 @@ class _Ring(torch.autograd.Function):
         accs = [torch.zeros_like(q) for q in qs]             # sum of exp(s - m) v over the blocks so far
         maxes = [torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device) for q in qs]
         sums = [torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device) for q in qs]
-        cp = ctx_cp(red, n)
+        cp = red.group_size(n)   # every rank is in the lists in the simulator, one under torch.distributed
         for step in range(cp):
-            pending = _start(red, blocks) if step < cp - 1 and overlap else None
+            pending = red.shift(blocks) if step < cp - 1 and overlap else None
             for i in range(n):
                 k, v, kpos = blocks[i]
                 s = _scores(qs[i], k, pos[i], kpos, masks[i], scale, causal)
                 m = torch.maximum(maxes[i], s.amax(-1))
                 e = _exp_below(s, m.unsqueeze(-1))
                 rep = qs[i].shape[1] // v.shape[1]
-                o = torch.matmul(e, v.repeat_interleave(rep, dim=1) if rep > 1 else v)
+                o = torch.matmul(e, repeat_heads(v, rep))
                 old = _exp_below(maxes[i], m)                     # rescale what earlier blocks summed
                 accs[i] = accs[i] * old.unsqueeze(-1) + o
                 sums[i] = sums[i] * old + e.sum(-1)
                 maxes[i] = m
             if step < cp - 1:
-                blocks = pending.wait() if pending is not None else _start(red, blocks).wait()
+                blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
         # laid out as SDPA returns it ([B, L, H, E] in memory): the captured graph may view its
         # transpose without a copy, as it did SDPA's
         outs = [torch.where(d.unsqueeze(-1) > 0, a / d.clamp_min(torch.finfo(d.dtype).tiny).unsqueeze(-1), 0.0)
@@ -109,35 +103,24 @@ class _Ring(torch.autograd.Function):
         blocks = [(k, v, p) for k, v, p in zip(ks, vs, pos)]
         grads = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in zip(ks, vs)]
         for step in range(cp):
-            pending = _start(red, blocks) if step < cp - 1 and overlap else None
+            pending = red.shift(blocks) if step < cp - 1 and overlap else None
             for i in range(n):
                 k, v, kpos = blocks[i]
                 hk, rep = k.shape[1], qs[i].shape[1] // k.shape[1]
                 s = _scores(qs[i], k, pos[i], kpos, masks[i], scale, causal)
                 p = _probs(s, maxes[i], sums[i])
-                kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-                vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+                kr, vr = repeat_heads(k, rep), repeat_heads(v, rep)
                 dp = torch.matmul(douts[i], vr.transpose(-1, -2))
                 ds = p * (dp - deltas[i].unsqueeze(-1))
                 dqs[i] = dqs[i] + torch.matmul(ds, kr) * scale
                 dk, dv = grads[i]
-                grads[i] = (dk + _heads_to_kv(torch.matmul(ds.transpose(-1, -2), qs[i]) * scale, hk),
-                            dv + _heads_to_kv(torch.matmul(p.transpose(-1, -2), douts[i]), hk))
-            grads = [tuple(g) for g in _start(red, grads).wait()]       # the block's dk, dv follow it
+                grads[i] = (dk + heads_to_kv(torch.matmul(ds.transpose(-1, -2), qs[i]) * scale, hk),
+                            dv + heads_to_kv(torch.matmul(p.transpose(-1, -2), douts[i]), hk))
+            grads = [tuple(g) for g in red.shift(grads).wait()]       # the block's dk, dv follow it
             if step < cp - 1:
-                blocks = pending.wait() if pending is not None else _start(red, blocks).wait()
+                blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
         none = (None,) * 5
         return (*none, *dqs, *(g[0] for g in grads), *(g[1] for g in grads), *(None,) * (n + (n if has_mask else 0)))
-
-
-def ctx_cp(red: Reducer, n: int) -> int:
-    """The group's size: every rank is in the list in the simulator, one rank under torch.distributed."""
-    return red.group_size(n)
-
-
-def _start(red: Reducer, items: list[tuple]):
-    """Each rank's tuple of tensors to the next rank of the ring (started; `.wait()` gives the received)."""
-    return red.shift(items)
 
 
 def ring_attention(red: Reducer, qs, ks, vs, positions, masks, *, scale: float, causal: bool,

@@ -16,7 +16,7 @@ import torch
 
 from autoshard.parallel.comm import Reducer
 
-__all__ = ["ring_pieces"]
+__all__ = ["ring_pieces", "repeat_heads", "heads_to_kv"]
 
 aten = torch.ops.aten
 _FULL, _DIAGONAL = "full", "diagonal"
@@ -37,11 +37,13 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> list[tuple[s
     return out
 
 
-def _repeat(x: torch.Tensor, rep: int) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """[B, Hk, L, E] -> [B, Hk * rep, L, E]: each key/value head for the `rep` query heads it serves."""
     return x.repeat_interleave(rep, dim=1) if rep > 1 else x
 
 
-def _heads_to_kv(x: torch.Tensor, hk: int) -> torch.Tensor:
+def heads_to_kv(x: torch.Tensor, hk: int) -> torch.Tensor:
+    """[B, H, L, E] summed over the query heads sharing each key/value head -> [B, Hk, L, E]."""
     b, h, l, e = x.shape
     return x if h == hk else x.view(b, hk, h // hk, l, e).sum(2)
 
@@ -65,7 +67,7 @@ class _RingPieces(torch.autograd.Function):
                 rep = qs[i].shape[1] // k.shape[1]
                 for qi, kj, kind in _pairs(pos[i], kpos, causal):
                     o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-                        _piece(qs[i], qi), _repeat(_piece(k, kj), rep), _repeat(_piece(v, kj), rep), 0.0,
+                        _piece(qs[i], qi), repeat_heads(_piece(k, kj), rep), repeat_heads(_piece(v, kj), rep), 0.0,
                         kind == _DIAGONAL, scale=scale)
                     old = lses[i][:, :, qi]
                     new = torch.logaddexp(old, lse)
@@ -96,12 +98,12 @@ class _RingPieces(torch.autograd.Function):
                 dk, dv = (g.clone() for g in grads[i])
                 for qi, kj, kind in _pairs(pos[i], kpos, causal):
                     gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                        _piece(douts[i], qi), _piece(qs[i], qi), _repeat(_piece(k, kj), rep),
-                        _repeat(_piece(v, kj), rep), _piece(outs[i], qi), lses[i][:, :, qi].contiguous(), 0.0,
+                        _piece(douts[i], qi), _piece(qs[i], qi), repeat_heads(_piece(k, kj), rep),
+                        repeat_heads(_piece(v, kj), rep), _piece(outs[i], qi), lses[i][:, :, qi].contiguous(), 0.0,
                         kind == _DIAGONAL, scale=scale)
                     dqs[i][:, :, qi] += gq
-                    dk[:, :, kj] += _heads_to_kv(gk, hk)
-                    dv[:, :, kj] += _heads_to_kv(gv, hk)
+                    dk[:, :, kj] += heads_to_kv(gk, hk)
+                    dv[:, :, kj] += heads_to_kv(gv, hk)
                 grads[i] = (dk, dv)
             grads = [tuple(g) for g in red.shift(grads).wait()]       # the block's dk, dv follow it
             if step < cp - 1:
