@@ -14,7 +14,7 @@ from autoshard.passes.context.tokens import LOCAL, mixed_dims
 
 __all__ = ["token_wise", "other", "elementwise", "tag_at", "cut_tables", "ordered", "map_in_order",
            "map_in_order_one", "permute", "mixing", "item", "sized", "cat", "embedding", "linear", "loss",
-           "module", "gather_module", "vocab_loss", "refused_module"]
+           "gather_module", "refused_module"]
 
 aten = torch.ops.aten
 Tags = tuple  # per dim: LOCAL, GLOBAL or None (not a token dim)
@@ -231,18 +231,9 @@ def loss(sp, n: fx.Node) -> None:
     sp.tags[n] = ()
 
 
-def module(sp, n: fx.Node) -> None:
-    """f, g and dropout's modules act per element; a gather of vocabulary shards keeps token dims in order."""
-    elementwise(sp, n)
-
-
 def gather_module(sp, n: fx.Node) -> None:
     src = n.args[0]
     sp.tags[n] = map_in_order(sp, n, [sp.tags[src][d] for d in sp.token_dims(sp.shape(src))])
-
-
-def vocab_loss(sp, n: fx.Node) -> None:
-    loss(sp, n)
 
 
 def refused_module(sp, n: fx.Node) -> None:

@@ -14,7 +14,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autoshard.passes.context.tokens import ELEMENTWISE
+from autoshard.passes.context.tokens import ELEMENTWISE, module_rule
 
 __all__ = ["exprs", "infer_shape"]
 
@@ -31,12 +31,10 @@ def exprs(v: object) -> list | None:
 
 def infer_shape(n: fx.Node, shape: Callable[[object], list | None]) -> list | None:
     if n.op == "call_module":
-        name = str(n.target)
-        if name.startswith("vocab_cross_entropy"):
+        kind = module_rule(n.target)
+        if kind == "loss":
             return []
-        if name in ("f", "g") or name.startswith("gather_") or "_rng_" in name:
-            return shape(n.args[0])
-        return None
+        return shape(n.args[0]) if kind in ("elementwise", "gather_module") else None
     if n.op != "call_function":
         return None
     if getattr(n.target, "__module__", "") == "autoshard.bounds":     # checks that return their input

@@ -38,7 +38,7 @@ from autoshard.passes.context import rules
 from autoshard.passes.context.attention import attention_tags, matmul_tags
 from autoshard.passes.context.shapes import exprs as _exprs
 from autoshard.passes.context.shapes import infer_shape
-from autoshard.passes.context.tokens import ELEMENTWISE, LOCAL, SIZE_ARG, TOKEN_RULES
+from autoshard.passes.context.tokens import ELEMENTWISE, LOCAL, SIZE_ARG, TOKEN_RULES, module_rule
 from autoshard.passes.graph_reading import module_path, op_name
 
 __all__ = ["ContextCut", "split_context"]
@@ -59,8 +59,8 @@ class ContextCut:
 RULES = {"ordered": rules.ordered, "permute": rules.permute, "mixing": rules.mixing, "linear": rules.linear,
          "matmul": matmul_tags, "attention": attention_tags, "embedding": rules.embedding, "loss": rules.loss,
          "sized": rules.sized, "cat": rules.cat, "elementwise": rules.elementwise, "other": rules.other,
-         "item": rules.item, "token_wise": rules.token_wise, "module": rules.module,
-         "gather_module": rules.gather_module, "vocab_loss": rules.vocab_loss, "refused_module": rules.refused_module}
+         "item": rules.item, "token_wise": rules.token_wise, "gather_module": rules.gather_module,
+         "refused_module": rules.refused_module}
 
 
 def split_context(graph: fx.Graph, *, cp: int, rank: int, value: Callable[[fx.Node], object],
@@ -168,7 +168,7 @@ class _Split:
 
     def _rule(self, n: fx.Node) -> str:
         if n.op == "call_module":
-            return _module_rule(n.target)
+            return module_rule(n.target)
         if n.target is operator.getitem:
             return "item"
         if n.target in TOKEN_RULES:
@@ -256,8 +256,7 @@ class _Split:
         for i, o in enumerate(flat):
             if o not in self.computed:
                 continue
-            if o.target in (aten.cross_entropy_loss.default,) or (o.op == "call_module" and
-                                                                  str(o.target).startswith("vocab_cross_entropy")):
+            if o.target == aten.cross_entropy_loss.default or (o.op == "call_module" and module_rule(o.target) == "loss"):
                 self.cut.loss_output = i
                 continue
             tags = self.tags.get(o)
@@ -272,17 +271,6 @@ class _Split:
                                    "cross-entropy; a rank holds only its part of it")
             if local:
                 self.cut.local_outputs[i] = local[0]
-
-
-def _module_rule(target: str) -> str:
-    name = str(target)
-    if name in ("f", "g") or "_rng_" in name:
-        return "module"
-    if name.startswith("gather_"):
-        return "gather_module"
-    if name.startswith("vocab_cross_entropy"):
-        return "vocab_loss"
-    return "refused_module"
 
 
 def _expr_of(v: object):

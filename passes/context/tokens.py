@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOCAL", "GLOBAL", "TOKEN_RULES", "ELEMENTWISE", "mixed_dims", "SIZE_ARG"]
+__all__ = ["LOCAL", "GLOBAL", "TOKEN_RULES", "ELEMENTWISE", "mixed_dims", "SIZE_ARG", "module_rule"]
 
 aten = torch.ops.aten
 
@@ -71,6 +71,21 @@ TOKEN_RULES: dict[object, str] = {
     aten.new_full.default: "sized",
     aten.cat.default: "cat",
 }
+
+def module_rule(target: object) -> str:
+    """The rule of a rank graph's module call, by the name the tensor-parallel rewrite gives it: f, g
+    and dropout's modules act per element ("elementwise"), a gather of vocabulary shards keeps token
+    dims in order ("gather_module"), the vocabulary-parallel cross-entropy is the loss ("loss");
+    anything else is not built with context parallelism ("refused_module")."""
+    name = str(target)
+    if name in ("f", "g") or "_rng_" in name:
+        return "elementwise"
+    if name.startswith("gather_"):
+        return "gather_module"
+    if name.startswith("vocab_cross_entropy"):
+        return "loss"
+    return "refused_module"
+
 
 # ops with a size list, and where it is: its entries are the output's dims
 SIZE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1,
