@@ -24,7 +24,7 @@ from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.errors import ShardingError
 from autoshard.parallel.context_parallel import rank_order
-from autoshard.runtime.loss_tokens import loss_tokens
+from autoshard.runtime.loss_tokens import loss_tokens_of
 
 __all__ = ["ContextReplicas"]
 
@@ -35,7 +35,6 @@ class ContextReplicas:
     def __init__(self, prog):
         self.prog, self.cp = prog, prog.cp
         self.replicas = [[prog.rank(t, cp_rank=c) for t in range(prog.tp)] for c in range(self.cp)]
-        self._counters: dict[int, object] = {}       # id(rank graph) -> its loss's token counter, or None
 
     def ranks(self) -> list[torch.nn.Module]:
         """Every replica's ranks, context-parallel rank major."""
@@ -70,9 +69,7 @@ class ContextReplicas:
     def _token_weights(self, graphs: list) -> list[torch.Tensor]:
         counts = []
         for gm, flat, _ in graphs:
-            if id(gm) not in self._counters:
-                self._counters[id(gm)] = loss_tokens(gm)
-            counter = self._counters[id(gm)]
+            counter = loss_tokens_of(gm)
             if counter is None:
                 raise ShardingError("cp > 1: the model's loss is a mean cross-entropy whose counted tokens cannot be "
                                     "read from the graph's inputs; ranks' means cannot be weighted")

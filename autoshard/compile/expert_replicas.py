@@ -25,7 +25,7 @@ from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.errors import ShardingError
 from autoshard.runtime.batching import split_batch
-from autoshard.runtime.loss_tokens import loss_tokens
+from autoshard.runtime.loss_tokens import loss_tokens_of
 
 __all__ = ["ExpertReplicas"]
 
@@ -36,7 +36,6 @@ class ExpertReplicas:
     def __init__(self, prog):
         self.prog, self.ep = prog, prog.dims.ep
         self.replicas = [[prog.rank(t, ep_rank=e) for t in range(prog.tp)] for e in range(self.ep)]
-        self._counters: dict[int, object] = {}       # id(rank graph) -> its loss's token counter, or None
 
     def ranks(self) -> list[torch.nn.Module]:
         """Every replica's ranks, expert-parallel rank major."""
@@ -77,9 +76,7 @@ class ExpertReplicas:
     def _token_weights(self) -> tuple[int, list[torch.Tensor]] | None:
         rank = self.replicas[0][0]
         gm, _, _ = rank.graph_for((), self._slices[0])
-        if id(gm) not in self._counters:         # read from the graph once per graph, as MeshRuntime does
-            self._counters[id(gm)] = loss_tokens(gm)
-        counter = self._counters[id(gm)]
+        counter = loss_tokens_of(gm)
         if counter is None:
             return None
         counts = [counter.count(*rank.graph_for((), s)[1]).double() for s in self._slices]

@@ -24,7 +24,7 @@ from autoshard.module_paths import assign_attr, fetch_attr, has_attr
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
 from autoshard.runtime.gradients import Gradients, refuse_changed
-from autoshard.runtime.loss_tokens import loss_factors, loss_tokens
+from autoshard.runtime.loss_tokens import loss_factors, loss_tokens_of
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
 from autoshard.runtime.rank_binding import bound_rank_program
@@ -96,7 +96,6 @@ class MeshRuntime(nn.Module):
         object.__setattr__(self, "_program", program)
         self._chunks: dict[int, list[tuple[StageGraph, fx.GraphModule]]] = {}   # id(rank graph) -> chunks
         self.training = program.training
-        self._tokens: dict[int, object] = {}        # id(rank graph) -> LossTokens | None
         gm, _, _ = program.graph_for((), prog.example_inputs)
         for _, chunk in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
             for n in chunk.graph.nodes:
@@ -208,9 +207,7 @@ class MeshRuntime(nn.Module):
     def _loss_scales(self, gm: fx.GraphModule, flats: list[list], goals: list, loss_fn, reduction: str,
                      ignore_index: int) -> tuple[list[torch.Tensor | float], bool]:
         """Each microbatch's loss factor, and whether they average per token (loss_tokens.py)."""
-        if loss_fn is None and id(gm) not in self._tokens:
-            self._tokens[id(gm)] = loss_tokens(gm)
-        counter = self._tokens[id(gm)] if loss_fn is None else None
+        counter = loss_tokens_of(gm) if loss_fn is None else None
         return loss_factors(counter, flats, goals, loss_fn is not None, reduction, ignore_index,
                             self.groups.dp if self.dims.data > 1 else None, self.device)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["LossTokens", "loss_factors", "loss_tokens"]
+__all__ = ["LossTokens", "loss_factors", "loss_tokens", "loss_tokens_of"]
 
 aten = torch.ops.aten
 
@@ -83,6 +83,13 @@ def loss_tokens(gm: fx.GraphModule) -> LossTokens | None:
     counted = g.call_function(aten.sum.default, (g.call_function(aten.ne.Scalar, (env[target], ignore_index)),))
     g.output(counted)
     return LossTokens(flat_outs.index(loss), fx.GraphModule(gm, g, class_name="LossTokens"))
+
+
+def loss_tokens_of(gm: fx.GraphModule) -> LossTokens | None:
+    """`loss_tokens(gm)`, read from the graph once and kept with it (`gm.meta`)."""
+    if "loss_tokens" not in gm.meta:
+        gm.meta["loss_tokens"] = loss_tokens(gm)
+    return gm.meta["loss_tokens"]
 
 
 def _is_param(gm: fx.GraphModule, target: str) -> bool:
