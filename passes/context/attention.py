@@ -95,13 +95,7 @@ def attention_tags(sp, n: fx.Node) -> None:
         kw = {"dropout_p": dropout, "scale": n.kwargs.get("scale"), "enable_gqa": n.kwargs.get("enable_gqa", False)}
         with sp.graph.inserting_before(n):
             new = sp.graph.call_function(causal_attention_at, (q, kg, vg, sp.positions_node()), kw)
-        new.meta = dict(n.meta)
-        n.replace_all_uses_with(new)
-        sp.graph.erase_node(n)
-        sp.computed.add(new)
-        sp.tags[new] = out_tags
-        sp.shapes[new] = sp.shape(n)
-        return
+        return _replace(sp, n, new)
     n.replace_input_with(k, kg) if kg is not k else None
     if vg is not v:
         n.replace_input_with(v, vg)
@@ -128,7 +122,7 @@ def _ring(sp, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: object, caus
     rk, rv = repeated_kv(k), repeated_kv(v)
     if rk and rv and rk[1] == rv[1]:
         k, v = rk[0], rv[0]
-    scale = n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+    scale = n.kwargs.get("scale")              # keyword-only in SDPA's schema
     if scale is None:
         scale = 1.0 / math.sqrt(int(sp.shape(q)[-1]))
     name = f"cp_ring_{n.name}{sp.suffix}"
@@ -137,9 +131,14 @@ def _ring(sp, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: object, caus
     args = (q, k, v, sp.positions_node(), *((mask,) if has_mask else ()))
     with sp.graph.inserting_before(n):
         new = sp.graph.create_node("call_module", name, args, {}, name=f"{n.name}_ring")
+    _replace(sp, n, new)
+
+
+def _replace(sp, n: fx.Node, new: fx.Node) -> None:
+    """`new` takes the SDPA call `n`'s place: its meta, its users, the queries' token tags."""
     new.meta = dict(n.meta)
     sp.computed.add(new)
-    sp.tags[new] = tuple(sp.tags[q])
+    sp.tags[new] = tuple(sp.tags[n.args[0]])
     sp.shapes[new] = sp.shape(n)
     n.replace_all_uses_with(new)
     sp.graph.erase_node(n)
