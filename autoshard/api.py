@@ -113,8 +113,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("cp", cp), ("virtual", virtual),
                     ("microbatches", microbatches)):
         require_positive_int(name, x)
-    _check_expert_parallel(model, ep, dp, sequence_parallel)
-    _check_context_parallel(cp, ep, sequence_parallel, cp_attention)
+    _check_expert_parallel(model, ep, dp, cp, sequence_parallel)
+    _check_context_parallel(cp, sequence_parallel, cp_attention)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
@@ -145,12 +145,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     return prog
 
 
-def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel: bool) -> None:
-    """ep > 1 needs experts modules, an ep dividing dp, and (for now) no sequence parallelism."""
+def _check_expert_parallel(model: nn.Module, ep: int, dp: int, cp: int, sequence_parallel: bool) -> None:
+    """ep > 1 needs experts modules, an ep dividing dp x cp, and (for now) no sequence parallelism."""
     if ep == 1:
         return
-    if (problem := expert_split_problem(dp, ep)) is not None:
-        raise ShardingError(f"{problem} (dp=ep: one group of every replica)")
+    if (problem := expert_split_problem(dp, ep, cp=cp)) is not None:
+        raise ShardingError(f"{problem} (dp x cp = ep: one group of every replica)")
     if not expert_modules(model):
         raise ShardingError(f"ep={ep}: {type(model).__name__} has no experts module expert parallelism knows "
                             f"(autoshard/compile/experts_call.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
@@ -159,15 +159,12 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, sequence_parallel
                             "risk a wrong result)")
 
 
-def _check_context_parallel(cp: int, ep: int, sequence_parallel: bool, attention: str) -> None:
-    """cp > 1 is not built with expert parallelism or sequence parallelism yet: refused, not guessed."""
+def _check_context_parallel(cp: int, sequence_parallel: bool, attention: str) -> None:
+    """cp > 1 is not built with sequence parallelism yet: refused, not guessed."""
     if attention not in ("ring", "all_gather", "auto"):
         raise ShardingError(f"cp_attention must be 'ring', 'all_gather' or 'auto', got {attention!r}")
     if cp == 1:
         return
-    if ep > 1:
-        raise ShardingError(f"cp={cp} with ep={ep} is not built yet (expert parallelism's groups do not "
-                            "know the context-parallel axis)")
     if sequence_parallel:
         raise ShardingError(f"cp={cp} with sequence_parallel=True is not built yet (sequence parallelism "
                             "exports static sizes; context parallelism reads the sequence length's symbol)")

@@ -24,11 +24,15 @@ def require_positive_int(name: str, value: object) -> int:
     return value
 
 
-def expert_split_problem(dp: int, ep: int, experts: int | None = None) -> str | None:
-    """Why `ep` cannot split `dp` data-parallel ranks (and `experts` experts, when given) into
-    expert-parallel groups, or None when it can; each caller raises it as its own kind of error."""
-    if dp % ep:
-        return f"ep={ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks"
+def expert_split_problem(dp: int, ep: int, experts: int | None = None, cp: int = 1) -> str | None:
+    """Why `ep` cannot split the dp x cp ranks of the data-parallel axis (and `experts` experts, when
+    given) into expert-parallel groups, or None when it can; each caller raises it as its own kind of
+    error."""
+    if dp * cp % ep:
+        if cp == 1:
+            return f"ep={ep} must divide dp={dp}: expert-parallel groups are made of data-parallel ranks"
+        return (f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}: expert-parallel groups are made of "
+                "the data-parallel axis's ranks")
     if experts is not None and experts % ep:
         return f"ep={ep} must divide the {experts} experts of each MoE layer"
     return None

@@ -4,6 +4,7 @@
     rank = cut.get(r)                  # tensor-parallel rank r: its shards of every parameter
     rank = cut.get(r, ep_rank=e)       # ... of expert-parallel rank e: of the experts, only its own
     rank = cut.get(r, cp_rank=c)       # ... of context-parallel rank c: the same shards, its tokens' graph
+    rank = cut.get(r, ep_rank=e, cp_rank=c)      # both
 
 Each rank is cut once, from one state of the model (compile/weights.py's WeightSource), and keeps
 the graphs of every signature compiled so far and later. At ep > 1 the stacked expert parameters
@@ -48,8 +49,8 @@ def experts_per_rank(rank0: RankGraph, ep: int) -> int | None:
 
 
 class CutRanks:
-    """Every rank program cut from `prog`'s model so far: key r (tensor-parallel rank r, all experts)
-    or (r, e) (expert-parallel rank e's)."""
+    """Every rank program cut from `prog`'s model so far: key r (tensor-parallel rank r, all experts),
+    (r, e) (expert-parallel rank e's), or (r, e or None, "cp", c) (context-parallel rank c > 0's)."""
 
     def __init__(self, prog):
         self._prog = prog
@@ -70,7 +71,7 @@ class CutRanks:
             raise IndexError(f"ep_rank {ep_rank} out of range for ep={prog.dims.ep}")
         key = r if ep_rank is None else (r, ep_rank)
         if cp_rank:                 # context-parallel rank 0 is the plain rank r
-            key = (r, "cp", cp_rank)
+            key = (r, ep_rank, "cp", cp_rank)
         if key not in self._ranks:
             with building():
                 self._ranks[key] = self._cut(r, ep_rank, cp_rank or 0)

@@ -109,20 +109,21 @@ class ExpertsCall(nn.Module):
     def simulate(mods: list["ExpertsCall"], rank_args: list[list[object]],
                  groups: list[list[int]] | None = None) -> list[object]:
         """Every rank's call at once. Unbound: the tensor-parallel ranks' exported graphs (the
-        region's f and g meet in lockstep). Bound (prog.simulate() at ep > 1): mods are the ep x tp
-        ranks, expert-parallel rank major; each tp position's ep ranks exchange tokens through the
-        simulator's all-to-all, each ep rank's tp ranks meet in f and g."""
+        region's f and g meet in lockstep). Bound (prog.simulate() at ep > 1): mods are the tp ranks
+        (`groups`) of data ranks, data rank major, every run of ep data ranks one expert-parallel
+        group (compile/data_replicas.py); each tp position's ep ranks exchange tokens through the
+        simulator's all-to-all, each data rank's tp ranks meet in f and g."""
         if all(m.ep is None for m in mods):
             return [tuple(out) for out in run_lockstep([m.body for m in mods], rank_args, per_rank=True, groups=groups)]
         ep = mods[0].ep
-        tp = len(mods) // ep.size
+        tp = len(groups[0]) if groups else len(mods) // ep.size
         inputs = [m._inputs(a) for m, a in zip(mods, rank_args)]
         xs, ws = [i[0] for i in inputs], [i[2] for i in inputs]
         if mods[0].region.tensor_parallel:
             xs, ws = _per_tp_group(mods, 0, xs, tp), _per_tp_group(mods, 0, ws, tp)
         outs: list = [None] * len(mods)
-        for t in range(tp):
-            members = [e * tp + t for e in range(ep.size)]
+        for first, t in ((g, t) for g in range(0, len(mods) // tp, ep.size) for t in range(tp)):
+            members = [(first + e) * tp + t for e in range(ep.size)]
             got = dispatch_combine(ep.reducer(), [xs[i] for i in members], [inputs[i][1] for i in members],
                                    [ws[i] for i in members], [inputs[i][3] for i in members], ep.per_rank, ep.size)
             for i, o in zip(members, got):

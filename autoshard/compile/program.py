@@ -14,10 +14,9 @@ from torch import nn
 
 from autoshard.compile.capture import InputBinder
 from autoshard.compile.compiler import Compiled, Compiler
-from autoshard.compile.context_replicas import ContextReplicas
 from autoshard.compile.cut_ranks import CutRanks, building, experts_per_rank
 from autoshard.compile.describe import describe
-from autoshard.compile.expert_replicas import ExpertReplicas
+from autoshard.compile.data_replicas import DataReplicas
 from autoshard.compile.norm_weights import NormWeights
 from autoshard.compile.rank import RankProgram
 from autoshard.compile.reassemble import assemble
@@ -67,8 +66,7 @@ class ShardedProgram:
         self._stages = stages
         self._names_with_ties = stages.names_with_ties
         self._simulator = ProgramSimulator(stages)
-        self._expert_replicas: ExpertReplicas | None = None      # prog.simulate() at ep > 1
-        self._context_replicas: ContextReplicas | None = None    # prog.simulate() at cp > 1
+        self._data_replicas: DataReplicas | None = None      # prog.simulate() at ep > 1 or cp > 1
         self.param_weight = NormWeights(self.sharding, stages.param_holders, self.param_shapes)
 
     @property
@@ -140,7 +138,7 @@ class ShardedProgram:
         rank.expert_templates = self._compiler.expert_templates
         regions = [*rg.experts, *rg.regions, *([rg.tables] if rg.tables is not None else [])]
         gm = rank.add_graph(cap.signature, rg.graph, attrs, rg.modules, cap.out_spec, regions)
-        gm.meta["context"] = rg.context         # cp > 1: which outputs hold the rank's tokens (ContextReplicas)
+        gm.meta["context"] = rg.context         # cp > 1: which outputs hold the rank's tokens (DataReplicas)
 
     # ---- ranks -------------------------------------------------------------------------------
     def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankProgram:
@@ -229,8 +227,9 @@ class ShardedProgram:
 
         Outputs are replicated, so every rank holds the same values; a loss computed from the result
         back-propagates into every rank, as each rank's own loss does under torch.distributed. At
-        ep > 1 the ep expert-parallel ranks run too, each on its slice of the batch, exchanging tokens
-        (compile/expert_replicas.py)."""
+        ep > 1 or cp > 1 the data ranks that meet run too (compile/data_replicas.py): expert-parallel
+        ranks each on its slice of the batch, exchanging tokens; context-parallel ranks each on its
+        tokens of the same sequences."""
         if self.dims.ep > 1 or self.cp > 1:
             replicas = self._replicas()
             return replicas.join(*replicas.run(self._simulator, args, kwargs))
@@ -246,33 +245,24 @@ class ShardedProgram:
             outs, out_spec = self._simulator.run(self.ranks(), [(args, kwargs)] * self.tp)
         return [pytree.tree_unflatten(list(o), out_spec) for o in outs]
 
-    def _replicas(self) -> ExpertReplicas | ContextReplicas:
-        if self.cp > 1:
-            if self._context_replicas is None:
-                with building():
-                    self._context_replicas = ContextReplicas(self)
-            return self._context_replicas
-        if self._expert_replicas is None:
+    def _replicas(self) -> DataReplicas:
+        if self._data_replicas is None:
             with building():
-                self._expert_replicas = ExpertReplicas(self)
-        return self._expert_replicas
+                self._data_replicas = DataReplicas(self)
+        return self._data_replicas
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Gradients reassembled to full shapes, keyed by the model's own parameter names."""
         def read(p):
             return None if p.grad is None else p.grad.detach()
-        if self.cp > 1:
+        if self.cp > 1 or self._data_replicas is not None:
             return self._replicas().assemble(read, summed=True)
-        if self._expert_replicas is not None:
-            return self._expert_replicas.assemble(read, summed=True)
         return assemble(self.ranks(), self.sharding, self.param_shapes, read)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters reassembled to full shapes, keyed by the model's own parameter names."""
-        if self.cp > 1:
+        if self.cp > 1 or self._data_replicas is not None:
             return self._replicas().assemble(lambda p: p.detach(), summed=False)
-        if self._expert_replicas is not None:
-            return self._expert_replicas.assemble(lambda p: p.detach(), summed=False)
         return assemble(self.ranks(), self.sharding, self.param_shapes, lambda p: p.detach())
 
     def __str__(self) -> str:

@@ -48,10 +48,11 @@ def rank_order(seq: int, cp: int, device: torch.device | str | None = None) -> t
     return torch.argsort(held)
 
 
-def context_groups(tp_groups: list[list[int]]) -> list[list[int]]:
-    """The simulator's ranks are context-parallel rank major (replica c's tensor-parallel ranks are
-    `tp_groups[c]`): context-parallel group t is tensor-parallel rank t of every replica."""
-    return [list(group) for group in zip(*tp_groups)]
+def context_groups(tp_groups: list[list[int]], cp: int) -> list[list[int]]:
+    """The simulator's ranks are data rank major (data rank d's tensor-parallel ranks are
+    `tp_groups[d]`; d = replica * cp + context-parallel rank): context-parallel group (g, t) is
+    tensor-parallel rank t of batch replica g's cp data ranks."""
+    return [list(group) for g in range(0, len(tp_groups), cp) for group in zip(*tp_groups[g:g + cp])]
 
 
 class ContextCollective(Collective):
@@ -60,10 +61,14 @@ class ContextCollective(Collective):
 
     spans_groups = True
 
+    def __init__(self, handle: CommHandle, cp: int):
+        super().__init__(handle)
+        self.cp = cp
+
     @classmethod
     def simulate(cls, mods: list, rank_args: list[tuple], groups: list[list[int]] | None = None) -> list:
         outs: list = [None] * len(mods)
-        for group in context_groups(groups) if groups is not None else [list(range(len(mods)))]:
+        for group in context_groups(groups, mods[0].cp) if groups is not None else [list(range(len(mods)))]:
             for i, o in zip(group, super().simulate([mods[i] for i in group], [rank_args[i] for i in group])):
                 outs[i] = o
         return outs
@@ -74,8 +79,8 @@ class GatherFromContextParallelRegion(ContextCollective):
     reduce-scatter), over the context-parallel group."""
 
     def __init__(self, handle: CommHandle, dim: int, cp: int):
-        super().__init__(handle)
-        self.dim, self.cp = dim, cp
+        super().__init__(handle, cp)
+        self.dim = dim
 
     @staticmethod
     def run(red: Reducer, mods: list["GatherFromContextParallelRegion"], rank_args: list[tuple]) -> list[torch.Tensor]:

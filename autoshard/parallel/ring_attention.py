@@ -26,6 +26,7 @@ import torch
 from autoshard.parallel.comm import CommHandle, Reducer
 from autoshard.parallel.context_parallel import ContextCollective
 from autoshard.parallel.ring_pieces import heads_to_kv, repeat_heads, ring_pieces
+from autoshard.parallel.ring_steps import StepClock
 
 __all__ = ["RingAttention", "RingAttentionSpec", "ring_attention"]
 
@@ -67,7 +68,9 @@ class _Ring(torch.autograd.Function):
         maxes = [torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device) for q in qs]
         sums = [torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device) for q in qs]
         cp = red.group_size(n)   # every rank is in the lists in the simulator, one under torch.distributed
+        clock = StepClock(False, overlap)
         for step in range(cp):
+            clock.start()
             pending = red.shift(blocks) if step < cp - 1 and overlap else None
             for i in range(n):
                 k, v, kpos = blocks[i]
@@ -80,8 +83,10 @@ class _Ring(torch.autograd.Function):
                 accs[i] = accs[i] * old.unsqueeze(-1) + o
                 sums[i] = sums[i] * old + e.sum(-1)
                 maxes[i] = m
+            clock.computed()
             if step < cp - 1:
                 blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
+            clock.done(step, exchanged=step < cp - 1)
         # laid out as SDPA returns it ([B, L, H, E] in memory): the captured graph may view its
         # transpose without a copy, as it did SDPA's
         outs = [torch.where(d.unsqueeze(-1) > 0, a / d.clamp_min(torch.finfo(d.dtype).tiny).unsqueeze(-1), 0.0)
@@ -102,7 +107,9 @@ class _Ring(torch.autograd.Function):
         dqs = [torch.zeros_like(q) for q in qs]
         blocks = [(k, v, p) for k, v, p in zip(ks, vs, pos)]
         grads = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in zip(ks, vs)]
+        clock = StepClock(True, overlap)
         for step in range(cp):
+            clock.start()
             pending = red.shift(blocks) if step < cp - 1 and overlap else None
             for i in range(n):
                 k, v, kpos = blocks[i]
@@ -116,9 +123,11 @@ class _Ring(torch.autograd.Function):
                 dk, dv = grads[i]
                 grads[i] = (dk + heads_to_kv(torch.matmul(ds.transpose(-1, -2), qs[i]) * scale, hk),
                             dv + heads_to_kv(torch.matmul(p.transpose(-1, -2), douts[i]), hk))
+            clock.computed()
             grads = [tuple(g) for g in red.shift(grads).wait()]       # the block's dk, dv follow it
             if step < cp - 1:
                 blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
+            clock.done(step, exchanged=True)
         none = (None,) * 5
         return (*none, *dqs, *(g[0] for g in grads), *(g[1] for g in grads), *(None,) * (n + (n if has_mask else 0)))
 
@@ -152,8 +161,8 @@ def _is_causal_at(mask: torch.Tensor, positions: torch.Tensor, rows: int = 512) 
 class RingAttention(ContextCollective):
     """SDPA of this rank's queries against every token's keys, the keys passed around the ring."""
 
-    def __init__(self, handle: CommHandle, scale: float, causal: bool, has_mask: bool, overlap: bool = True):
-        super().__init__(handle)
+    def __init__(self, handle: CommHandle, cp: int, scale: float, causal: bool, has_mask: bool, overlap: bool = True):
+        super().__init__(handle, cp)
         self.scale, self.causal, self.has_mask, self.overlap = scale, causal, has_mask, overlap
 
     @staticmethod
@@ -165,7 +174,7 @@ class RingAttention(ContextCollective):
                               scale=m.scale, causal=m.causal, overlap=m.overlap)
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale:.4g}, causal={self.causal}, mask={self.has_mask}, overlap={self.overlap}"
+        return f"cp={self.cp}, scale={self.scale:.4g}, causal={self.causal}, mask={self.has_mask}, overlap={self.overlap}"
 
 
 @dataclass(frozen=True)
@@ -173,9 +182,10 @@ class RingAttentionSpec:
     """The context-parallel pass's request for a ring attention named `module`."""
 
     module: str
+    cp: int
     scale: float
     causal: bool
     has_mask: bool
 
     def build(self, handle: CommHandle) -> RingAttention:
-        return RingAttention(handle, self.scale, self.causal, self.has_mask)
+        return RingAttention(handle, self.cp, self.scale, self.causal, self.has_mask)

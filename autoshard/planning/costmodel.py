@@ -143,7 +143,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
         raise ValueError(f"cp={cp} cuts the sequence in 2 * cp = {2 * cp} pieces, which seq={seq} is not a multiple of")
     if ep > 1 and moe is None:
         raise ValueError(f"ep={ep} needs experts: a dense model has ep=1")
-    if (problem := expert_split_problem(dp, ep, moe.experts if moe else None)) is not None:
+    if (problem := expert_split_problem(dp, ep, moe.experts if moe else None, cp=cp)) is not None:
         raise ValueError(problem)
     if v is not None:
         require_positive_int("virtual", v)
@@ -221,7 +221,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
         per_rank * 3 * hidden * moe.ffn * moe.experts / (tp * ep) * hw.reduce_bytes
     dp_link = hw.nvlink_gb_s if tp * dp * cp <= node else hw.network_gb_s
     grads += per_rank * experts.params * hw.reduce_bytes - expert_grads      # the dense part, over dp
-    grad_reduce = allreduce_seconds(grads, dp * cp, dp_link, hw) + allreduce_seconds(expert_grads, dp // ep, dp_link, hw)
+    grad_reduce = allreduce_seconds(grads, dp * cp, dp_link, hw) + allreduce_seconds(expert_grads, dp * cp // ep, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
         grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
     breakdown["dp_comm"] = (tied + grad_reduce) * share

@@ -10,6 +10,7 @@ them once the schedule ends. Each action's start and end are recorded for tracin
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Protocol
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
+from autoshard.parallel.ring_steps import RingStep, recording
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
 from autoshard.runtime.gradients import Gradients, refuse_changed
@@ -29,7 +31,7 @@ from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
 from autoshard.runtime.rank_binding import bound_rank_program
 from autoshard.runtime.schedules import Action, stage_index, stage_owner
-from autoshard.runtime.trace import REDUCE, ActionRecord
+from autoshard.runtime.trace import REDUCE, ActionRecord, ring_records
 
 __all__ = ["MeshRuntime", "ProgramView", "RankView"]
 
@@ -193,8 +195,11 @@ class MeshRuntime(nn.Module):
         # per token, the loss factors already sum to one over the dp ranks; else each rank's sum to one
         averaged_over = 1 if per_token else self.dims.data
         grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin)
-        losses = self._run(chunks, flats, out_spec, loss_of, scales)
+        ring: list[RingStep] = []
+        with recording(ring) if self.dims.cp > 1 else contextlib.nullcontext():
+            losses = self._run(chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
+        self.records += ring_records(ring, self.global_rank, self.pp_rank, self._origin)
         self.last_grad_norm = grads.end(max_norm)
         self.records += [ActionRecord(self.global_rank, self.pp_rank, -1, Action(REDUCE, 0, k), r.launched, r.done)
                          for k, r in grads.records()]

@@ -120,8 +120,8 @@ class Gradients:
             overlap = dims.data > 1 and dist.get_backend(groups.dp) != "gloo"
         dp_rank = dims.coords(groups.rank)[1]
         spans = [([(n, p) for n, p in trainable if n not in experts], groups.dp, dims.data, dp_rank)]
-        if dims.ep > 1:           # experts: over the ranks holding the same experts (dp / ep of them)
-            spans.append(([(n, p) for n, p in trainable if n in experts], groups.expert_dp, dims.dp // dims.ep,
+        if dims.ep > 1:           # experts: over the ranks holding the same experts (data / ep of them)
+            spans.append(([(n, p) for n, p in trainable if n in experts], groups.expert_dp, dims.data // dims.ep,
                           dp_rank // dims.ep))
         self.parts: list[GradPart] = []
         for named, group, size, rank in spans:

@@ -9,11 +9,12 @@ over the whole axis, cp and dp alike:
 
     rank = pp_rank * (data * tp) + data_rank * tp + tp_rank,   data_rank = dp_rank * cp + cp_rank
 
-Expert parallelism lives inside the data-parallel dimension, as in Megatron-Core: `ep` divides dp,
-and data-parallel ranks dp_rank = g * ep + e (e < ep) form expert-parallel group g, in which rank e
-owns experts e * E / ep ... (e + 1) * E / ep - 1 of each MoE layer. Tokens move within the group;
-an expert's gradient is summed over the dp / ep ranks holding the same experts (the same e in every
-group), every other parameter's over all dp ranks.
+Expert parallelism lives inside the data-parallel axis too, as in Megatron-Core: `ep` divides
+data = dp * cp, and data ranks data_rank = g * ep + e (e < ep) form expert-parallel group g, in which
+rank e owns experts e * E / ep ... (e + 1) * E / ep - 1 of each MoE layer. Tokens move within the
+group (a context-parallel rank's tokens are tokens like any other to an expert); an expert's
+gradient is summed over the data / ep ranks holding the same experts (the same e in every group),
+every other parameter's over all data ranks.
 """
 from __future__ import annotations
 
@@ -37,12 +38,12 @@ class ParallelDims:
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "ep", "cp"):
             require_positive_int(name, getattr(self, name))
-        if (problem := expert_split_problem(self.dp, self.ep)) is not None:
+        if (problem := expert_split_problem(self.dp, self.ep, cp=self.cp)) is not None:
             raise ValueError(problem)
 
-    def ep_rank(self, dp_rank: int) -> int:
-        """This data-parallel rank's place in its expert-parallel group."""
-        return dp_rank % self.ep
+    def ep_rank(self, data_rank: int) -> int:
+        """This data rank's place in its expert-parallel group."""
+        return data_rank % self.ep
 
     @property
     def data(self) -> int:
@@ -97,8 +98,8 @@ class MeshGroups:
         if dims.ep > 1:
             e = dims.ep
             self.ep = self._make([[dims.rank_of(i, g * e + j, k) for j in range(e)]
-                                  for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.dp // e)])
-            self.expert_dp = self._make([[dims.rank_of(i, g * e + j, k) for g in range(dims.dp // e)]
+                                  for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.data // e)])
+            self.expert_dp = self._make([[dims.rank_of(i, g * e + j, k) for g in range(dims.data // e)]
                                          for i in range(dims.pp) for k in range(dims.tp) for j in range(e)])
 
     def _make(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:

@@ -76,7 +76,7 @@ def split_of(opts: TrainOptions, world: int) -> dict:
     micro = opts.microbatches or (2 * pp if pp > 1 else 1)
     if opts.batch % (dp * micro):
         raise TrainError(f"--batch {opts.batch} cannot be split into dp={dp} x microbatches={micro} equal parts")
-    if (problem := expert_split_problem(dp, opts.ep)) is not None:
+    if (problem := expert_split_problem(dp, opts.ep, cp=cp)) is not None:
         raise TrainError(f"--ep: {problem}")
     return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, cp=cp, virtual=opts.virtual, microbatches=micro)
 

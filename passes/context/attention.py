@@ -127,7 +127,7 @@ def _ring(sp, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: object, caus
         scale = 1.0 / math.sqrt(int(sp.shape(q)[-1]))
     name = f"cp_ring_{n.name}{sp.suffix}"
     has_mask = isinstance(mask, fx.Node)
-    sp.cut.specs.append(RingAttentionSpec(name, float(scale), bool(causal), has_mask))
+    sp.cut.specs.append(RingAttentionSpec(name, sp.cp, float(scale), bool(causal), has_mask))
     args = (q, k, v, sp.positions_node(), *((mask,) if has_mask else ()))
     with sp.graph.inserting_before(n):
         new = sp.graph.create_node("call_module", name, args, {}, name=f"{n.name}_ring")

@@ -26,6 +26,8 @@ CASES = [(name, {**mesh, "cp_attention": "ring"}) for name in sorted(CONTEXT_MOD
     # SDPA calls as ring attention (above), and with the key/value all-gather:
     ("llama", dict(cp=2, cp_attention="all_gather")), ("falcon", dict(cp=4, cp_attention="all_gather")),
     ("mixtral", dict(cp=2, tp=2, cp_attention="all_gather")), ("qwen2", dict(cp=2, pp=2, cp_attention="all_gather")),
+    # expert parallelism over the data axis: one expert group of two cp ranks; two groups in four cp ranks
+    ("mixtral", dict(cp=2, ep=2, cp_attention="ring")), ("mixtral", dict(cp=4, ep=2, cp_attention="ring")),
     # recomputation: the ring and the gathers run again in backward
     ("llama", dict(cp=2, recompute="full", cp_attention="ring")), ("gemma2", dict(cp=2, tp=2, recompute="selective")),
 ]
@@ -94,7 +96,7 @@ def test_is_causal_sdpa_new_length_and_a_rank_without_tokens(attention, op):
 
 def test_the_comparison_fails_when_the_tokens_come_back_in_the_wrong_order(monkeypatch):
     """The equivalence check can fail: join the ranks' logits in rank order instead of position order."""
-    import autoshard.compile.context_replicas as replicas
+    import autoshard.compile.data_replicas as replicas
     batch = context_batch()
     logits, _, _ = _reference("llama", batch)
     prog = autoshard(build_context("llama"), example_kwargs=batch, cp=2, cp_attention="ring")
@@ -134,6 +136,8 @@ def test_refusals_name_the_numbers_and_the_node():
         prog.simulate(**batch)
     with pytest.raises(ShardingError, match="sequence_parallel"):
         autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2, tp=2, sequence_parallel=True)
+    with pytest.raises(ShardingError, match="ep=4 must divide dp x cp = 1 x 2 = 2"):
+        autoshard(build_context("mixtral"), example_kwargs=context_batch(), cp=2, ep=4)
 
 
 class _CumulativeMean(nn.Module):
