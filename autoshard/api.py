@@ -165,9 +165,6 @@ def _check_context_parallel(cp: int, sequence_parallel: bool, attention: str) ->
         raise ShardingError(f"cp_attention must be 'ring', 'all_gather' or 'auto', got {attention!r}")
     if cp == 1:
         return
-    if sequence_parallel:
-        raise ShardingError(f"cp={cp} with sequence_parallel=True is not built yet (sequence parallelism "
-                            "exports static sizes; context parallelism reads the sequence length's symbol)")
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,

@@ -28,6 +28,7 @@ import torch.fx as fx
 from autoshard.compile.capture import Captured, capture
 from autoshard.compile.experts_call import expert_count, expert_modules, weightless_copy
 from autoshard.compile.new_signature import new_plan_refusal, sharding_clash
+from autoshard.compile.static_shapes import sequence_length, symbolic_shapes, twin_length, with_length
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError
 from autoshard.module_paths import fetch_attr
@@ -54,6 +55,8 @@ class Compiled:
     captured: Captured
     plan: ShardingPlan
     index: int            # 0 for the example inputs; names this graph's modules apart from the others'
+    # cp > 1 with sequence parallelism (a static graph): captured node name -> sizes in the sequence length
+    symbolic: dict[str, object] | None = None
 
 
 class Compiler:
@@ -86,9 +89,25 @@ class Compiler:
             clash = sharding_clash(first.captured, first.plan, cap, plan)
             if clash is not None:
                 raise ShardingError(new_plan_refusal(named, self.example_inputs, first.plan, plan, clash))
-        entry = Compiled(cap, plan, len(self.compiled))
+        entry = Compiled(cap, plan, len(self.compiled), self._symbolic(model, named, cap, training))
         self.compiled.append(entry)
         return entry
+
+    def _symbolic(self, model, named: dict[str, object], cap: Captured, training: bool | None) -> dict | None:
+        """cp > 1 on a static graph (sequence parallelism): its sizes in the sequence length, read
+        against a twin export at another length (compile/static_shapes.py)."""
+        if self.cp == 1 or not self.options.sequence_parallel:
+            return None
+        seq = sequence_length(named)
+        if seq % (2 * self.cp) or (seq // self.cp) % self.tp:
+            raise ShardingError(f"cp={self.cp} with sequence parallelism at tp={self.tp}: a sequence of {seq} tokens "
+                                f"must split in 2 * cp = {2 * self.cp} pieces, and each rank's {seq} / cp tokens "
+                                f"over tp={self.tp} ranks; pad it to a multiple of {2 * self.cp * self.tp}")
+        other = twin_length(seq, 2 * self.cp * self.tp)
+        twin = capture(model, with_length(named, seq, other), dynamic=False, training=training)
+        rewrite_expert_matmuls(twin.gm, twin.param_names)
+        rewrite_per_head_norms(twin.gm)
+        return symbolic_shapes(cap.gm, twin.gm, seq, other)
 
     def rank_graph(self, entry: Compiled, r: int, cp_rank: int = 0) -> RankGraph:
         """rewrite -> context -> fuse -> tables -> causal attention -> experts -> recompute: tensor-parallel
@@ -101,9 +120,11 @@ class Compiler:
             else fetch_attr(cap.gm, target)   # noqa: E731
         value = lambda n: attr(n.target) if n.op == "get_attr" else _example_value(n, by_name)   # noqa: E731
         if self.cp > 1:         # before fusion and tables: they then see the rank's cut masks and gathers
+            symbolic = None if entry.symbolic is None else \
+                (lambda n: entry.symbolic.get(n.meta.get("captured", n.name if n.op == "placeholder" else None)))
             rg.context = split_context(rg.graph, cp=self.cp, rank=cp_rank, value=value, param_names=cap.param_names,
                                        suffix=suffix, token_wise=set(expert_modules(self.source.model)),
-                                       attention=self.cp_attention, choose=self.cp_choose)
+                                       attention=self.cp_attention, choose=self.cp_choose, symbolic=symbolic)
             rg.modules.extend(rg.context.specs)
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)

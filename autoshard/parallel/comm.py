@@ -197,7 +197,7 @@ def _sim_max(xs: Ranked) -> Ranked:
 
 def _sim_all_gather(xs: Ranked, d: int) -> Ranked:
     full = torch.cat(xs, d)
-    return [_dim_major(full, d) for _ in xs]
+    return [_dim_major(full, d).clone() for _ in xs]      # a buffer per rank, as a real gather gives
 
 
 def _sim_reduce_scatter(xs: Ranked, d: int) -> Ranked:

@@ -38,12 +38,21 @@ def _merge_view(x: torch.Tensor, dim: int, outer: int) -> torch.Tensor:
     return x.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2:])
 
 
+def _owned(y: torch.Tensor) -> torch.Tensor:
+    """A collective's output as a tensor of its own, not a view: the graph may update it in place
+    (Falcon's parallel attention adds the MLP's reduce-scattered output into the attention's with
+    add_), which autograd refuses on a custom function's view outputs. No copy: the buffer is the
+    collective's own (the simulator's all-gather gives each rank a buffer of its own too)."""
+    return y.detach()
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops: Reducer, dim: int, outer: int, *xs: torch.Tensor):
         ctx.args = (ops, dim, outer)
         d = dim + (outer > 1)
-        return tuple(_merge_view(y, dim, outer) for y in ops.reduce_scatter([_split_view(x, dim, outer) for x in xs], d))
+        return tuple(_owned(_merge_view(y, dim, outer))
+                     for y in ops.reduce_scatter([_split_view(x, dim, outer) for x in xs], d))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -62,7 +71,8 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, ops: Reducer, dim: int, outer: int, reduce_grads: bool, *xs: torch.Tensor):
         ctx.args = (ops, dim, outer, reduce_grads)
         d = dim + (outer > 1)
-        return tuple(_merge_view(y, dim, outer) for y in ops.all_gather([_split_view(x, dim, outer) for x in xs], d))
+        return tuple(_owned(_merge_view(y, dim, outer))
+                     for y in ops.all_gather([_split_view(x, dim, outer) for x in xs], d))
 
     @staticmethod
     def backward(ctx, *grads):

@@ -99,6 +99,27 @@ def ordered(sp, n: fx.Node) -> None:
         _same_tokens(sp, n, src)
 
 
+def rank_part(sp, n: fx.Node) -> None:
+    """A tensor-parallel rank's part of a dim, the rewrite's slice (passes/rewrite/edits.py's
+    Restrict). Of a dim holding this rank's tokens, in a static graph (sequence parallelism's chunk
+    of the tokens, taken from a replicated value such as a position embedding): the same part of
+    this rank's tokens, whose local order sequence parallelism's reduce-scatter chunks alike, so the
+    bounds are divided by cp."""
+    src = n.args[0]
+    dim = n.args[1] % len(sp.shape(src))
+    if src not in sp.computed or sp.tags[src][dim] != LOCAL:
+        return ordered(sp, n)
+    start, end = n.args[2], n.args[3]
+    if sp.symbolic is None or start % sp.cp or end % sp.cp:
+        sp.refuse(n, f"it takes a tensor-parallel rank's part [{start}:{end}] of dim {dim}, which holds this rank's "
+                     f"tokens, and the pass cannot give the same part of them")
+    shape = list(sp.shape(src))
+    shape[dim] = shape[dim] * sympy.Rational(end - start, sp.static_size(shape[dim]))
+    sp.shapes[n] = shape
+    n.args = (src, n.args[1], start // sp.cp, end // sp.cp)
+    sp.tags[n] = tuple(sp.tags[src])
+
+
 def _same_tokens(sp, n: fx.Node, src: fx.Node) -> None:
     """A view may merge a token dim with others or split other dims off it ([B, S] -> [B * S], a
     token's top-k slots [B * S * k] -> [B * S, k]) but must keep the sequence whole: [B, S, H] ->

@@ -59,26 +59,30 @@ class ContextCut:
 RULES = {"ordered": rules.ordered, "permute": rules.permute, "mixing": rules.mixing, "linear": rules.linear,
          "matmul": matmul_tags, "attention": attention_tags, "embedding": rules.embedding, "loss": rules.loss,
          "sized": rules.sized, "cat": rules.cat, "elementwise": rules.elementwise, "other": rules.other,
-         "item": rules.item, "token_wise": rules.token_wise, "gather_module": rules.gather_module,
+         "item": rules.item, "token_wise": rules.token_wise, "rank_part": rules.rank_part, "gather_module": rules.gather_module,
          "refused_module": rules.refused_module}
 
 
 def split_context(graph: fx.Graph, *, cp: int, rank: int, value: Callable[[fx.Node], object],
                   param_names: dict[str, str], suffix: str = "", token_wise: set[str] = frozenset(),
-                  attention: str = "ring", choose: Callable[[dict], str] | None = None) -> ContextCut:
+                  attention: str = "ring", choose: Callable[[dict], str] | None = None,
+                  symbolic: Callable[[fx.Node], object] | None = None) -> ContextCut:
     """Cut `graph` (a rank graph, changed in place) to context-parallel rank `rank` of `cp`. `value`:
     a node's example value; `token_wise`: paths of modules whose output for a token depends on that
     token alone (experts modules, as expert parallelism assumes), inside which a rank's tokens are
     sorted and grouped as the model wrote it. `attention`: how SDPA calls meet the other ranks'
-    keys, "ring", "all_gather" or "auto" (`choose`, given a call's example sizes)."""
-    return _Split(graph, cp, rank, value, param_names, suffix, token_wise, attention, choose).run()
+    keys, "ring", "all_gather" or "auto" (`choose`, given a call's example sizes). `symbolic`: for a
+    graph exported with static sizes (sequence parallelism), a node's sizes in the sequence length
+    (compile/static_shapes.py), or None where it has no captured value; its static sizes of token
+    dims are then divided by cp where the value holds this rank's tokens."""
+    return _Split(graph, cp, rank, value, param_names, suffix, token_wise, attention, choose, symbolic).run()
 
 
 class _Split:
     def __init__(self, graph: fx.Graph, cp: int, rank: int, value, param_names, suffix: str, token_wise: set[str],
-                 attention: str, choose: Callable[[dict], str] | None):
+                 attention: str, choose: Callable[[dict], str] | None, symbolic: Callable[[fx.Node], object] | None):
         self.graph, self.cp, self.rank, self.value, self.attention = graph, cp, rank, value, attention
-        self.choose = choose
+        self.choose, self.symbolic = choose, symbolic
         self.token_wise = set(token_wise)
         self.params, self.suffix = set(param_names) | set(param_names.values()), suffix   # captured targets, rank names
         self.cut = ContextCut()
@@ -99,6 +103,11 @@ class _Split:
         if not inputs:
             raise ShardingError(f"cp={self.cp}: the model has no token-id input ([batch, sequence] integers) to "
                                 "cut the sequence by")
+        if self.symbolic is not None:        # a static graph: the sizes read against its twin
+            seqs = {e for n in inputs if (e := self.shape(n)[1]).free_symbols}
+            self.seq_value = int(self.value(inputs[0]).shape[1])
+            with self.graph.inserting_after([p for p in self.graph.nodes if p.op == "placeholder"][-1]):
+                return seqs, self.graph.call_function(aten.sym_size.int, (inputs[0], 1))
         seqs = set()
         for n in inputs:
             size = self.value(n).shape[1]
@@ -121,7 +130,9 @@ class _Split:
             return None
         if n not in self.shapes:
             v = self.value(n)
-            if isinstance(v, (tuple, list)):
+            if self.symbolic is not None and (s := self.symbolic(n)) is not None:
+                self.shapes[n] = s
+            elif isinstance(v, (tuple, list)):
                 self.shapes[n] = [_exprs(x) for x in v]
             elif isinstance(v, torch.Tensor):
                 self.shapes[n] = _exprs(v)
@@ -131,6 +142,10 @@ class _Split:
 
     def is_token(self, e) -> bool:
         return bool(self.seqs & getattr(e, "free_symbols", set()))
+
+    def static_size(self, e) -> int:
+        """A static graph's size `e` (an expression in the sequence length) at the example's length."""
+        return int(e.subs({s: self.seq_value for s in self.seqs}))
 
     def is_seq(self, e) -> bool:
         """`e` is the sequence length itself (a dim of its own, not flattened with others)."""
@@ -171,6 +186,8 @@ class _Split:
             return module_rule(n.target)
         if n.target is operator.getitem:
             return "item"
+        if n.meta.get("rank_part"):
+            return "rank_part"
         if n.target in TOKEN_RULES:
             return TOKEN_RULES[n.target]
         if n.target in ELEMENTWISE or torch.Tag.pointwise in getattr(n.target, "tags", ()):
@@ -245,8 +262,15 @@ class _Split:
             tags = self.tags[n]
             changed = False
             for d, s in enumerate(sizes):
-                if isinstance(s, fx.Node) and d < len(tags) and tags[d] == LOCAL:
+                if d >= len(tags) or tags[d] != LOCAL:
+                    continue
+                if isinstance(s, fx.Node):
                     sizes[d] = self.local_size(s)
+                    changed = True
+                elif self.symbolic is not None and isinstance(s, int) and s != -1:     # a static graph's size
+                    if s % self.cp:
+                        self.refuse(n, f"its size {s} along dim {d} (this rank's tokens) is not a multiple of cp")
+                    sizes[d] = s // self.cp
                     changed = True
             if changed:
                 n.args = (*n.args[:i], sizes, *n.args[i + 1:])

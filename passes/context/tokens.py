@@ -73,12 +73,13 @@ TOKEN_RULES: dict[object, str] = {
 }
 
 def module_rule(target: object) -> str:
-    """The rule of a rank graph's module call, by the name the tensor-parallel rewrite gives it: f, g
-    and dropout's modules act per element ("elementwise"), a gather of vocabulary shards keeps token
-    dims in order ("gather_module"), the vocabulary-parallel cross-entropy is the loss ("loss");
+    """The rule of a rank graph's module call, by the name the tensor-parallel rewrite gives it: f, g,
+    dropout's modules and sequence parallelism's reduce-scatter (over the tp ranks, within this rank's
+    tokens) keep their input's token dims ("elementwise"), a gather of vocabulary shards or of sequence
+    parallelism's token chunks keeps token dims in order ("gather_module"), the vocabulary-parallel cross-entropy is the loss ("loss");
     anything else is not built with context parallelism ("refused_module")."""
     name = str(target)
-    if name in ("f", "g") or "_rng_" in name:
+    if name in ("f", "g") or "_rng_" in name or name.startswith("reduce_scatter_to_sequence"):
         return "elementwise"
     if name.startswith("gather_"):
         return "gather_module"

@@ -85,6 +85,7 @@ def _restrict(rw: RankRewrite, call: NodeCall, e: Restrict) -> None:
     if all(len(k) == 1 for k in e.keep):
         (a, b), = keep
         kept = rw.g.call_function(aten.slice.Tensor, (src, e.dim, a, b))
+        kept.meta["rank_part"] = True       # this rank's part of a dim (read by passes/context/rules.py)
     else:
         name = f"_keep_{call.node.name}_{e.arg}{rw.suffix}"
         rw.buffers[name] = torch.tensor([i for a, b in keep for i in range(a, b)])

@@ -41,6 +41,7 @@ from autoshard.testing.models import MOE_NAMES, VOCAB, build_model, build_moe
 
 MESHES = {"cp2xdp2": dict(cp=2, dp=2), "cp2xtp2": dict(cp=2, tp=2),
           "cp2xdp2xep4": dict(cp=2, dp=2, ep=4),     # experts over all four data ranks, cp and dp alike
+          "cp2xtp2sp": dict(cp=2, tp=2, sequence_parallel=True),
           "tp2xdp2": dict(tp=2, dp=2)}         # the last: the same check without cp, for a side-by-side baseline
 
 
@@ -148,6 +149,8 @@ def main() -> None:
                          "with the distributed optimizer, then saved to --root and read back whole")
     ap.add_argument("--expert-models", nargs="*", default=[],
                     help="mixture-of-experts models also checked at cp=2 x dp=2 x ep=4 (ring attention)")
+    ap.add_argument("--sp-models", nargs="*", default=[],
+                    help="models also checked at cp=2 x tp=2 with sequence parallelism (ring attention)")
     ap.add_argument("--root", default=None, help="scratch folder for --gather-models' checkpoints")
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
@@ -158,6 +161,7 @@ def main() -> None:
         runs += [(name, "cp2xdp2", "all_gather", os.path.join(args.root, f"{name}-gather"))
                  for name in args.gather_models]
         runs += [(name, "cp2xdp2xep4", "ring", None) for name in args.expert_models]
+        runs += [(name, "cp2xtp2sp", "ring", None) for name in args.sp_models]
         for name, mesh, attention, zero_to in runs:
             res = check(name, mesh, args.steps, attention, zero_to)
             saved_ok = zero_to is None or res["checkpoint_rel"] <= args.tol

@@ -28,6 +28,12 @@ CASES = [(name, {**mesh, "cp_attention": "ring"}) for name in sorted(CONTEXT_MOD
     ("mixtral", dict(cp=2, tp=2, cp_attention="all_gather")), ("qwen2", dict(cp=2, pp=2, cp_attention="all_gather")),
     # expert parallelism over the data axis: one expert group of two cp ranks; two groups in four cp ranks
     ("mixtral", dict(cp=2, ep=2, cp_attention="ring")), ("mixtral", dict(cp=4, ep=2, cp_attention="ring")),
+    # sequence parallelism inside each cp rank (static graphs read against a twin export): SDPA with a
+    # mask table, GPT-2's position embedding chunk, Falcon's in-place add of two reduce-scatters, Gemma2's
+    # written-out attention; and with pp
+    *[(name, dict(cp=2, tp=2, sequence_parallel=True, cp_attention="ring")) for name in ("llama", "gpt2", "falcon",
+                                                                                        "gemma2")],
+    ("qwen2", dict(cp=2, tp=2, pp=2, microbatches=2, sequence_parallel=True, cp_attention="ring")),
     # recomputation: the ring and the gathers run again in backward
     ("llama", dict(cp=2, recompute="full", cp_attention="ring")), ("gemma2", dict(cp=2, tp=2, recompute="selective")),
 ]
@@ -54,7 +60,9 @@ def _check(prog, batch: dict, logits, loss, grads) -> None:
 
 
 def _case_id(name: str, mesh: dict) -> str:
-    parts = [name, *(f"{k}{v}" for k, v in mesh.items() if k not in ("cp_attention", "microbatches", "recompute"))]
+    parts = [name, *(f"{k}{v}" for k, v in mesh.items()
+                     if k not in ("cp_attention", "microbatches", "recompute", "sequence_parallel"))]
+    parts += ["sp"] if mesh.get("sequence_parallel") else []
     parts += [mesh["recompute"]] if "recompute" in mesh else []
     return "-".join(parts + (["gather"] if mesh.get("cp_attention") == "all_gather" else []))
 
@@ -134,8 +142,8 @@ def test_refusals_name_the_numbers_and_the_node():
     prog = autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2)
     with pytest.raises(ShardingError, match="2 \\* cp = 4 equal pieces, but the sequence has 14 tokens"):
         prog.simulate(**batch)
-    with pytest.raises(ShardingError, match="sequence_parallel"):
-        autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2, tp=2, sequence_parallel=True)
+    with pytest.raises(ShardingError, match="each rank's 12 / cp tokens over tp=4 ranks; pad it to a multiple of 16"):
+        autoshard(build_context("llama"), example_kwargs=context_batch(seq=12), cp=2, tp=4, sequence_parallel=True)
     with pytest.raises(ShardingError, match="ep=4 must divide dp x cp = 1 x 2 = 2"):
         autoshard(build_context("mixtral"), example_kwargs=context_batch(), cp=2, ep=4)
 

@@ -4,6 +4,7 @@ import torch
 
 from autoshard import ShardingError, autoshard
 from autoshard.testing import grad_errors, max_rel
+from autoshard.testing.context_models import build_context, context_batch
 from autoshard.testing.models import build_model, input_name, label_name, logits_of
 
 
@@ -108,3 +109,18 @@ def test_sequence_not_divisible_by_tp_is_refused():
 def test_sequence_parallel_needs_vocab_parallel():
     with pytest.raises(ShardingError, match="needs vocab_parallel=True"):
         autoshard(build_model("gpt2"), tp=2, sequence_parallel=True, vocab_parallel=False)
+
+
+def test_an_in_place_add_of_two_reduce_scatters():
+    """Falcon's parallel attention adds the MLP's reduce-scattered output into the attention's in place
+    (add_): the collective's outputs are tensors of their own, not views autograd refuses to update."""
+    batch = context_batch()
+    model = build_context("falcon")
+    out = model(**batch)
+    out.loss.backward()
+    prog = autoshard(build_context("falcon"), example_kwargs=batch, tp=2, sequence_parallel=True)
+    assert "add_.Tensor(reduce_scatter_to_sequence" in prog.rank(0).code
+    got = prog.simulate(**batch)
+    assert max_rel(got.logits, out.logits) <= 1e-5
+    got.loss.backward()
+    assert max(grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()}).values()) <= 1e-5
