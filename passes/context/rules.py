@@ -10,6 +10,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autoshard.passes.context.sizes import local_size, static_size
 from autoshard.passes.context.tokens import LOCAL, mixed_dims
 
 __all__ = ["token_wise", "other", "elementwise", "tag_at", "cut_tables", "ordered", "map_in_order",
@@ -34,7 +35,7 @@ def token_wise(sp, n: fx.Node) -> None:
             sp.refuse(n, f"a table ({a.name}) with the sequence's tokens meets this rank's tokens inside "
                            "an experts module")
         with sp.graph.inserting_before(n):      # an enumeration of this rank's (token, slot) pairs
-            local = sp.graph.create_node("call_function", a.target, (sp.local_size(a.args[0]),
+            local = sp.graph.create_node("call_function", a.target, (local_size(sp, a.args[0]),
                                                                        *a.args[1:]), dict(a.kwargs))
         n.replace_input_with(a, local)
 
@@ -114,7 +115,7 @@ def rank_part(sp, n: fx.Node) -> None:
         sp.refuse(n, f"it takes a tensor-parallel rank's part [{start}:{end}] of dim {dim}, which holds this rank's "
                      f"tokens, and the pass cannot give the same part of them")
     shape = list(sp.shape(src))
-    shape[dim] = shape[dim] * sympy.Rational(end - start, sp.static_size(shape[dim]))
+    shape[dim] = shape[dim] * sympy.Rational(end - start, static_size(sp, shape[dim]))
     sp.shapes[n] = shape
     n.args = (src, n.args[1], start // sp.cp, end // sp.cp)
     sp.tags[n] = tuple(sp.tags[src])

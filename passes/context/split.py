@@ -15,7 +15,7 @@ queries, all keys] and the mask table is cut to the rank's query rows; SDPA with
 then becomes kernels/attention.py's `causal_attention_at`, whose mask is built from the positions.
 
 Sizes: the graph's shapes are written with the sequence length S; a view of a local value is
-given S / cp where the graph wrote S (`SIZE_ARG`). The loss is each rank's mean over its own
+given S / cp where the graph wrote S (sizes.py). The loss is each rank's mean over its own
 tokens; the runtime and the simulator weight it by the rank's share of counted tokens
 (runtime/loss_tokens.py reads the count from the graph, which now counts the rank's labels).
 
@@ -38,6 +38,7 @@ from autoshard.passes.context import rules
 from autoshard.passes.context.attention import attention_tags, matmul_tags
 from autoshard.passes.context.shapes import exprs as _exprs
 from autoshard.passes.context.shapes import infer_shape
+from autoshard.passes.context.sizes import expr_of, fix_sizes
 from autoshard.passes.context.tokens import ELEMENTWISE, LOCAL, SIZE_ARG, TOKEN_RULES, module_rule
 from autoshard.passes.graph_reading import module_path, op_name
 
@@ -117,7 +118,7 @@ class _Split:
             seqs.add(sympy.sympify(size.node.expr))
         first = sympy.sympify(self.value(inputs[0]).shape[1].node.expr)
         for m in self.graph.nodes:
-            if m.target == aten.sym_size.int and _expr_of(self.value(m)) == first:
+            if m.target == aten.sym_size.int and expr_of(self.value(m)) == first:
                 return seqs, m
         last = [p for p in self.graph.nodes if p.op == "placeholder"][-1]
         with self.graph.inserting_after(last):
@@ -142,10 +143,6 @@ class _Split:
 
     def is_token(self, e) -> bool:
         return bool(self.seqs & getattr(e, "free_symbols", set()))
-
-    def static_size(self, e) -> int:
-        """A static graph's size `e` (an expression in the sequence length) at the example's length."""
-        return int(e.subs({s: self.seq_value for s in self.seqs}))
 
     def is_seq(self, e) -> bool:
         """`e` is the sequence length itself (a dim of its own, not flattened with others)."""
@@ -177,7 +174,7 @@ class _Split:
             if rule in ("mixing", "other") and self._in_token_wise(n):
                 rule = "token_wise"
             RULES[rule](self, n)
-        self._fix_sizes()
+        fix_sizes(self)
         self.graph.lint()
         return self.cut
 
@@ -240,41 +237,7 @@ class _Split:
         self.local[key] = node
         return node
 
-    # ---- sizes and outputs -------------------------------------------------------------------
-    def local_size(self, s: fx.Node) -> fx.Node:
-        if s not in self.sizes:
-            expr = _expr_of(self.value(s))
-            seq = next(iter(self.seqs & expr.free_symbols), None) if expr is not None else None
-            if seq is None or len(self.seqs & expr.free_symbols) > 1 or \
-                    sympy.simplify(expr - seq * sympy.diff(expr, seq)) != 0:
-                raise ShardingError(f"cp={self.cp}: size {s.name} = {expr} is not proportional to the sequence "
-                                    "length; the pass cannot give a rank's share of it")
-            with self.graph.inserting_after(s):
-                self.sizes[s] = self.graph.call_function(operator.floordiv, (s, self.cp))
-        return self.sizes[s]
-
-    def _fix_sizes(self) -> None:
-        for n in list(self.graph.nodes):
-            if n not in self.computed or n.target not in SIZE_ARG or not isinstance(self.tags.get(n), tuple):
-                continue
-            i = SIZE_ARG[n.target]
-            sizes = list(n.args[i])
-            tags = self.tags[n]
-            changed = False
-            for d, s in enumerate(sizes):
-                if d >= len(tags) or tags[d] != LOCAL:
-                    continue
-                if isinstance(s, fx.Node):
-                    sizes[d] = self.local_size(s)
-                    changed = True
-                elif self.symbolic is not None and isinstance(s, int) and s != -1:     # a static graph's size
-                    if s % self.cp:
-                        self.refuse(n, f"its size {s} along dim {d} (this rank's tokens) is not a multiple of cp")
-                    sizes[d] = s // self.cp
-                    changed = True
-            if changed:
-                n.args = (*n.args[:i], sizes, *n.args[i + 1:])
-
+    # ---- outputs ---------------------------------------------------------------------------
     def _outputs(self, n: fx.Node) -> None:
         flat = list(n.args[0]) if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
         for i, o in enumerate(flat):
@@ -295,17 +258,6 @@ class _Split:
                                    "cross-entropy; a rank holds only its part of it")
             if local:
                 self.cut.local_outputs[i] = local[0]
-
-
-def _expr_of(v: object):
-    if isinstance(v, torch.SymInt):
-        return sympy.sympify(v.node.expr)
-    if isinstance(v, int):
-        return sympy.Integer(v)
-    return None
-
-
-
 
 
 def _op(n: fx.Node) -> str:
