@@ -84,6 +84,12 @@ def main() -> None:
                    f"--virtual {args.virtual} --append",
            what=f"GPT-2 shape (hidden {args.hidden}, {args.heads} heads) on meta, tp={args.tp}, pp={args.pp}, "
                 f"virtual={args.virtual}")
+    # a loose guard against a quadratic blow-up (it used to be a timed unit test): autoshard's cost
+    # per export second may not grow 2.5-fold from the fewest layers to the most
+    growth = (au[-1] / ex[-1]) / (au[0] / ex[0])
+    if len(args.layers) > 1 and growth > 2.5:
+        raise SystemExit(f"autoshard / export grew {growth:.2f}-fold from {args.layers[0]} to {args.layers[-1]} layers: "
+                         "the compile is no longer linear in the layers")
 
 
 if __name__ == "__main__":

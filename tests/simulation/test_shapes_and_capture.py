@@ -1,13 +1,11 @@
 """Dynamic batch/sequence sizes, re-specialization, meta-device compile, inferred inputs."""
 import operator
-import time
 
 import pytest
 import torch
 from torch import nn
 
 from autoshard import autoshard
-from autoshard.compile import trace_cache
 from autoshard.testing import build_model, max_rel
 from autoshard.testing.models import VOCAB
 
@@ -49,20 +47,6 @@ def test_meta_device_model_compiles_without_materializing():
     prog = autoshard(model, tp=4)
     p = prog.rank(3).get_parameter("model.layers.0.self_attn.q_proj.weight")
     assert p.is_meta and tuple(p.shape) == (16, 64)
-
-
-def test_compile_cost_is_linear_in_layers_not_quadratic(monkeypatch):
-    # a loose guard against quadratic blow-ups; the measured slope is in benchmarks/RESULTS.md
-    monkeypatch.delenv(trace_cache.ENV, raising=False)      # every compile traces
-    def cost(layers):
-        with torch.device("meta"):
-            model = build_model("gpt2", layers=layers)
-        t = time.perf_counter()
-        autoshard(model, tp=4).rank(0)
-        return time.perf_counter() - t
-    cost(2)
-    small, large = cost(4), cost(16)
-    assert large < 4 * small * 2.5, f"4 layers {small:.2f}s, 16 layers {large:.2f}s"
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "gpt2", "bert"])
