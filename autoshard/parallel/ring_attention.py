@@ -26,7 +26,7 @@ import torch
 from autoshard.parallel.comm import CommHandle, Reducer
 from autoshard.parallel.context_parallel import ContextCollective
 from autoshard.parallel.ring_pieces import heads_to_kv, repeat_heads, ring_pieces
-from autoshard.parallel.ring_steps import StepClock
+from autoshard.parallel.ring_steps import ring_loop
 
 __all__ = ["RingAttention", "RingAttentionSpec", "ring_attention"]
 
@@ -68,10 +68,7 @@ class _Ring(torch.autograd.Function):
         maxes = [torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device) for q in qs]
         sums = [torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device) for q in qs]
         cp = red.group_size(n)   # every rank is in the lists in the simulator, one under torch.distributed
-        clock = StepClock(False, overlap)
-        for step in range(cp):
-            clock.start()
-            pending = red.shift(blocks) if step < cp - 1 and overlap else None
+        for blocks in ring_loop(red, blocks, cp, overlap):
             for i in range(n):
                 k, v, kpos = blocks[i]
                 s = _scores(qs[i], k, pos[i], kpos, masks[i], scale, causal)
@@ -83,10 +80,6 @@ class _Ring(torch.autograd.Function):
                 accs[i] = accs[i] * old.unsqueeze(-1) + o
                 sums[i] = sums[i] * old + e.sum(-1)
                 maxes[i] = m
-            clock.computed()
-            if step < cp - 1:
-                blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
-            clock.done(step, exchanged=step < cp - 1)
         # laid out as SDPA returns it ([B, L, H, E] in memory): the captured graph may view its
         # transpose without a copy, as it did SDPA's
         outs = [torch.where(d.unsqueeze(-1) > 0, a / d.clamp_min(torch.finfo(d.dtype).tiny).unsqueeze(-1), 0.0)
@@ -107,10 +100,7 @@ class _Ring(torch.autograd.Function):
         dqs = [torch.zeros_like(q) for q in qs]
         blocks = [(k, v, p) for k, v, p in zip(ks, vs, pos)]
         grads = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in zip(ks, vs)]
-        clock = StepClock(True, overlap)
-        for step in range(cp):
-            clock.start()
-            pending = red.shift(blocks) if step < cp - 1 and overlap else None
+        for blocks in ring_loop(red, blocks, cp, overlap, travelling=grads):     # dk, dv follow their block
             for i in range(n):
                 k, v, kpos = blocks[i]
                 hk, rep = k.shape[1], qs[i].shape[1] // k.shape[1]
@@ -123,11 +113,6 @@ class _Ring(torch.autograd.Function):
                 dk, dv = grads[i]
                 grads[i] = (dk + heads_to_kv(torch.matmul(ds.transpose(-1, -2), qs[i]) * scale, hk),
                             dv + heads_to_kv(torch.matmul(p.transpose(-1, -2), douts[i]), hk))
-            clock.computed()
-            grads = [tuple(g) for g in red.shift(grads).wait()]       # the block's dk, dv follow it
-            if step < cp - 1:
-                blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
-            clock.done(step, exchanged=True)
         none = (None,) * 5
         return (*none, *dqs, *(g[0] for g in grads), *(g[1] for g in grads), *(None,) * (n + (n if has_mask else 0)))
 

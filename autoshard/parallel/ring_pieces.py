@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.parallel.comm import Reducer
-from autoshard.parallel.ring_steps import StepClock
+from autoshard.parallel.ring_steps import ring_loop
 
 __all__ = ["ring_pieces", "repeat_heads", "heads_to_kv"]
 
@@ -61,10 +61,7 @@ class _RingPieces(torch.autograd.Function):
         outs = [torch.zeros_like(q) for q in qs]
         lses = [torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for q in qs]
         blocks = list(zip(ks, vs, pos))
-        clock = StepClock(False, overlap)
-        for step in range(cp):
-            clock.start()
-            pending = red.shift(blocks) if step < cp - 1 and overlap else None
+        for blocks in ring_loop(red, blocks, cp, overlap):
             for i in range(n):
                 k, v, kpos = blocks[i]
                 rep = qs[i].shape[1] // k.shape[1]
@@ -77,10 +74,6 @@ class _RingPieces(torch.autograd.Function):
                     outs[i][:, :, qi] = (outs[i][:, :, qi] * torch.exp(old - new).unsqueeze(-1).to(o.dtype)
                                          + o * torch.exp(lse - new).unsqueeze(-1).to(o.dtype))
                     lses[i][:, :, qi] = new
-            clock.computed()
-            if step < cp - 1:
-                blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
-            clock.done(step, exchanged=step < cp - 1)
         ctx.args = (red, scale, causal, overlap, n, cp)
         ctx.save_for_backward(*qs, *ks, *vs, *pos, *outs, *lses)
         # laid out as SDPA returns it ([B, L, H, E] in memory): the captured graph may view its transpose
@@ -95,10 +88,7 @@ class _RingPieces(torch.autograd.Function):
         dqs = [torch.zeros_like(q) for q in qs]
         blocks = list(zip(ks, vs, pos))
         grads = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in zip(ks, vs)]
-        clock = StepClock(True, overlap)
-        for step in range(cp):
-            clock.start()
-            pending = red.shift(blocks) if step < cp - 1 and overlap else None
+        for blocks in ring_loop(red, blocks, cp, overlap, travelling=grads):     # dk, dv follow their block
             for i in range(n):
                 k, v, kpos = blocks[i]
                 hk, rep = k.shape[1], qs[i].shape[1] // k.shape[1]
@@ -112,11 +102,6 @@ class _RingPieces(torch.autograd.Function):
                     dk[:, :, kj] += heads_to_kv(gk, hk)
                     dv[:, :, kj] += heads_to_kv(gv, hk)
                 grads[i] = (dk, dv)
-            clock.computed()
-            grads = [tuple(g) for g in red.shift(grads).wait()]       # the block's dk, dv follow it
-            if step < cp - 1:
-                blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
-            clock.done(step, exchanged=True)
         return (*(None,) * 5, *dqs, *(g[0] for g in grads), *(g[1] for g in grads), *(None,) * n)
 
 

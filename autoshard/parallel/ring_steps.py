@@ -1,4 +1,11 @@
-"""The ring attention's steps as they ran, for the trace (runtime/trace.py draws them).
+"""The ring attention's steps: the loop both ring forms run, and its record for the trace.
+
+`ring_loop` is the ring's step skeleton, forward and backward, for both ring forms (ring_attention.py
+and ring_pieces.py): it yields the key/value blocks held at each of the cp steps, the caller
+computing with them in its loop body; with `overlap` the next blocks are sent before that compute
+and waited for after it, else sent after it. Backward's travelling dk / dv (`travelling`, updated in
+place by the body) follow their block one step on after every compute, so after the last step they
+are home.
 
 While `recording(sink)` is active (MeshRuntime's training step at cp > 1), every step of every ring
 attention call, forward and backward, appends a `RingStep` to `sink`: when the step's block compute
@@ -14,7 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["RingStep", "StepClock", "recording"]
+from autoshard.parallel.comm import Reducer
+
+__all__ = ["RingStep", "StepClock", "recording", "ring_loop"]
 
 _sink: list["RingStep"] | None = None
 
@@ -60,3 +69,21 @@ class StepClock:
         launched = self._started if self.overlap else self._computed
         _sink.append(RingStep(self.backward, step, (self._started, self._computed),
                               (launched, time.time()) if exchanged else None))
+
+
+def ring_loop(red: Reducer, blocks: list[tuple], cp: int, overlap: bool,
+              travelling: list[tuple] | None = None) -> Iterator[list[tuple]]:
+    """Each rank's blocks at each of the cp steps (see the module doc). `travelling` (backward):
+    per rank, the gradients of the block it holds, sent on with the block after each step."""
+    backward = travelling is not None
+    clock = StepClock(backward, overlap)
+    for step in range(cp):
+        clock.start()
+        pending = red.shift(blocks) if step < cp - 1 and overlap else None
+        yield blocks
+        clock.computed()
+        if backward:
+            travelling[:] = [tuple(g) for g in red.shift(travelling).wait()]
+        if step < cp - 1:
+            blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
+        clock.done(step, exchanged=backward or step < cp - 1)
