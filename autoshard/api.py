@@ -114,7 +114,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                     ("microbatches", microbatches)):
         require_positive_int(name, x)
     _check_expert_parallel(model, ep, dp, cp, sequence_parallel)
-    _check_context_parallel(cp, sequence_parallel, cp_attention)
+    _check_context_attention(cp_attention)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
@@ -159,12 +159,10 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, cp: int, sequence
                             "risk a wrong result)")
 
 
-def _check_context_parallel(cp: int, sequence_parallel: bool, attention: str) -> None:
-    """cp > 1 is not built with sequence parallelism yet: refused, not guessed."""
+def _check_context_attention(attention: str) -> None:
+    """cp_attention names one of the context pass's ways for SDPA to meet the other ranks' keys."""
     if attention not in ("ring", "all_gather", "auto"):
         raise ShardingError(f"cp_attention must be 'ring', 'all_gather' or 'auto', got {attention!r}")
-    if cp == 1:
-        return
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
