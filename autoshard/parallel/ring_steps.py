@@ -23,7 +23,7 @@ from typing import Iterator
 
 from autoshard.parallel.comm import Reducer
 
-__all__ = ["RingStep", "StepClock", "recording", "ring_loop"]
+__all__ = ["RingStep", "recording", "ring_loop"]
 
 _sink: list["RingStep"] | None = None
 
@@ -47,43 +47,21 @@ def recording(sink: list[RingStep]) -> Iterator[None]:
         _sink = previous
 
 
-class StepClock:
-    """Times one ring loop: `start()` before a step's sends, `computed()` after its compute,
-    `done(step, exchanged)` once what it received is in hand."""
-
-    def __init__(self, backward: bool, overlap: bool):
-        self.backward, self.overlap = backward, overlap
-        self._started = self._computed = 0.0
-
-    def start(self) -> None:
-        if _sink is not None:
-            self._started = time.time()
-
-    def computed(self) -> None:
-        if _sink is not None:
-            self._computed = time.time()
-
-    def done(self, step: int, exchanged: bool) -> None:
-        if _sink is None:
-            return
-        launched = self._started if self.overlap else self._computed
-        _sink.append(RingStep(self.backward, step, (self._started, self._computed),
-                              (launched, time.time()) if exchanged else None))
-
-
 def ring_loop(red: Reducer, blocks: list[tuple], cp: int, overlap: bool,
               travelling: list[tuple] | None = None) -> Iterator[list[tuple]]:
     """Each rank's blocks at each of the cp steps (see the module doc). `travelling` (backward):
     per rank, the gradients of the block it holds, sent on with the block after each step."""
     backward = travelling is not None
-    clock = StepClock(backward, overlap)
     for step in range(cp):
-        clock.start()
+        started = time.time() if _sink is not None else 0.0
         pending = red.shift(blocks) if step < cp - 1 and overlap else None
         yield blocks
-        clock.computed()
+        computed = time.time() if _sink is not None else 0.0
         if backward:
             travelling[:] = [tuple(g) for g in red.shift(travelling).wait()]
         if step < cp - 1:
             blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
-        clock.done(step, exchanged=backward or step < cp - 1)
+        if _sink is not None:
+            exchanged = backward or step < cp - 1
+            launched = started if overlap else computed
+            _sink.append(RingStep(backward, step, (started, computed), (launched, time.time()) if exchanged else None))
