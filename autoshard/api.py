@@ -24,7 +24,7 @@ from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.planner import plan
 from autoshard.runtime.mesh import ParallelDims
-from autoshard.runtime.schedules import check, make_schedule
+from autoshard.runtime.schedules import check, make_schedule, schedule_spec
 
 __all__ = ["autoshard"]
 
@@ -45,7 +45,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     ep data-parallel ranks, tokens exchanged with all-to-all (ep divides dp; runtime/mesh.py draws the
     mesh; `simulate()` runs the program as ep=1). microbatches: per data-parallel rank
     and step. schedule: "1f1b" (default), "gpipe" or "interleaved" (default when virtual > 1;
-    needs microbatches divisible by pp). See `ShardedProgram.distributed` for training.
+    needs microbatches divisible by pp), or a zero-bubble schedule, which splits each backward into
+    input and weight gradients (runtime/backward_split.py): "zb-h1" (one chunk per rank), "zbv" and
+    "v-half" (two chunks per rank in a V; virtual defaults to 2). runtime/schedules.py says what each
+    costs and holds. See `ShardedProgram.distributed` for training.
     cp: context parallelism (long sequences): each of cp ranks holds 1/cp of every sequence's tokens
     from the embedding to the loss, in 2 * cp load-balanced pieces (rank c: pieces c and 2cp-1-c);
     attention gathers keys and values over the cp ranks (passes/context/split.py). Every rank is
@@ -108,6 +111,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
     recompute = "none" if recompute is None else recompute
+    if virtual is None and schedule is not None:
+        virtual = schedule_spec(schedule).chunks         # a V schedule's two chunks
     tp, pp, dp, ep, cp, virtual, microbatches = (1 if x is None else x
                                                  for x in (tp, pp, dp, ep, cp, virtual, microbatches))
     for name, x in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("cp", cp), ("virtual", virtual),
@@ -129,7 +134,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
     schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
     steps = make_schedule(schedule_name, pp, virtual, microbatches)
-    check(steps, virtual, microbatches)                     # complete and deadlock-free, or it raises
+    placement = schedule_spec(schedule_name).placement
+    check(steps, virtual, microbatches, placement=placement)     # complete and deadlock-free, or it raises
 
     # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
@@ -138,7 +144,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
-    stages = StageLayout(pp, virtual, all_names, rank0.graph)   # pipeline stages; who holds each parameter
+    stages = StageLayout(pp, virtual, all_names, rank0.graph, placement)   # pipeline stages; who holds each parameter
     prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
                           microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
     prog.planned = chosen

@@ -27,7 +27,7 @@ from autoshard.factory import load_factory, one_line_errors
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.planning.hardware import PRESETS
 from autoshard.planning.planner import ModelShape, explain, plan
-from autoshard.runtime.schedules import SCHEDULES, bubble_fraction, check, make_schedule
+from autoshard.runtime.schedules import SCHEDULES, bubble_fraction, check, make_schedule, peak_in_flight, schedule_spec, stage_owner
 from autoshard.runtime.trace import export_trace, records_of, text_timeline
 
 __all__ = ["main"]
@@ -63,7 +63,8 @@ def inspect(args: argparse.Namespace) -> None:
         _progress(f"rewriting rank {args.rank} ...")
         if args.pp > 1:
             for s, gm in enumerate(prog.stage_modules(args.rank)):
-                print(f"\n# ---- tensor-parallel rank {args.rank}, stage {s} (pipeline rank {s % args.pp}) ----")
+                print(f"\n# ---- tensor-parallel rank {args.rank}, stage {s} "
+                      f"(pipeline rank {stage_owner(s, args.pp, prog.placement)[0]}) ----")
                 print(gm.code)
         else:
             print(f"\n# ---- rank {args.rank} ----")
@@ -72,11 +73,18 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def schedule(args: argparse.Namespace) -> None:
-    timeline = check(make_schedule(args.schedule, args.pp, args.virtual, args.microbatches), args.virtual,
-                     args.microbatches)
+    """One unit of time per chunk for each of F, B (input gradients) and W (weight gradients): a
+    schedule without W actions runs B and W as one backward of 2 units."""
+    spec = schedule_spec(args.schedule)
+    v = spec.chunks or (args.virtual if args.schedule == "interleaved" else 1)
+    steps = make_schedule(args.schedule, args.pp, v, args.microbatches)
+    timeline = check(steps, v, args.microbatches, weight_cost=1.0, placement=spec.placement)
     print(text_timeline(timeline))
-    print(f"bubble: {bubble_fraction(timeline):.4f} of ideal time "
-          f"((p - 1) / (v m) = {(args.pp - 1) / (args.virtual * args.microbatches):.4f})")
+    formula = {"zb-h1": ("(p - 1) / (3 m)", (args.pp - 1) / (3 * args.microbatches)),
+               "zbv": ("the last rank's wait, (p - 1) / (6 m)", (args.pp - 1) / (6 * args.microbatches))}.get(
+        args.schedule, ("(p - 1) / (v m)", (args.pp - 1) / (v * args.microbatches)))
+    print(f"bubble: {bubble_fraction(timeline):.4f} of ideal time ({formula[0]} = {formula[1]:.4f}); "
+          f"peak activations held: {max(peak_in_flight(steps))} chunk(s) of 1/{v} of a rank's layers")
     if args.out:
         export_trace(records_of(timeline, 1e-3), args.out)
         _progress(f"wrote {args.out}.json and {args.out}.png")
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ins.set_defaults(run=inspect)
     sch = verbs.add_parser("schedule", parents=[common], help="draw a pipeline schedule")
     sch.add_argument("--pp", type=int, default=4)
-    sch.add_argument("--virtual", type=int, default=2, help="pipeline chunks per rank (interleaving)")
+    sch.add_argument("--virtual", type=int, default=2, help="pipeline chunks per rank (interleaving; zbv and v-half run 2)")
     sch.add_argument("--microbatches", type=int, default=8)
     sch.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     sch.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png")

@@ -80,11 +80,11 @@ def describe(prog: Described) -> str:
                      f"rank of an ep group of {ep} data-parallel ranks owning 1/{ep} of the experts; per call, "
                      f"two all-to-alls forward (tokens out, results back) and two backward")
     if prog.pp * prog.virtual > 1:
-        timeline = check(prog.schedule, prog.virtual, prog.microbatches)
+        timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement)
         notes.append(f"pipeline: {prog.schedule_name} schedule, {prog.virtual} chunk(s) per rank, "
                      f"{prog.microbatches} microbatches, bubble {bubble_fraction(timeline):.3f} of ideal time")
         for sg in prog.stage_graphs(graph):
-            pp_rank, chunk = stage_owner(sg.index, prog.pp)
+            pp_rank, chunk = stage_owner(sg.index, prog.pp, prog.placement)
             notes.append(f"  stage {sg.index} (pipeline rank {pp_rank}, chunk {chunk}): "
                          f"layers {sg.layers.start}-{sg.layers.stop - 1}, receives {sg.receives or '-'}")
     return "\n".join([head, table, *notes])

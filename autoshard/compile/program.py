@@ -30,7 +30,7 @@ from autoshard.passes.sharding.annotate import ShardingPlan
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.executor import MeshRuntime
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
-from autoshard.runtime.schedules import Action
+from autoshard.runtime.schedules import Action, schedule_spec
 
 __all__ = ["ShardedProgram"]
 
@@ -45,6 +45,7 @@ class ShardedProgram:
         self.tp, self.dims, self.virtual, self.microbatches = compiler.tp, dims, virtual, microbatches
         self.options, self.fuse, self.recompute = compiler.options, compiler.fuse, compiler.recompute
         self.schedule_name, self.schedule = schedule_name, schedule
+        self.placement = schedule_spec(schedule_name).placement     # where each stage lives (pipeline_actions.py)
         self.example_inputs = example_inputs
         self.model_name = type(model).__name__
         self.param_shapes: dict[str, torch.Size] = {n: p.shape for n, p in model.named_parameters()}

@@ -2,7 +2,8 @@
 
 `StageLayout` cuts a rank graph into pp * virtual stage graphs (passes/stages.py), once per graph,
 and reads from rank 0's stages which pipeline ranks read each parameter: a tied embedding is held
-by the first and the last stage, and the runtime sums its gradient over those ranks.
+by the first and the last stage, and the runtime sums its gradient over those ranks (under the "v"
+placement both are rank 0's: its two chunks read the one parameter).
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ def _is_f(n: fx.Node) -> bool:
 class StageLayout:
     """pp * virtual stages per rank graph (cached by graph), and the parameters' pipeline ranks."""
 
-    def __init__(self, pp: int, virtual: int, names_with_ties: set[str], rank0: fx.Graph):
+    def __init__(self, pp: int, virtual: int, names_with_ties: set[str], rank0: fx.Graph, placement: str = "loop"):
         self.pp, self.virtual, self.names_with_ties = pp, virtual, names_with_ties
         self._stages: dict[int, tuple[fx.GraphModule | fx.Graph, list[StageGraph]]] = {}
         self.param_holders: dict[str, set[int]] = {}    # parameter -> pipeline ranks reading it
         for sg in self.stage_graphs(rank0):
             for n in sg.graph.nodes:
                 if n.op == "get_attr":
-                    self.param_holders.setdefault(n.target, set()).add(stage_owner(sg.index, pp)[0])
+                    self.param_holders.setdefault(n.target, set()).add(stage_owner(sg.index, pp, placement)[0])
         self.shared_params: dict[tuple[int, ...], list[str]] = {}   # pipeline ranks -> what they all read
         for name, holders in self.param_holders.items():
             if len(holders) > 1:

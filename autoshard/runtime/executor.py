@@ -1,12 +1,11 @@
 """The executor: one process's part of a tp x pp x dp training step.
 
-`MeshRuntime` holds this rank's chunks (one stage graph each, `virtual` of them with interleaving)
-and runs its schedule's action list: a forward receives its stage's inputs from the previous
-stage (unless it is stage 0), runs the stage graph on the microbatch, sends the outputs on and
-keeps what backward needs; a backward receives the output gradients (the last stage starts from its
-loss), back-propagates, sends its input gradients back and frees the microbatch's state. Backward
-adds each gradient into the runtime's gradient buffers (gradients.py), which reduce, check and clip
-them once the schedule ends. Each action's start and end are recorded for tracing.
+`MeshRuntime` holds this rank's chunks (one stage graph each, `virtual` of them with interleaving
+or a V schedule, placed as the schedule says) and runs its schedule's action list
+(runtime/stage_actions.py: forwards, backwards and, in zero-bubble schedules, weight-gradient
+passes). Backward adds each gradient into the runtime's gradient buffers (gradients.py), which
+reduce, check and clip them once the schedule ends. Each action's start and end are recorded for
+tracing.
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.errors import ShardingError
@@ -28,9 +26,10 @@ from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, r
 from autoshard.runtime.gradients import Gradients, refuse_changed
 from autoshard.runtime.loss_tokens import loss_factors, loss_tokens_of
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
-from autoshard.runtime.p2p import BACKWARD, FORWARD, Transfer
+from autoshard.runtime.p2p import Transfer
 from autoshard.runtime.rank_binding import bound_rank_program
 from autoshard.runtime.schedules import Action, stage_index, stage_owner
+from autoshard.runtime.stage_actions import ChunkParams, run_actions
 from autoshard.runtime.trace import REDUCE, ActionRecord, ring_records
 
 __all__ = ["MeshRuntime", "ProgramView", "RankView"]
@@ -61,6 +60,7 @@ class ProgramView(Protocol):
     dims: ParallelDims
     virtual: int
     microbatches: int
+    placement: str
     example_inputs: dict[str, object]
     shared_params: dict[tuple[int, ...], list[str]]
     experts_per_rank: int | None
@@ -85,6 +85,7 @@ class MeshRuntime(nn.Module):
         self.pp_rank, self.dp_rank, self.tp_rank = self.dims.coords(rank)
         self.groups, self.virtual, self.microbatches = groups, prog.virtual, prog.microbatches
         self.n_stages = self.dims.pp * self.virtual
+        self.placement = prog.placement
         self.actions = schedule[self.pp_rank]
         self.records: list[ActionRecord] = []
         self.last_grad_norm: torch.Tensor | None = None
@@ -96,17 +97,17 @@ class MeshRuntime(nn.Module):
         self.expert_params = set(program.expert_params)
         # not a submodule: this runtime registers the tensors its chunks read itself (below)
         object.__setattr__(self, "_program", program)
-        self._chunks: dict[int, list[tuple[StageGraph, fx.GraphModule]]] = {}   # id(rank graph) -> chunks
+        self._chunks: dict[int, list[tuple[StageGraph, fx.GraphModule, ChunkParams]]] = {}   # id(rank graph) -> chunks
         self.training = program.training
         gm, _, _ = program.graph_for((), prog.example_inputs)
-        for _, chunk in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
+        for _, chunk, _ in self._chunks_for(gm):     # the tensors its stages read: parameters and buffers
             for n in chunk.graph.nodes:
                 value = fetch_attr(chunk, n.target) if n.op == "get_attr" else None
                 if isinstance(value, torch.Tensor) and not has_attr(self, n.target):
                     assign_attr(self, n.target, value)
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
         self.expert_params &= {name for name, _ in self.named_parameters()}     # those of this rank's stages
-        self.transfer = Transfer(self.n_stages, self.device)
+        self.transfer = Transfer(self.n_stages, self.device, rank)
 
     def train(self, mode: bool = True) -> "MeshRuntime":
         """Training or evaluation mode, for this runtime and its rank program's graphs."""
@@ -115,19 +116,23 @@ class MeshRuntime(nn.Module):
         return self
 
     # ---- building ----------------------------------------------------------------------------
-    def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule]]:
+    def _chunks_for(self, gm: fx.GraphModule) -> list[tuple[StageGraph, fx.GraphModule, ChunkParams]]:
         if id(gm) not in self._chunks:
             stages = self._prog.stage_graphs(gm)
-            mine = [stages[stage_index(self.pp_rank, c, self.dims.pp)] for c in range(self.virtual)]
-            self._chunks[id(gm)] = [(sg, fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}"))
-                                    for sg in mine]
+            mine = [stages[stage_index(self.pp_rank, c, self.dims.pp, self.placement)] for c in range(self.virtual)]
+            built = [(sg, fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}")) for sg in mine]
+            self._chunks[id(gm)] = [(sg, chunk, ChunkParams(chunk)) for sg, chunk in built]
         return self._chunks[id(gm)]
 
-    def _rank_of_stage(self, stage: int) -> int:
-        return self.dims.rank_of(stage_owner(stage, self.dims.pp)[0], self.dp_rank, self.tp_rank)
+    def stage_of(self, action: Action) -> int:
+        return action.stage(self.pp_rank, self.dims.pp, self.placement)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The global rank running `stage` in this rank's data- and tensor-parallel position."""
+        return self.dims.rank_of(stage_owner(stage, self.dims.pp, self.placement)[0], self.dp_rank, self.tp_rank)
 
     def _chunk_modules(self) -> list[fx.GraphModule]:
-        return [gm for chunks in self._chunks.values() for _, gm in chunks]
+        return [gm for chunks in self._chunks.values() for _, gm, _ in chunks]
 
     def graph_modules(self) -> list[fx.GraphModule]:
         return self._chunk_modules() + self._program.graph_modules()
@@ -197,14 +202,14 @@ class MeshRuntime(nn.Module):
         grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin)
         ring: list[RingStep] = []
         with recording(ring) if self.dims.cp > 1 else contextlib.nullcontext():
-            losses = self._run(chunks, flats, out_spec, loss_of, scales)
+            losses = run_actions(self, chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()
         self.records += ring_records(ring, self.global_rank, self.pp_rank, self._origin)
         self.last_grad_norm = grads.end(max_norm)
         self.records += [ActionRecord(self.global_rank, self.pp_rank, -1, Action(REDUCE, 0, k), r.launched, r.done)
                          for k, r in grads.records()]
         total = torch.zeros((), device=self.device)
-        if losses and self.pp_rank == self.dims.pp - 1 and self.tp_rank == 0:
+        if losses and self.tp_rank == 0:           # the ranks holding the last stage
             total = torch.stack(losses).sum() / averaged_over / gain
         dist.all_reduce(total)          # the last stages' parts, on every rank
         return total
@@ -215,57 +220,6 @@ class MeshRuntime(nn.Module):
         counter = loss_tokens_of(gm) if loss_fn is None else None
         return loss_factors(counter, flats, goals, loss_fn is not None, reduction, ignore_index,
                             self.groups.dp if self.dims.data > 1 else None, self.device)
-
-    def _run(self, chunks: list[tuple[StageGraph, fx.GraphModule]], flats: list[list], out_spec,
-             loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
-        """Runs the schedule; returns the last stage's scaled microbatch losses. A microbatch whose
-        scale is 0 (no token counted: its mean is 0/0) adds nothing and back-propagates nothing."""
-        last = self.n_stages - 1
-        saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        losses, origin = [], self._origin
-        self.records = []
-        for a in self.actions:
-            stage, i = a.stage(self.pp_rank, self.dims.pp), a.microbatch
-            start = time.time()
-            if a.kind == "F":
-                received = []
-                if stage > 0:
-                    received = self.transfer.recv_forward(len(chunks[a.chunk][0].receives),
-                                                          self._rank_of_stage(stage - 1), stage, i)
-                    received = [t.requires_grad_() if t.is_floating_point() else t for t in received]
-                    start = time.time()           # waiting for the previous stage is idle time
-                outs = list(chunks[a.chunk][1](*flats[i], *received))
-                if stage == last:
-                    loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
-                    scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
-                    # No token counted: the model's mean is 0/0 (NaN) and the microbatch adds nothing. At
-                    # ep or cp > 1 its backward still runs (it exchanges tokens or keys with the other
-                    # ranks), through loss * 0: the NaN gets a zero gradient, and its value is not counted.
-                    empty = isinstance(scale, torch.Tensor) and not bool(scale)
-                    outs = [torch.zeros_like(loss) if empty and self.dims.ep == 1 and self.dims.cp == 1 else loss * scale]
-                    counted = torch.zeros_like(outs[0]) if empty else outs[0]
-                    losses.append(counted.detach().to(self.device, torch.float32))
-                else:
-                    self.transfer.send(outs, self._rank_of_stage(stage + 1), stage, i, FORWARD)
-                saved[(stage, i)] = (outs, received)
-            else:
-                outs, received = saved.pop((stage, i))
-                if stage == last:
-                    if outs[0].requires_grad:
-                        torch.autograd.backward(outs[0])
-                else:
-                    sent = [o for o in outs if o.is_floating_point()]
-                    grads = self.transfer.recv_backward(sent, self._rank_of_stage(stage + 1), stage, i)
-                    start = time.time()
-                    pairs = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if stage > 0:
-                    back = [t.grad if t.grad is not None else torch.zeros_like(t)
-                            for t in received if t.is_floating_point()]
-                    self.transfer.send(back, self._rank_of_stage(stage - 1), stage, i, BACKWARD)
-            self.records.append(ActionRecord(self.global_rank, self.pp_rank, stage, a, start - origin, time.time() - origin))
-        return losses
 
     # ---- gradients ---------------------------------------------------------------------------
     def _gradients(self) -> Gradients:

@@ -8,6 +8,10 @@ of a stage first. Gradients go back without headers: their receiver made the act
 belong to. Every message carries a tag naming (stage, microbatch, direction, slot); gloo
 matches by tag, NCCL matches sends and receives between a pair in issue order, which the
 schedules keep (both sides walk microbatches in the same order).
+
+When both stages live on this rank (the turn of a V schedule: stage pp - 1 feeds stage pp on rank
+pp - 1) nothing is sent: the tensors are copied into a local mailbox the receive reads from (a copy,
+so a later stage writing into its input in place cannot change what the earlier one saved).
 """
 from __future__ import annotations
 
@@ -36,16 +40,21 @@ def _header(t: torch.Tensor) -> torch.Tensor:
 class Transfer:
     """Sends and receives of one pipeline rank; keeps in-flight sends alive until `wait_sends`."""
 
-    def __init__(self, n_stages: int, device: torch.device | str = "cpu"):
+    def __init__(self, n_stages: int, device: torch.device | str = "cpu", rank: int | None = None):
         self.n_stages, self.device = n_stages, torch.device(device)
         self._works: list[dist.Work] = []
         self._buffers: list[torch.Tensor] = []        # what in-flight sends read
         self._shapes: dict[int, list[tuple[list[int], torch.dtype]]] = {}   # stage -> its inputs' shapes
         self.bytes_sent = self.messages_sent = 0
+        self._local: dict[tuple[int, int, int], list[torch.Tensor]] = {}   # (stage, microbatch, direction)
+        self._me = rank           # this process's global rank: a transfer to it stays local
 
     def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
         """Post sends of `tensors` (outputs of `stage` going forward, or gradients of `stage`'s
         inputs going back) to global rank `dst`; returns at once."""
+        if dst == self._me:
+            self._local[(stage, microbatch, direction)] = [t.detach().clone() for t in tensors]
+            return
         ops = []
         for i, t in enumerate(tensors):
             payload = t.detach().contiguous()
@@ -62,6 +71,8 @@ class Transfer:
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive the `count` activations `stage` takes from global rank `src`."""
+        if src == self._me:
+            return self._local.pop((stage - 1, microbatch, FORWARD))
         if microbatch == 0:
             heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
             self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i))
@@ -77,6 +88,8 @@ class Transfer:
 
     def recv_backward(self, like: list[torch.Tensor], src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive gradients for `stage`'s outputs `like` (same shapes) from global rank `src`."""
+        if src == self._me:
+            return self._local.pop((stage + 1, microbatch, BACKWARD))
         out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
         self._wait([dist.P2POp(dist.irecv, t, src, tag=_tag(stage + 1, microbatch, self.n_stages, BACKWARD, 2 * i + 1))
                     for i, t in enumerate(out)])

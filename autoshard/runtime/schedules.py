@@ -1,18 +1,26 @@
-"""Pipeline schedules as data: each rank's ordered list of forward and backward actions.
+"""Pipeline schedules as data: each rank's ordered list of forward, backward and weight actions.
 
-A schedule is `list[list[Action]]`, one list per pipeline rank. Stage s of `pp * v` lives on rank
-s % pp as its chunk s // pp (Megatron's interleaved assignment: chunk c of rank r is stage
-c * pp + r). Communication is implied: F(stage s, m) receives from stage s - 1 and sends to s + 1,
-B(stage s, m) receives from s + 1 and sends to s - 1.
+A schedule is `list[list[Action]]` (runtime/pipeline_actions.py), one list per pipeline rank.
+Stage s of `pp * v` lives where the schedule's placement puts it: "loop" (Megatron's interleaved
+assignment, chunk c of rank r is stage c * pp + r) or "v" (two chunks, down the ranks and back up).
+Communication is implied: F(stage s, m) receives from stage s - 1 and sends to s + 1, B(stage s, m)
+receives from s + 1 and sends to s - 1; W(stage s, m) runs on its rank alone after B(stage s, m).
 
 - `gpipe`: all forwards, then all backwards (Huang et al. 2019).
-- `one_f_one_b`: PipeDream-Flush; rank r warms up with pp - r - 1 forwards, then alternates.
-- `interleaved_1f1b`: Megatron's interleaved schedule (Narayanan et al. 2021, section 2.2.1), with
+- `1f1b`: PipeDream-Flush; rank r warms up with pp - r - 1 forwards, then alternates.
+- `interleaved`: Megatron's interleaved schedule (Narayanan et al. 2021, section 2.2.1), with
   Megatron's warm-up count (pp - r - 1) * 2 + (v - 1) * pp; needs microbatches % pp == 0.
+- `zb-h1` (Qi et al. 2023): 1F1B's order with each backward split into B and W, rank r running the
+  W of microbatch i after the B of microbatch i + r. The cool-down's idle time is filled with the
+  deferred W, so the bubble is (p - 1)(F + B - W): a third of 1F1B's at F = B = W, with 1F1B's peak
+  of p microbatches in flight.
+- `zbv` and `v-half` (Qi et al. 2024): two chunks per rank in a V, built by list scheduling
+  (runtime/list_schedule.py) under a cap of 2p chunk activations (zbv: 1F1B's memory) or p + 1
+  (v-half: about half of it).
 
 `check` proves a schedule complete and free of deadlock by running it: every rank executes its
 actions in order, an action starts once its inputs exist (sends never block), and the run must
-finish. With unit costs the resulting timeline gives the pipeline bubble.
+finish. With given F, B and W costs the resulting timeline gives the pipeline bubble.
 """
 from __future__ import annotations
 
@@ -20,33 +28,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autoshard.errors import ShardingError, require_positive_int
+from autoshard.runtime.list_schedule import list_schedule
+from autoshard.runtime.pipeline_actions import Action, stage_index, stage_owner
 
-__all__ = ["Action", "Timeline", "stage_index", "stage_owner", "gpipe", "one_f_one_b", "interleaved_1f1b", "make_schedule", "check",
-           "bubble_fraction", "SCHEDULES"]
-
-
-def stage_index(pp_rank: int, chunk: int, pp: int) -> int:
-    """The stage that pipeline rank `pp_rank` runs as its chunk `chunk` (the one stage-to-rank rule)."""
-    return chunk * pp + pp_rank
-
-
-def stage_owner(stage: int, pp: int) -> tuple[int, int]:
-    """(pipeline rank, chunk) of `stage`: the inverse of `stage_index`."""
-    return stage % pp, stage // pp
-
-
-@dataclass(frozen=True)
-class Action:
-    """Forward ("F") or backward ("B") of `microbatch` on this rank's `chunk`."""
-    kind: str
-    chunk: int
-    microbatch: int
-
-    def stage(self, rank: int, pp: int) -> int:
-        return stage_index(rank, self.chunk, pp)
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+__all__ = ["Action", "ScheduleSpec", "Timeline", "stage_index", "stage_owner", "gpipe", "one_f_one_b",
+           "interleaved_1f1b", "zb_h1", "make_schedule", "schedule_spec", "splits_backward", "check",
+           "bubble_fraction", "rank_idle_fraction", "peak_in_flight", "SCHEDULES"]
 
 
 def _validate(pp: int, v: int, m: int) -> None:
@@ -101,46 +88,102 @@ def _interleaved(pp: int, v: int, m: int) -> list[list[Action]]:
     return interleaved_1f1b(pp, v, m) if v > 1 else one_f_one_b(pp, m)     # one chunk: plain 1F1B
 
 
-# name -> (builder(pp, v, m), whether it runs more than one chunk per rank). A new schedule is a
-# function returning each rank's actions and one row here; `check` proves it before it runs.
-SCHEDULES: dict[str, tuple[Callable[[int, int, int], list[list[Action]]], bool]] = {
-    "gpipe": (lambda pp, v, m: gpipe(pp, m), False),
-    "1f1b": (lambda pp, v, m: one_f_one_b(pp, m), False),
-    "interleaved": (_interleaved, True),
+def zb_h1(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's order, each backward split into B and W; rank r runs W(i) after B(i + r) and
+    the last r W at the end, so it holds at most pp microbatches (rank 0's count in 1F1B)."""
+    out = []
+    for r, acts in enumerate(one_f_one_b(pp, m)):
+        row = []
+        for a in acts:
+            row.append(a)
+            if a.kind == "B" and a.microbatch >= r:
+                row.append(Action("W", 0, a.microbatch - r))
+        out.append(row + [Action("W", 0, i) for i in range(max(m - r, 0), m)])
+    return out
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule: its builder(pp, v, m), the chunks per rank it runs (None: any), where its
+    stages live, and whether it splits each backward into B and W."""
+    build: Callable[[int, int, int], list[list[Action]]]
+    chunks: int | None = 1
+    placement: str = "loop"
+    split: bool = False
+
+
+# A new schedule is a function returning each rank's actions and one row here; `check` proves it
+# before it runs.
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(lambda pp, v, m: gpipe(pp, m)),
+    "1f1b": ScheduleSpec(lambda pp, v, m: one_f_one_b(pp, m)),
+    "interleaved": ScheduleSpec(_interleaved, chunks=None),
+    "zb-h1": ScheduleSpec(lambda pp, v, m: zb_h1(pp, m), split=True),
+    "zbv": ScheduleSpec(lambda pp, v, m: list_schedule(pp, 2, m, "v", cap=2 * pp), chunks=2, placement="v",
+                        split=True),
+    "v-half": ScheduleSpec(lambda pp, v, m: list_schedule(pp, 2, m, "v", cap=pp + 1), chunks=2, placement="v",
+                           split=True),
 }
 
 
-def make_schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
-    """The named schedule; `interleaved` with v = 1 is 1F1B."""
+def schedule_spec(name: str) -> ScheduleSpec:
     if name not in SCHEDULES:
         raise ShardingError(f"unknown schedule {name!r}; choose from {tuple(SCHEDULES)}")
-    build, chunks = SCHEDULES[name]
-    if v > 1 and not chunks:
+    return SCHEDULES[name]
+
+
+def make_schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+    """The named schedule; `interleaved` with v = 1 is 1F1B; `zbv` and `v-half` need v = 2."""
+    spec = schedule_spec(name)
+    _validate(pp, v, m)
+    if spec.chunks == 1 and v > 1:
         raise ShardingError(f"schedule {name!r} runs one chunk per rank; virtual={v} needs 'interleaved'")
-    return build(pp, v, m)
+    if spec.chunks is not None and spec.chunks != v:
+        raise ShardingError(f"schedule {name!r} runs {spec.chunks} chunks per rank in a V; got virtual={v} "
+                            f"(pass virtual={spec.chunks})")
+    return spec.build(pp, v, m)
+
+
+def splits_backward(schedule: list[list[Action]]) -> bool:
+    """Whether the schedule has W actions (then each B computes the input gradients only)."""
+    return any(a.kind == "W" for acts in schedule for a in acts)
 
 
 @dataclass
 class Timeline:
     """When each action ran: `spans[r]` is rank r's list of (action, start, end)."""
     spans: list[list[tuple[Action, float, float]]]
+    placement: str = "loop"
 
     @property
     def makespan(self) -> float:
         return max(end for row in self.spans for _, _, end in row)
 
 
+def _dependencies(kind: str, s: int, i: int, n_stages: int) -> list[tuple[str, int, int]]:
+    if kind == "W":
+        return [("B", s, i)]
+    if kind == "F":
+        return [("F", s - 1, i)] if s > 0 else []
+    return [("F", s, i)] + ([("B", s + 1, i)] if s < n_stages - 1 else [])
+
+
 def check(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float = 1.0,
-          backward_cost: float = 1.0) -> Timeline:
-    """Run `schedule` with the given action costs; raise ShardingError if it is incomplete or
-    deadlocks. Returns the timeline."""
+          backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop") -> Timeline:
+    """Run `schedule` with the given action costs (per chunk); raise ShardingError if it is
+    incomplete or deadlocks. Returns the timeline. `backward_cost` is the input-gradient part of a
+    backward and `weight_cost` the weight-gradient part: a whole B (no W actions) costs their sum,
+    a split one `backward_cost` and each W `weight_cost`."""
     pp = len(schedule)
     n_stages = pp * v
-    want = {(k, s, i) for k in "FB" for s in range(n_stages) for i in range(m)}
+    split = splits_backward(schedule)
+    kinds = "FBW" if split else "FB"
+    cost = {"F": forward_cost, "B": backward_cost + (0.0 if split else weight_cost), "W": weight_cost}
+    want = {(k, s, i) for k in kinds for s in range(n_stages) for i in range(m)}
     seen: set[tuple[str, int, int]] = set()
     for r, acts in enumerate(schedule):
         for a in acts:
-            key = (a.kind, a.stage(r, pp), a.microbatch)
+            key = (a.kind, a.stage(r, pp, placement), a.microbatch)
             if key in seen or key not in want:
                 raise ShardingError(f"rank {r}: action {a} is {'repeated' if key in seen else 'out of range'}")
             seen.add(key)
@@ -156,16 +199,12 @@ def check(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float =
         for r in range(pp):
             while pos[r] < len(schedule[r]):
                 a = schedule[r][pos[r]]
-                s = a.stage(r, pp)
-                deps = [("F", s, a.microbatch)] if a.kind == "B" else []
-                if a.kind == "F" and s > 0:
-                    deps.append(("F", s - 1, a.microbatch))
-                if a.kind == "B" and s < n_stages - 1:
-                    deps.append(("B", s + 1, a.microbatch))
+                s = a.stage(r, pp, placement)
+                deps = _dependencies(a.kind, s, a.microbatch, n_stages)
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
-                end = start + (forward_cost if a.kind == "F" else backward_cost)
+                end = start + cost[a.kind]
                 done[(a.kind, s, a.microbatch)] = clock[r] = end
                 spans[r].append((a, start, end))
                 pos[r] += 1
@@ -174,11 +213,38 @@ def check(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float =
             stuck = ", ".join(f"rank {r} waits at {schedule[r][pos[r]]}" for r in range(pp)
                               if pos[r] < len(schedule[r]))
             raise ShardingError(f"schedule deadlocks: {stuck}")
-    return Timeline(spans)
+    return Timeline(spans, placement)
 
 
 def bubble_fraction(timeline: Timeline) -> float:
     """Pipeline bubble over ideal time (the paper's t_pb / t_id): idle time of the busiest rank
-    divided by its busy time."""
+    divided by its busy time, from the first action anywhere to the last (a step ends on every rank
+    together: the optimizer needs every gradient)."""
     busy = max(sum(e - s for _, s, e in row) for row in timeline.spans)
     return (timeline.makespan - busy) / busy
+
+
+def rank_idle_fraction(timeline: Timeline) -> float:
+    """The largest idle time inside one rank's own span (its first action's start to its last
+    action's end) over its busy time: the bubble left when consecutive steps overlap (a rank
+    starting its next step once its own last action is done, as with Qi et al.'s optimizer
+    post-validation), where a late-starting rank's wait at the start is hidden."""
+    out = 0.0
+    for row in timeline.spans:
+        busy = sum(e - s for _, s, e in row)
+        out = max(out, (row[-1][2] - row[0][1] - busy) / busy)
+    return out
+
+
+def peak_in_flight(schedule: list[list[Action]]) -> list[int]:
+    """Per rank, the most chunk activations held at once: from a chunk's F to its W (or its B
+    when the schedule has no W)."""
+    release = "W" if splits_backward(schedule) else "B"
+    out = []
+    for acts in schedule:
+        live = peak = 0
+        for a in acts:
+            live += 1 if a.kind == "F" else -1 if a.kind == release else 0
+            peak = max(peak, live)
+        out.append(peak)
+    return out

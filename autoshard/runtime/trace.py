@@ -2,8 +2,9 @@
 
 Both take `ActionRecord`s: the executor's measured ones (`MeshRuntime.records`, gathered from
 every rank by `export_trace`) or a schedule's unit-cost run (`records_of(check(...))`). The PNG has
-one row per pipeline rank, time to the right; forwards are blue, backwards green, a darker shade
-for each later chunk, and each box is labelled with its microbatch number; a data-parallel gradient
+one row per pipeline rank, time to the right; forwards are blue, backwards green, weight-gradient
+passes of the zero-bubble schedules (kind "W") red, a darker shade for each later chunk, and each
+box is labelled with its microbatch number; a data-parallel gradient
 reduction (one bucket of runtime/gradients.py, action kind "R") is a thin orange bar along the bottom of
 its row, so its overlap with backward shows. At cp > 1 each ring attention step is two records
 (parallel/ring_steps.py): its block's compute (kind "A") and its point-to-point exchange (kind "X"),
@@ -35,6 +36,8 @@ RING_BLOCK, RING_EXCHANGE = "A", "X"        # a ring step's compute and exchange
 RING_TIDS = {RING_BLOCK: 1001, RING_EXCHANGE: 1002}
 _RING_COLOURS = {RING_BLOCK: (0, 150, 136), RING_EXCHANGE: (142, 68, 173)}
 _RING_ROWS = {RING_EXCHANGE: (1, 3), RING_BLOCK: (3, 5)}     # pixel rows below the row's top
+STAGE_KINDS = {"F": "forward", "B": "backward", "W": "weight"}      # a stage's actions, their trace category
+_BOXES = {"F": (66, 133, 244), "B": (52, 168, 83), "W": (219, 68, 55)}
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class ActionRecord:
 
 def records_of(timeline: Timeline, seconds_per_unit: float = 1.0) -> list[ActionRecord]:
     pp = len(timeline.spans)
-    return [ActionRecord(r, r, a.stage(r, pp), a, s * seconds_per_unit, e * seconds_per_unit)
+    return [ActionRecord(r, r, a.stage(r, pp, timeline.placement), a, s * seconds_per_unit, e * seconds_per_unit)
             for r, row in enumerate(timeline.spans) for a, s, e in row]
 
 
@@ -67,10 +70,10 @@ def ring_records(steps: list[RingStep], rank: int, row: int, origin: float) -> l
 def chrome_trace(records: list[ActionRecord]) -> dict:
     """Chrome trace-event JSON: one process per global rank, one complete event per action."""
     t0 = min(r.start for r in records)
-    events = [{"name": f"{r.action.kind} mb{r.action.microbatch}", "cat": "forward" if r.action.kind == "F" else "backward",
+    events = [{"name": f"{r.action.kind} mb{r.action.microbatch}", "cat": STAGE_KINDS[r.action.kind],
                "ph": "X", "pid": r.rank, "tid": r.row, "ts": (r.start - t0) * 1e6, "dur": (r.end - r.start) * 1e6,
                "args": {"stage": r.stage, "chunk": r.action.chunk, "microbatch": r.action.microbatch}}
-              for r in records if r.action.kind in ("F", "B")]
+              for r in records if r.action.kind in STAGE_KINDS]
     # gradient buckets' data-parallel reductions, on a thread of their own under the rank
     events += [{"name": f"reduce bucket {r.action.microbatch}", "cat": "grad-reduce", "ph": "X", "pid": r.rank,
                 "tid": REDUCE_TID, "ts": (r.start - t0) * 1e6, "dur": (r.end - r.start) * 1e6,
@@ -87,7 +90,7 @@ def chrome_trace(records: list[ActionRecord]) -> dict:
 
 
 def _shade(kind: str, chunk: int, chunks: int) -> tuple[int, int, int]:
-    base = (66, 133, 244) if kind == "F" else (52, 168, 83)
+    base = _BOXES[kind]
     k = 1.0 - 0.45 * chunk / max(chunks - 1, 1)
     return tuple(int(c * k) for c in base)
 
@@ -99,11 +102,11 @@ def write_png(records: list[ActionRecord], path: str, width: int = 1200, row_hei
     first = {row: min(r.rank for r in records if r.row == row) for row in rows}
     shown = [r for r in records if r.rank == first[r.row]]
     t0, t1 = min(r.start for r in shown), max(r.end for r in shown)
-    chunks = max((r.action.chunk for r in shown if r.action.kind in ("F", "B")), default=0) + 1
+    chunks = max((r.action.chunk for r in shown if r.action.kind in STAGE_KINDS), default=0) + 1
     height = row_height * len(rows) + 8
     img = png.blank(width, height)
     scale = (width - 8) / max(t1 - t0, 1e-12)
-    for r in sorted(shown, key=lambda r: r.action.kind not in ("F", "B")):     # thin bars over the boxes
+    for r in sorted(shown, key=lambda r: r.action.kind not in STAGE_KINDS):     # thin bars over the boxes
         y0 = 4 + rows.index(r.row) * row_height
         if r.action.kind == REDUCE or r.action.kind in _RING_ROWS:
             x0, x1 = 4 + int((r.start - t0) * scale), 4 + max(int((r.end - t0) * scale), int((r.start - t0) * scale) + 1)
@@ -149,15 +152,17 @@ def export_trace(records: list[ActionRecord], prefix: str) -> None:
 
 
 def text_timeline(timeline: Timeline) -> str:
-    """A unit-cost timeline as text: one row per rank, one column per step; F/B for chunk 0,
-    f/b for chunk 1 (then G/C ...), the microbatch number after it, `..` when idle."""
-    letters = ["FB", "fb", "GC", "gc"]
+    """A unit-cost timeline as text: one row per rank, one column per step; F/B/W for chunk 0,
+    f/b/w for chunk 1 (then G/C/X ...), the microbatch number after it, `..` when idle."""
+    letters = ["FBW", "fbw", "GCX", "gcx"]
     lines = []
     for r, row in enumerate(timeline.spans):
         cells = [".  "] * int(timeline.makespan)
-        for a, start, _ in row:
-            kind = letters[a.chunk % len(letters)][0 if a.kind == "F" else 1]
+        for a, start, end in row:
+            kind = letters[a.chunk % len(letters)]["FBW".index(a.kind)]
             cells[int(start)] = f"{kind}{a.microbatch:<2}"
+            for k in range(int(start) + 1, int(end)):      # a longer action goes on
+                cells[k] = "-  "
         lines.append(f"rank {r} | " + "".join(cells).rstrip())
     return "\n".join(lines)
 

@@ -102,7 +102,7 @@ def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace, wan
         norm_errs.append(max_rel(rt.last_grad_norm.float(), ref_norm))
         loss_errs.append(max_rel(loss, ref_loss))
     norms = [float(n) for n in want["norms"]]
-    mine = [s for i, s in enumerate(prog.stage_modules(rt.tp_rank)) if stage_owner(i, args.pp)[0] == rt.pp_rank]
+    mine = [s for i, s in enumerate(prog.stage_modules(rt.tp_rank)) if stage_owner(i, args.pp, prog.placement)[0] == rt.pp_rank]
     fused = sum(len(fused_ops(s)) for s in mine)
     if args.trace:
         export_trace(rt.records, os.path.join(args.trace, f"{name}_tp{args.tp}_pp{args.pp}_dp{args.dp}_v{args.virtual}"))

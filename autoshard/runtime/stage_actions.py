@@ -1,0 +1,120 @@
+"""One step of one pipeline rank: its schedule's actions run in order (MeshRuntime.train_step).
+
+F receives its stage's inputs from the previous stage (unless it is stage 0), runs the stage graph
+on the microbatch, sends the outputs on and keeps what backward needs. B receives the output
+gradients (the last stage starts from its loss), back-propagates and sends its input gradients
+back. In a schedule without W actions B is the whole backward and frees the microbatch; with them
+B computes the input gradients only and W, later, the parameters' (runtime/backward_split.py),
+then frees it. Gradients land in the runtime's gradient buffers (runtime/gradients.py) through
+`.grad`, once per parameter and microbatch either way. Each action's start and end are recorded.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autoshard.module_paths import fetch_attr
+from autoshard.passes.stages import StageGraph
+from autoshard.runtime.backward_split import WeightWork, backward_input, backward_weight
+from autoshard.runtime.p2p import BACKWARD, FORWARD
+from autoshard.runtime.trace import ActionRecord
+
+__all__ = ["ChunkParams", "run_actions"]
+
+
+class ChunkParams:
+    """Which parameters one chunk's graph reads, and which of them are read inside a recomputed
+    region (their gradients are computed in B, so the region runs once: runtime/backward_split.py)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
+        self.names = list(dict.fromkeys(n.target for n in reads))
+        weights_only = set(reads)          # nodes computed from get_attr values alone
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.all_input_nodes and all(a in weights_only for a in n.all_input_nodes):
+                weights_only.add(n)
+        recomputed: set[str] = set()
+        for n in gm.graph.nodes:
+            if n.op == "call_module" and n.meta.get("recompute"):
+                stack = [a for a in n.all_input_nodes if a in weights_only]
+                while stack:
+                    a = stack.pop()
+                    if a.op == "get_attr":
+                        recomputed.add(a.target)
+                    stack += [b for b in a.all_input_nodes if b in weights_only]
+        self.recomputed = [name for name in self.names if name in recomputed]
+
+    def tensors(self, names: list[str]) -> list[torch.Tensor]:
+        """The trainable parameters among `names`, as the graph reads them now (the distributed
+        optimizer may have moved them)."""
+        out = [fetch_attr(self.gm, name) for name in names]
+        return [t for t in out if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+
+
+def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]], flats: list[list], out_spec,
+                loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
+    """Run `rt`'s (a MeshRuntime's) actions for one step; returns the last stage's scaled microbatch
+    losses. A microbatch whose scale is 0 (no token counted: its mean is 0/0) adds nothing and
+    back-propagates nothing."""
+    last = rt.n_stages - 1
+    split = any(a.kind == "W" for a in rt.actions)
+    saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    pending: dict[tuple[int, int], WeightWork] = {}
+    losses, origin = [], rt._origin
+    rt.records = []
+    for a in rt.actions:
+        stage, i = rt.stage_of(a), a.microbatch
+        start = time.time()
+        _, gm, params = chunks[a.chunk]
+        if a.kind == "F":
+            received = []
+            if stage > 0:
+                received = rt.transfer.recv_forward(len(chunks[a.chunk][0].receives), rt.rank_of_stage(stage - 1),
+                                                    stage, i)
+                received = [t.requires_grad_() if t.is_floating_point() else t for t in received]
+                start = time.time()           # waiting for the previous stage is idle time
+            outs = list(gm(*flats[i], *received))
+            if stage == last:
+                loss = loss_of(pytree.tree_unflatten(outs, out_spec), i)
+                scale = scales[i].to(loss.dtype) if isinstance(scales[i], torch.Tensor) else scales[i]
+                # No token counted: the model's mean is 0/0 (NaN) and the microbatch adds nothing. At
+                # ep or cp > 1 its backward still runs (it exchanges tokens or keys with the other
+                # ranks), through loss * 0: the NaN gets a zero gradient, and its value is not counted.
+                empty = isinstance(scale, torch.Tensor) and not bool(scale)
+                outs = [torch.zeros_like(loss) if empty and rt.dims.ep == 1 and rt.dims.cp == 1 else loss * scale]
+                counted = torch.zeros_like(outs[0]) if empty else outs[0]
+                losses.append(counted.detach().to(rt.device, torch.float32))
+            else:
+                rt.transfer.send(outs, rt.rank_of_stage(stage + 1), stage, i, FORWARD)
+            saved[(stage, i)] = (outs, received)
+        elif a.kind == "B":
+            outs, received = saved[(stage, i)] if split else saved.pop((stage, i))
+            if stage == last:
+                pairs = [(outs[0], None)] if outs[0].requires_grad else []
+            else:
+                sent = [o for o in outs if o.is_floating_point()]
+                grads = rt.transfer.recv_backward(sent, rt.rank_of_stage(stage + 1), stage, i)
+                start = time.time()
+                pairs = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
+            floats = [t for t in received if t.is_floating_point()]
+            if split:
+                back, pending[(stage, i)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
+                                                           params.tensors(params.names),
+                                                           params.tensors(params.recomputed))
+            else:
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                back = [t.grad for t in floats]
+            if stage > 0:
+                back = [g if g is not None else torch.zeros_like(t) for t, g in zip(floats, back)]
+                rt.transfer.send(back, rt.rank_of_stage(stage - 1), stage, i, BACKWARD)
+        else:
+            backward_weight(pending.pop((stage, i)))
+            saved.pop((stage, i))
+        rt.records.append(ActionRecord(rt.global_rank, rt.pp_rank, stage, a, start - origin, time.time() - origin))
+    return losses
