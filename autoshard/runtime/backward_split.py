@@ -15,7 +15,8 @@ is computed once, from exactly what B left. Parameters whose frontiers are linke
 twice in one stage, one use feeding the other) share one W call in which the saved gradients
 replace what would flow between the frontier nodes, so nothing is counted twice. A stage output
 computed from parameters alone (the first stage's, which has no inputs) is a frontier of its own,
-started from its received gradient.
+started from its received gradient. A stage without inputs that need a gradient (the first) has
+nothing to split: its B is the whole backward and its W is empty.
 
 Each parameter's `.grad` is accumulated once per microbatch, at the end of W, in one engine call:
 the gradient buffers' hooks (runtime/grad_buffer.py) count one arrival per microbatch, so a
@@ -154,6 +155,13 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor 
     pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, output_grads)
              if o.requires_grad and o.grad_fn is not None]
     outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    if not any(t.requires_grad for t in inputs):
+        # The first stage: no input gradient for anyone to wait for, so B is the whole backward (the
+        # graph is freed at once, and W, with nothing left, costs nothing). Split, W would start from
+        # the outputs and run the stage's collectives and recomputed regions a second time.
+        if outs:
+            torch.autograd.backward(outs, grads)
+        return [None] * len(inputs), WeightWork([], [])
     kept_ids = {id(p) for p in keep_in_b}
     groups = _groups(outs, grads, [t for t in inputs if t.requires_grad],
                      [p for p in params if p.requires_grad and id(p) not in kept_ids]) if outs else []

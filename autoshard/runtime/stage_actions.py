@@ -34,9 +34,10 @@ class ChunkParams:
         self.gm = gm
         reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
         self.names = list(dict.fromkeys(n.target for n in reads))
-        weights_only = set(reads)          # nodes computed from get_attr values alone
+        weights_only = set(reads)          # nodes computed from get_attr values alone (casts, sp's f on a norm weight)
         for n in gm.graph.nodes:
-            if n.op == "call_function" and n.all_input_nodes and all(a in weights_only for a in n.all_input_nodes):
+            if (n.op in ("call_function", "call_module") and not n.meta.get("recompute") and n.all_input_nodes
+                    and all(a in weights_only for a in n.all_input_nodes)):
                 weights_only.add(n)
         recomputed: set[str] = set()
         for n in gm.graph.nodes:
