@@ -106,10 +106,11 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                             "tp/pp/dp/cp yourself")
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
-                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches))
+                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule)
         tp, pp, dp, ep, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.ep, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
+        schedule = schedule or (chosen.schedule if pp > 1 else None)
     recompute = "none" if recompute is None else recompute
     if virtual is None and schedule is not None:
         virtual = schedule_spec(schedule).chunks         # a V schedule's two chunks
@@ -172,7 +173,8 @@ def _check_context_attention(attention: str) -> None:
 
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
-                   sequence_parallel: bool, recompute: str | None, given: dict[str, int | None]) -> Estimate:
+                   sequence_parallel: bool, recompute: str | None, given: dict[str, int | None],
+                   schedule: str | None = None) -> Estimate:
     """The planner's fastest split of `world_size` GPUs; refused when the caller also fixed one."""
     fixed = {k: x for k, x in given.items() if x is not None}
     if fixed:
@@ -180,7 +182,8 @@ def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, 
                             f"microbatches; drop {', '.join(f'{k}={x}' for k, x in fixed.items())} or world_size")
     try:
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
-                    sequence_parallel=sequence_parallel, recompute=recompute)[0]
+                    sequence_parallel=sequence_parallel, recompute=recompute,
+                    **({"schedules": (schedule,)} if schedule else {}))[0]
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
                             "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"

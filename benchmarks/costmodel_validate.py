@@ -62,7 +62,7 @@ def planner_ranks() -> list[tuple[dict, int | None, Estimate, Estimate | None]]:
     out = []
     for row in table1():
         plans = plan(ModelShape(row["hidden"], row["layers"], row["heads"], VOCAB, SEQ), gpus=row["gpus"],
-                     global_batch=row["global_batch"], recompute="full")
+                     global_batch=row["global_batch"], recompute="full", schedules=("1f1b", "interleaved"))
         order = [(e.tp, e.pp) for e in plans]
         where = order.index((row["tp"], row["pp"])) if (row["tp"], row["pp"]) in order else None
         out.append((row, None if where is None else where + 1, plans[0], None if where is None else plans[where]))

@@ -18,6 +18,7 @@ in `hardware`; this file puts them together.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from autoshard.errors import expert_split_problem, require_positive_int
@@ -35,6 +36,8 @@ from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.estimate import RESERVED, Estimate
 from autoshard.planning.memory_model import busiest_rank
 from autoshard.planning.moe_cost import MoELayerCosts, MoEShape, moe_layer_costs
+from autoshard.planning.schedule_choice import StageTimes, bubble_of
+from autoshard.runtime.schedules import schedule_spec
 
 __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
 
@@ -98,7 +101,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
              distributed_optimizer: bool = False, moe: MoEShape | None = None,
              ep: int = 1, cp: int = 1, kv_heads: int | None = None, cp_overlap: bool = True,
-             attention: str = "math") -> Estimate:
+             attention: str = "math", schedules: tuple[str, ...] | None = None) -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
     gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
@@ -118,7 +121,9 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
 
     `microbatch=None` or `virtual=None` (pipeline chunks per rank, the paper's v) choose the fastest
     legal value that fits memory (if none fits, the configuration with the least memory, marked
-    `fits=False`).
+    `fits=False`). `schedules`: the pipeline schedules to weigh (runtime/schedules.py's names; their
+    bubbles from the event simulator, planning/schedule_choice.py, their memory from each schedule's
+    own peak of activations held); None: the papers' Megatron, 1F1B or interleaved 1F1B when v > 1.
     """
     v = virtual
     for name, x in dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp,
@@ -159,16 +164,34 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
                  overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits,
                  distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, kv_heads=kv_heads,
                  cp_overlap=cp_overlap, attention=attention)
-    results = [_one(hw, microbatch=mb, v=vv, **shape) for mb, vv in pairs]
+    runs = [(mb, vv, s) for mb, vv in pairs for s in _schedules_for(vv, pp, schedules)]
+    results = [_one(hw, microbatch=mb, v=vv, schedule=s, **shape) for mb, vv, s in runs]
     fitting = [e for e in results if e.fits]
-    if fitting:
-        return min(fitting, key=lambda e: e.seconds_per_iteration)
-    return min(results, key=lambda e: e.memory_gib_per_gpu)
+    best = min(fitting, key=lambda e: e.seconds_per_iteration) if fitting else \
+        min(results, key=lambda e: e.memory_gib_per_gpu)
+    if schedules is None or pp == 1:
+        return best
+    # why this schedule: the others weighed at the same microbatch size
+    others = tuple(f"{e.schedule} v={e.virtual}: {e.seconds_per_iteration:.2f} s, {e.memory_gib_per_gpu:.1f} GiB"
+                   + ("" if e.fits else " (does NOT fit)") for e in results if e.microbatch == best.microbatch)
+    return dataclasses.replace(best, schedules_weighed=others)
+
+
+def _schedules_for(v: int, pp: int, names: tuple[str, ...] | None) -> list[str]:
+    """The schedules that run v chunks per rank among `names` (None: Megatron's for v)."""
+    if names is None or pp == 1:
+        return ["interleaved" if v > 1 else "1f1b"]
+    out = []
+    for name in names:
+        chunks = schedule_spec(name).chunks
+        if chunks == v or (chunks is None and v > 1):
+            out.append(name)
+    return out
 
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
          recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer, moe, ep, cp,
-         kv_heads, cp_overlap, attention) -> Estimate:
+         kv_heads, cp_overlap, attention, schedule: str = "1f1b") -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
     x = LayerShape(microbatch, seq // cp, hidden, heads, tp, sequence_parallel)     # this rank's tokens
@@ -201,8 +224,17 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     work_cp = share * per_rank * ring.comm_exposed
     work = work_compute + work_comm + work_ep + work_cp
     one_node = tp * pp * dp <= node
-    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm,
-                 "bubble": evaluate("bubble_fraction", p=pp, v=v, m=m) * m * work}
+    if schedule_spec(schedule).split and pp > 1:
+        # B and W: half the backward each (a layer's weight-gradient matmuls are as long as its
+        # input-gradient ones); under full recompute the runtime computes a recomputed region's weight
+        # gradients in B (runtime/backward_split.py), so W is empty
+        f = per_rank * layer_forward
+        rest = work - f
+        w = 0.0 if recompute == "full" else rest / 2
+        bubble = bubble_of(schedule, pp, v, m, StageTimes(f, rest - w, w))
+    else:
+        bubble = evaluate("bubble_fraction", p=pp, v=v, m=m)
+    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm, "bubble": bubble * m * work}
     if moe is not None:
         breakdown["ep_comm"] = m * work_ep
     if cp > 1:
@@ -245,6 +277,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                                  sequence_parallel=sequence_parallel, dp=dp * cp, ep=ep, expert_params=experts.expert_params,
                                  attention=attention,
                                  distributed_optimizer=distributed_optimizer, layer_params_added=experts.params,
+                                 schedule=schedule,
                                  ffn=4.0 if moe is None else 2 * moe.top_k * moe.ffn / hidden)
     memory = held.peak
     return Estimate(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
@@ -254,4 +287,4 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                     model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
                     memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - RESERVED) * hw.memory_gib * 2**30,
                     peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest, ep=ep, moe=moe,
-                    cp=cp)
+                    cp=cp, schedule=schedule)

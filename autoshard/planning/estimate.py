@@ -40,6 +40,8 @@ class Estimate:
     ep: int = 1                         # expert-parallel ranks (inside dp) of a mixture-of-experts model
     moe: MoEShape | None = None
     cp: int = 1                         # context-parallel ranks (each holds seq / cp tokens)
+    schedule: str = "1f1b"              # the pipeline schedule (runtime/schedules.py)
+    schedules_weighed: tuple[str, ...] = ()     # the schedules the planner compared, at this microbatch
 
     @property
     def gpus(self) -> int:
@@ -58,10 +60,13 @@ class Estimate:
                           for k, x in self.breakdown.items() if x > 0)
         split = f"tp={self.tp} pp={self.pp} dp={self.dp}" + f" ep={self.ep}" * (self.ep > 1) + \
             f" cp={self.cp}" * (self.cp > 1) + " sp" * self.sequence_parallel
-        return (f"{split} microbatch={self.microbatch} virtual={self.virtual}: "
+        schedule = f" schedule={self.schedule}" if self.pp > 1 else ""
+        return (f"{split} microbatch={self.microbatch} virtual={self.virtual}{schedule}: "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "
                 f"{self.seconds_per_iteration:.2f} s/iteration, {self.memory_gib_per_gpu:.1f} GiB per GPU"
                 f"{'' if self.fits else ' (does NOT fit)'}; time: {parts}"
                 + (f"; memory (pipeline rank {self.busiest_pp_rank}, recompute={self.recompute}): "
                    f"{self.memory.explain()}, {'within' if self.fits else 'over'} "
-                   f"{(1 - RESERVED) * self.memory_gib_total:.1f} GiB usable" if self.memory else ""))
+                   f"{(1 - RESERVED) * self.memory_gib_total:.1f} GiB usable" if self.memory else "")
+                + (f"; {self.schedule}: the fastest of the schedules that fit ({'; '.join(self.schedules_weighed)})"
+                   if self.schedules_weighed else ""))

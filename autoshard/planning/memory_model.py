@@ -35,6 +35,9 @@ and left out (under 0.5% of a layer at the sizes we measure).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+from autoshard.runtime.schedules import make_schedule, peak_in_flight, schedule_spec, stage_owner
 
 __all__ = ["ActivationShape", "ParamBytes", "param_bytes", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
@@ -105,7 +108,10 @@ def inflight_microbatches(schedule: str, pp: int, rank: int, microbatches: int, 
     """Microbatches whose activations pipeline rank `rank` holds at once, at its peak (in chunks of
     l/(p v) layers when virtual > 1, else of l/p layers): GPipe all m; 1F1B min(p - rank, m);
     interleaved 1F1B Megatron's warm-up, (p - rank - 1) * 2 + (v - 1) * p chunk forwards, plus the
-    one that starts the steady state, at most m v (all of them when m = p: every forward runs first)."""
+    one that starts the steady state, at most m v (all of them when m = p: every forward runs first).
+    The zero-bubble schedules hold a chunk from its F to its W: read from the schedule itself."""
+    if schedule_spec(schedule).split:
+        return _split_peaks(schedule, pp, virtual, min(microbatches, 4 * pp))[rank]
     if schedule == "gpipe":
         return microbatches * virtual
     if virtual == 1:
@@ -114,6 +120,13 @@ def inflight_microbatches(schedule: str, pp: int, rank: int, microbatches: int, 
         return microbatches * virtual
     warmup = (pp - rank - 1) * 2 + (virtual - 1) * pp
     return min(warmup + 1, microbatches * virtual)
+
+
+@lru_cache(maxsize=1024)
+def _split_peaks(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[int, ...]:
+    """Each rank's peak of chunks held; it stops growing once m reaches 4 pp (the schedules' caps
+    bind well before: tests/unit/test_zero_bubble_schedules.py), so the planner asks at most that."""
+    return tuple(peak_in_flight(make_schedule(schedule, pp, virtual, microbatches)))
 
 
 def inflight_layers(schedule: str, pp: int, rank: int, microbatches: int, layers_here: int, virtual: int = 1) -> float:
@@ -199,20 +212,24 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
                     pp_rank: int, microbatch: int, microbatches: int, virtual: int, recompute: str,
                     sequence_parallel: bool, resid_dropouts: int = 2, dp: int = 1,
                     distributed_optimizer: bool = False, layer_params_added: float = 0.0,
-                    ffn: float = 4.0, expert_params: float = 0.0, ep: int = 1, attention: str = "math") -> RankMemory:
+                    ffn: float = 4.0, expert_params: float = 0.0, ep: int = 1, attention: str = "math",
+                    schedule: str | None = None) -> RankMemory:
     """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask,
     weight and gradient bytes) under 1F1B (interleaved when virtual > 1), with AdamW's state whole or
     divided over `dp` ranks (`distributed_optimizer`). A mixture-of-experts layer: its parameters
     beyond the dense layer's on this rank (`layer_params_added`) and its MLP activations as an FFN
     width `ffn` x hidden (planning/moe_cost.py); `expert_params` of them per layer are experts, whose
     optimizer state the distributed optimizer divides over dp / ep ranks only. `attention`: "math"
-    (the s^2 scores kept) or "flash" (a fused kernel: a log-sum-exp per row)."""
+    (the s^2 scores kept) or "flash" (a fused kernel: a log-sum-exp per row). `schedule`: another
+    pipeline schedule (runtime/schedules.py) than 1F1B / interleaved; a V schedule puts the first and
+    the last stage on pipeline rank 0."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
                         e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts, ffn=ffn,
                         attention=attention)
-    schedule = "interleaved" if virtual > 1 else "1f1b"
+    schedule = schedule or ("interleaved" if virtual > 1 else "1f1b")
     here = -(-layers // pp)
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    last_rank = stage_owner(pp * virtual - 1, pp, schedule_spec(schedule).placement)[0]
+    first, last = pp_rank == 0, pp_rank == last_rank
     params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
     params += int(here * layer_params_added)
     per_param = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp, distributed_optimizer=distributed_optimizer)

@@ -25,6 +25,7 @@ from autoshard.errors import require_positive_int
 from autoshard.planning.costmodel import RECOMPUTE, Estimate, estimate
 from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.moe_cost import MoEShape, moe_shape
+from autoshard.planning.schedule_choice import CANDIDATES
 
 __all__ = ["ModelShape", "shape_of", "plan", "explain"]
 
@@ -93,7 +94,8 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
          hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str | None = None,
          sequence_parallel: bool = False, top: int | None = None,
          distributed_optimizer: bool = False, moe: MoEShape | None = None,
-         context_parallel: bool = False, attention: str = "math") -> list[Estimate]:
+         context_parallel: bool = False, attention: str = "math",
+         schedules: tuple[str, ...] = CANDIDATES) -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
     and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory.
@@ -102,7 +104,9 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     also search cp (each rank seq / cp tokens; not with sequence parallelism or experts, which the
     runtime does not build with cp yet). Off by default: at short sequences cp splits come within
     a percent of the best and crowd the ranking (benchmarks/RESULTS.md). attention: "math" or
-    "flash" (the attention core's memory: costmodel.estimate)."""
+    "flash" (the attention core's memory: costmodel.estimate). schedules: the pipeline schedules
+    weighed for each split (planning/schedule_choice.py): by default 1F1B, interleaved and the
+    zero-bubble ZB-H1, ZBV and V-Half; each estimate's `explain()` lists them at its microbatch."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
@@ -115,7 +119,8 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
                       seq=seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
-                      distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, attention=attention)
+                      distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, attention=attention,
+                      schedules=schedules)
              for tp, pp, dp, cp in _splits(shape, gpus, global_batch, hw, seq, context)
              for ep in _expert_splits(dp, moe, sequence_parallel) for mode in modes]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)

@@ -14,6 +14,9 @@ microbatch order (runtime/p2p.py's headers and issue order rely on it). The run 
 """
 from __future__ import annotations
 
+import bisect
+from functools import lru_cache
+
 from autoshard.errors import ShardingError
 from autoshard.runtime.pipeline_actions import Action, stage_index
 
@@ -36,6 +39,11 @@ class _Rank:
 def list_schedule(pp: int, v: int, m: int, placement: str, cap: int) -> list[list[Action]]:
     """Each rank's F, B and W actions for `pp` ranks of `v` chunks placed by `placement`, `m`
     microbatches, at most `cap` chunk activations held per rank."""
+    return [list(row) for row in _built(pp, v, m, placement, cap)]
+
+
+@lru_cache(maxsize=256)
+def _built(pp: int, v: int, m: int, placement: str, cap: int) -> tuple[tuple[Action, ...], ...]:
     if cap < v:
         raise ShardingError(f"a cap of {cap} chunk activations cannot hold one microbatch's {v} chunks")
     n, total = pp * v, 3 * v * m
@@ -74,7 +82,8 @@ def list_schedule(pp: int, v: int, m: int, placement: str, cap: int) -> list[lis
         me, now = ranks[r], ranks[r].clock
         a = pick(r, now)
         if a is None:          # wait for the next thing to finish, or let a rank free at this instant go first
-            later = [e for e in ends if e > now] + [ranks[x].clock for x in busy if ranks[x].clock > now]
+            k = bisect.bisect_right(ends, now)
+            later = ends[k:k + 1] + [ranks[x].clock for x in busy if ranks[x].clock > now]
             if later:
                 me.clock = min(later)
             elif all(ranks[x].blocked_at == now for x in busy if x != r and ranks[x].clock == now):
@@ -84,7 +93,7 @@ def list_schedule(pp: int, v: int, m: int, placement: str, cap: int) -> list[lis
             continue
         me.clock = now + 1.0
         done[(a.kind, a.stage(r, pp, placement), a.microbatch)] = me.clock
-        ends.append(me.clock)
+        bisect.insort(ends, me.clock)
         me.actions.append(a)
         if a.kind == "F":
             me.next_f[a.chunk] += 1
@@ -95,4 +104,4 @@ def list_schedule(pp: int, v: int, m: int, placement: str, cap: int) -> list[lis
         else:
             me.pending_w.pop(0)
             me.live -= 1
-    return [me.actions for me in ranks]
+    return tuple(tuple(me.actions) for me in ranks)

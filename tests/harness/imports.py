@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "passes": {"parallel", "kernels"},
     "runtime": {"parallel", "passes"},
     "compile": {"parallel", "passes", "runtime"},
-    "planning": {"compile"},
+    "planning": {"compile", "runtime"},
     "checkpoint": {"compile", "runtime", "parallel", "passes"},
     "models": set(),
     **{leaf: set() for leaf in LEAVES},

@@ -80,7 +80,12 @@ def test_planner_searches_recompute_and_says_why_a_plan_fits():
     assert {e.recompute for e in found} == {"full", "selective", "none"}
     assert found[0].recompute == "none"          # it fits, and recomputing nothing is fastest
     shape = ModelShape(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048)
-    assert {e.recompute for e in plan(shape, gpus=64, global_batch=64)} == {"full"}   # only full fits
+    megatron = ("1f1b", "interleaved")
+    assert {e.recompute for e in plan(shape, gpus=64, global_batch=64, schedules=megatron)} == {"full"}   # only full fits
+    # V-Half holds about half of 1F1B's activations: selective recomputation fits with it, and only with it
+    found = plan(shape, gpus=64, global_batch=64)
+    assert {e.schedule for e in found if e.recompute == "selective"} == {"v-half"}
+    assert found[0].recompute == "selective" and "v-half: the fastest of the schedules that fit" in found[0].explain()
     tight = estimate(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048, tp=8, pp=8, dp=1,
                      global_batch=64, microbatch=1, recompute="none")
     assert not tight.fits and "does NOT fit" in tight.explain()

@@ -49,6 +49,7 @@ def test_autoshard_world_size_compiles_the_planners_choice():
     assert prog.planned == best
     assert (prog.tp, prog.pp, prog.dp, prog.virtual) == (best.tp, best.pp, best.dp, best.virtual)
     assert prog.world_size == 4 and prog.microbatches == best.microbatches
+    assert prog.schedule_name == (best.schedule if best.pp > 1 else "1f1b")
     ids = torch.randint(0, 128, (2, 16))
     assert torch.allclose(prog.simulate(ids)[0], model(ids)[0], atol=1e-5)
 

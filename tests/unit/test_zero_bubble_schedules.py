@@ -116,3 +116,11 @@ def test_checker_knows_weight_actions():
 def test_invalid_zero_bubble_requests(call, match):
     with pytest.raises(ShardingError, match=match):
         call()
+
+
+def test_peaks_stop_growing_by_4p_microbatches():
+    """The memory model reads a schedule's peak at min(m, 4p) microbatches (memory_model._split_peaks)."""
+    for name in ("zb-h1", "zbv", "v-half"):
+        v = schedule_spec(name).chunks
+        for p in (2, 3, 4, 8):
+            assert peak_in_flight(make_schedule(name, p, v, 4 * p)) == peak_in_flight(make_schedule(name, p, v, 9 * p))
