@@ -25,20 +25,22 @@ from autoshard.planning.costmodel import estimate  # noqa: E402
 from autoshard.planning.memory_model import RankMemory, gpt_rank_memory  # noqa: E402
 from benchmarks.sweep_worker import MICRO, SHAPE  # noqa: E402
 
-# (tp, pp, dp, virtual, microbatches, recompute, sequence parallel)
+# (tp, pp, dp, virtual, microbatches, recompute, sequence parallel[, schedule])
 CONFIGS = [
     (1, 1, 1, 1, 1, "none", False), (1, 1, 1, 1, 2, "full", False), (2, 1, 1, 1, 1, "none", False),
     (2, 1, 1, 1, 2, "selective", False), (2, 1, 1, 1, 1, "full", True), (1, 2, 1, 1, 4, "none", False),
     (1, 2, 1, 1, 4, "selective", False), (1, 2, 1, 2, 4, "full", False), (1, 1, 2, 1, 2, "none", False),
     (2, 2, 1, 1, 4, "none", False),
+    (1, 2, 1, 1, 4, "none", False, "zb-h1"), (1, 2, 1, 2, 4, "none", False, "zbv"),
+    (1, 2, 1, 2, 4, "none", False, "v-half"),
 ]
 
 
 def worker_args(config) -> list[str]:
     """benchmarks/sweep_worker.py's arguments for one configuration (run on tp * pp * dp processes)."""
-    tp, pp, dp, v, m, rc, sp = config
+    tp, pp, dp, v, m, rc, sp, *schedule = config
     return (["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v), "--microbatches", str(m),
-             "--recompute", rc] + (["--sp"] if sp else []))
+             "--recompute", rc] + (["--sp"] if sp else []) + (["--schedule", schedule[0]] if schedule else []))
 
 
 def run(config) -> list[dict]:
@@ -52,19 +54,21 @@ def run(config) -> list[dict]:
 
 
 def predicted_memory(config, pp_rank: int, hw) -> RankMemory:
-    tp, pp, dp, v, m, rc, sp = config
+    tp, pp, dp, v, m, rc, sp, *schedule = config
     return gpt_rank_memory(hw, hidden=SHAPE["n_embd"], layers=SHAPE["n_layer"], heads=SHAPE["n_head"],
                            vocab=SHAPE["vocab_size"], seq=SHAPE["block_size"], tp=tp, pp=pp, pp_rank=pp_rank,
                            microbatch=MICRO, microbatches=m, virtual=v, recompute=rc, sequence_parallel=sp,
-                           resid_dropouts=1)      # nanoGPT: dropout after the MLP only
+                           resid_dropouts=1,      # nanoGPT: dropout after the MLP only
+                           schedule=schedule[0] if schedule else None)
 
 
 def predicted_seconds(config, hw) -> float:
-    tp, pp, dp, v, m, rc, sp = config
+    tp, pp, dp, v, m, rc, sp, *schedule = config
     return estimate(hidden=SHAPE["n_embd"], layers=SHAPE["n_layer"], heads=SHAPE["n_head"], vocab=SHAPE["vocab_size"],
                     seq=SHAPE["block_size"], tp=tp, pp=pp, dp=dp, global_batch=dp * m * MICRO, microbatch=MICRO,
                     virtual=v, hardware=hw, recompute=rc, sequence_parallel=sp,
-                    gather_logits=True).seconds_per_iteration       # the GPT returns its logits, gathered
+                    gather_logits=True,            # the GPT returns its logits, gathered
+                    schedules=tuple(schedule) or None).seconds_per_iteration
 
 
 def main() -> None:
@@ -78,7 +82,7 @@ def main() -> None:
              f"layer dispatch {hw.layer_overhead_s * 1e3:.2f} ms, step fixed {hw.step_overhead_s * 1e3:.2f} ms, "
              f"AdamW {hw.optimizer_s_per_param * 1e9:.2f} ns/param, gloo {hw.latency_us:.0f} us + "
              f"{hw.network_gb_s:.2f} GB/s, {hw.cores} cores", "",
-             "| tp | pp | dp | v | m | recompute | sp | rank | peak MiB | model MiB | error | step s | model s | error |",
+             "| tp | pp | dp | v | m | recompute | sp | schedule | rank | peak MiB | model MiB | error | step s | model s | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     worst_mem = worst_time = 0.0
     for config in configs:
@@ -93,8 +97,8 @@ def main() -> None:
             want = predicted_memory(config, r["pp_rank"], hw).peak
             err = (want - r["peak_bytes"]) / r["peak_bytes"]
             worst_mem = max(worst_mem, abs(err))
-            tp, pp, dp, v, m, rc, sp = config
-            lines.append(f"| {tp} | {pp} | {dp} | {v} | {m} | {rc} | {sp} | {r['rank']} | "
+            tp, pp, dp, v, m, rc, sp, *schedule = config
+            lines.append(f"| {tp} | {pp} | {dp} | {v} | {m} | {rc} | {sp} | {(schedule or ['-'])[0]} | {r['rank']} | "
                          f"{r['peak_bytes'] / 2**20:.1f} | {want / 2**20:.1f} | {100 * err:+.1f}% | {step:.3f} | "
                          f"{want_s:.3f} | {100 * t_err:+.1f}% |")
         print(lines[-1], flush=True)

@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--virtual-pipeline", dest="virtual", type=int, default=1)
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--schedule", default=None, help="a pipeline schedule (runtime/schedules.py); default 1F1B / interleaved")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     run_checker(lambda: _measured(args))
@@ -58,7 +59,7 @@ def _measure(args: argparse.Namespace) -> None:
     batch = lambda: (torch.randint(0, SHAPE["vocab_size"], (rows, seq), generator=gen),) * 2  # noqa: E731
     ids, _ = batch()
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual, microbatches=args.microbatches,
-                     recompute=args.recompute, sequence_parallel=args.sp,
+                     recompute=args.recompute, sequence_parallel=args.sp, schedule=args.schedule,
                      example_inputs=(ids[:MICRO], ids[:MICRO]))
     rt = prog.distributed(mesh=True)
     del model

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoshard.runtime.schedules import make_schedule, peak_in_flight, schedule_spec, stage_owner
+from autoshard.runtime.schedules import held_at_peak, make_schedule, peak_in_flight, schedule_spec, stage_owner
 
 __all__ = ["ActivationShape", "ParamBytes", "param_bytes", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
@@ -93,6 +93,16 @@ TERMS: dict[str, tuple[object, tuple[str, ...]]] = {
 RECOMPUTE_KEEPS = {mode: [n for n, (_, keeps) in TERMS.items() if mode in keeps] for mode in _ALL}
 
 
+def weight_gradient_inputs(x: ActivationShape, recompute: str) -> float:
+    """Bytes one layer's B leaves for its W in a zero-bubble schedule (runtime/backward_split.py):
+    the gradient arriving at each op that reads a weight: the two norms' outputs, Q/K/V, the
+    out-projection's partial sums, FC1 and FC2's outputs. None under full recomputation: a
+    recomputed region's weight gradients are computed in B."""
+    if recompute == "full":
+        return 0.0
+    return x.e * x.s * x.b * x.h * (2 / _spt(x) + (3 + x.ffn) / x.t + 2)
+
+
 def activation_terms(x: ActivationShape, recompute: str) -> dict[str, float]:
     """Bytes of each term one layer keeps for one microbatch under `recompute`."""
     if recompute not in RECOMPUTE_KEEPS:
@@ -127,6 +137,12 @@ def _split_peaks(schedule: str, pp: int, virtual: int, microbatches: int) -> tup
     """Each rank's peak of chunks held; it stops growing once m reaches 4 pp (the schedules' caps
     bind well before: tests/unit/test_zero_bubble_schedules.py), so the planner asks at most that."""
     return tuple(peak_in_flight(make_schedule(schedule, pp, virtual, microbatches)))
+
+
+@lru_cache(maxsize=4096)
+def _split_held(schedule: str, pp: int, virtual: int, microbatches: int, ratio: float) -> tuple[tuple[int, int], ...]:
+    return tuple(held_at_peak(make_schedule(schedule, pp, virtual, microbatches), ratio,
+                              schedule_spec(schedule).placement))
 
 
 def inflight_layers(schedule: str, pp: int, rank: int, microbatches: int, layers_here: int, virtual: int = 1) -> float:
@@ -186,7 +202,7 @@ class RankMemory:
 
 
 def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recompute: str, layers_here: int, inflight: float, chunk_microbatches: int, virtual: int = 1,
-                vocab_here: int = 0) -> RankMemory:
+                vocab_here: int = 0, waiting_for_w: float = 0.0) -> RankMemory:
     """Peak bytes of one rank during a training step.
 
     The peak is at the start of a backward: the in-flight microbatches' saved activations (each
@@ -195,7 +211,9 @@ def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recom
     their softmax and gradient: 3 x 4 bytes x b s V/t). Gradients are allocated by the rank's first
     backward and kept; they add to the peak of a later backward when more chunk-microbatches than
     `inflight` run (else the first backward is the peak, and its own freed activations make room
-    for them: at most one chunk fewer in flight with the gradients)."""
+    for them: at most one chunk fewer in flight with the gradients). `waiting_for_w`: chunks whose B
+    has run and whose W has not, at that peak (zero-bubble schedules), each keeping
+    `weight_gradient_inputs` per layer besides its activations."""
     chunk = layers_here / virtual * layer_activation_bytes(x, recompute)
     working = 2 * x.ffn * x.e * x.s * x.b * x.h / x.t + 12 * x.b * x.s * vocab_here
     if recompute != "none":      # what the recomputation makes again, for one layer
@@ -203,7 +221,8 @@ def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recom
     grads = per_param.grads * params
     state = (per_param.total - per_param.grads) * params
     later = inflight * chunk + grads if chunk_microbatches > inflight else max(0.0, inflight - 1) * chunk + grads
-    acts = inflight * chunk
+    acts = inflight * chunk + waiting_for_w * layers_here / virtual * weight_gradient_inputs(x, recompute)
+    later += acts - inflight * chunk
     peak = state + working + max(acts, later)
     return RankMemory(state, grads, acts, working, peak)
 
@@ -239,8 +258,12 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
         mix = lambda a, b: (a * (params - experts) + b * experts) / params        # noqa: E731
         per_param = ParamBytes(*(mix(getattr(per_param, f), getattr(held, f))
                                  for f in ("weights", "grads", "main", "moments")))
+    inflight, waiting = inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual), 0.0
+    if schedule_spec(schedule).split:
+        ratio = weight_gradient_inputs(x, recompute) / layer_activation_bytes(x, recompute)
+        inflight, waiting = _split_held(schedule, pp, virtual, min(microbatches, 4 * pp), round(ratio, 2))[pp_rank]
     return rank_memory(x, params=params, per_param=per_param, recompute=recompute, layers_here=here,
-                       inflight=inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual),
+                       inflight=inflight, waiting_for_w=waiting,
                        chunk_microbatches=microbatches * virtual, virtual=virtual,
                        vocab_here=-(-vocab // tp) if last else 0)
 

@@ -33,7 +33,7 @@ from autoshard.runtime.pipeline_actions import Action, stage_index, stage_owner
 
 __all__ = ["Action", "ScheduleSpec", "Timeline", "stage_index", "stage_owner", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "zb_h1", "make_schedule", "schedule_spec", "splits_backward", "check",
-           "bubble_fraction", "rank_idle_fraction", "peak_in_flight", "SCHEDULES"]
+           "bubble_fraction", "rank_idle_fraction", "peak_in_flight", "held_at_peak", "SCHEDULES"]
 
 
 def _validate(pp: int, v: int, m: int) -> None:
@@ -233,6 +233,26 @@ def rank_idle_fraction(timeline: Timeline) -> float:
     for row in timeline.spans:
         busy = sum(e - s for _, s, e in row)
         out = max(out, (row[-1][2] - row[0][1] - busy) / busy)
+    return out
+
+
+def held_at_peak(schedule: list[list[Action]], pending_weight: float, placement: str = "loop") -> list[tuple[int, int]]:
+    """Per rank, (chunk activations held, chunks waiting for their W) when `activations + pending_weight
+    x waiting` peaks: between its B and its W a chunk also keeps the gradients B captured for W
+    (runtime/backward_split.py), `pending_weight` of an activation's bytes. The first stage's B is
+    its whole backward: it frees the chunk and leaves nothing for W."""
+    out = []
+    pp = len(schedule)
+    for r, acts in enumerate(schedule):
+        live = waiting = 0
+        best, at = -1.0, (0, 0)
+        for a in acts:
+            whole = a.stage(r, pp, placement) == 0
+            live += 1 if a.kind == "F" else -1 if a.kind == ("B" if whole else "W") else 0
+            waiting += 0 if whole else 1 if a.kind == "B" else -1 if a.kind == "W" else 0
+            if live + pending_weight * waiting > best:
+                best, at = live + pending_weight * waiting, (live, waiting)
+        out.append(at)
     return out
 
 

@@ -16,7 +16,10 @@ CPU = Hardware("cpu", peak_tflops=0.1, hbm_gb_s=1, memory_gib=24, gpus_per_node=
                network_gb_s=1, **CPU_DEFAULTS)
 
 
-CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2, 1, 1, 4, "selective", False)}
+CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2, 1, 1, 4, "selective", False),
+           # zero-bubble: a chunk held from F to W, with B's gradients for W from B to W; zbv's rank 0
+           # holds the first and the last stage
+           "pp2-m4-zb-h1": (1, 2, 1, 1, 4, "none", False, "zb-h1"), "pp2-m4-zbv": (1, 2, 1, 2, 4, "none", False, "zbv")}
 # each configuration a job of the suite's launch of two processes (tests/launches.py)
 JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2)
         for name, config in CONFIGS.items()}
