@@ -1,0 +1,38 @@
+"""Tier (c): the zero-bubble schedules on gloo train exactly as 1F1B does (autoshard/testing/schedule_check.py):
+10 AdamW steps with clipping, GPT-2 and Llama, each schedule's losses and parameters against 1F1B's
+run in the same launch. Each mesh is a job of the suite's launch per world size (tests/launches.py)."""
+import pytest
+
+from tests.launches import Job, job_params
+
+SCHEDULES = {"zb-h1", "zbv", "v-half"}
+JOBS = {
+    "pp2": Job("zero-bubble/pp2", "autoshard.testing.schedule_check",
+               ("--pp", "2", "--layers", "4", "--steps", "10"), 2),
+    "pp4": Job("zero-bubble/pp4", "autoshard.testing.schedule_check",
+               ("--pp", "4", "--layers", "8", "--steps", "10"), 4),
+    # the distributed optimizer's buffer filled by W, its state over dp = 2
+    "pp2-dp2-distributed-optimizer": Job("zero-bubble/pp2-dp2-do", "autoshard.testing.schedule_check",
+                                         ("--pp", "2", "--dp", "2", "--distributed-optimizer", "--layers", "4",
+                                          "--steps", "10", "--schedules", "zb-h1", "zbv"), 4),
+    # f / g and sequence parallelism's gathers in B; recomputation once, in B
+    "tp2-pp2-sp-selective": Job("zero-bubble/tp2-pp2-sp", "autoshard.testing.schedule_check",
+                                ("--pp", "2", "--tp", "2", "--sequence-parallel", "--recompute", "selective",
+                                 "--models", "llama", "--layers", "4", "--steps", "5", "--schedules", "zb-h1", "zbv"), 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", job_params(JOBS))
+def test_zero_bubble_schedules_train_as_1f1b(launched, key):
+    lines = launched(JOBS[key])
+    args = JOBS[key].argv
+    models = {"llama"} if "--models" in args else {"gpt2", "llama"}
+    want = {"zb-h1", "zbv"} if "--schedules" in args else SCHEDULES
+    assert {(r["model"], r["schedule"]) for r in lines} == {(m, s) for m in models for s in want}
+    for r in lines:
+        assert r["all_ranks_ok"] and r["loss_rel"] <= 1e-6 and r["param_rel"] <= 1e-6, r
+        assert r["w_actions"] == r["actions"] // 3, r          # every backward split in two
+        # ZB-H1 runs 1F1B's stages and order: the same arithmetic, bit for bit; Llama bitwise everywhere
+        if r["schedule"] == "zb-h1" or r["model"] == "llama":
+            assert r["bitwise"], r
