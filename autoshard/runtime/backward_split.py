@@ -18,9 +18,9 @@ computed from parameters alone (the first stage's, which has no inputs) is a fro
 started from its received gradient. A stage without inputs that need a gradient (the first) has
 nothing to split: its B is the whole backward and its W is empty.
 
-Each parameter's `.grad` is accumulated once per microbatch, at the end of W, in one engine call:
-the gradient buffers' hooks (runtime/grad_buffer.py) count one arrival per microbatch, so a
-bucket's reduction starts when its last W is done. `keep_in_b` names parameters whose gradient B
+Each parameter's `.grad` is accumulated once per microbatch, by its group's engine call in W: the
+gradient buffers' hooks (runtime/grad_buffer.py) count one arrival per microbatch, so a bucket's
+reduction starts when its last W is done. `keep_in_b` names parameters whose gradient B
 computes itself (those inside a recomputed region: computing them in W would run the region a
 second time); they are accumulated with the others at W.
 
@@ -186,8 +186,11 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor 
 
 
 def backward_weight(work: WeightWork) -> None:
-    """W: the parameter gradients from what B left, accumulated into `.grad` once per parameter."""
-    total: dict[int, list] = {id(p): [p, d] for p, d in work.done}
+    """W: the parameter gradients from what B left, accumulated into `.grad` once per parameter
+    (the groups partition the parameters; each group's engine call accumulates its own, as a whole
+    backward would, without a copy)."""
+    if work.done:
+        torch.autograd.backward([p for p, _ in work.done], [d for _, d in work.done])
     for g in work.groups:
         edges: list[GradientEdge] = []
         seeds: list[torch.Tensor] = []
@@ -205,18 +208,9 @@ def backward_weight(work: WeightWork) -> None:
         clamps = [node.register_prehook(lambda _, saved=g.grads[node]: saved)
                   for node in g.frontier if node in g.grads] if len(g.frontier) > 1 else []
         try:
-            found = torch.autograd.grad(edges, g.params, seeds, retain_graph=True, allow_unused=True)
+            torch.autograd.backward(edges, seeds, retain_graph=True, inputs=g.params)
         finally:
             for h in clamps:
                 h.remove()
-        for p, d in zip(g.params, found):
-            if d is None:
-                continue
-            if id(p) in total:
-                total[id(p)][1] = total[id(p)][1] + d
-            else:
-                total[id(p)] = [p, d]
-    if total:
-        torch.autograd.backward([p for p, _ in total.values()], [d for _, d in total.values()])
     work.groups.clear()
     work.done.clear()
