@@ -141,8 +141,7 @@ def _split_peaks(schedule: str, pp: int, virtual: int, microbatches: int) -> tup
 
 @lru_cache(maxsize=4096)
 def _split_held(schedule: str, pp: int, virtual: int, microbatches: int, ratio: float) -> tuple[tuple[int, int], ...]:
-    return tuple(held_at_peak(make_schedule(schedule, pp, virtual, microbatches), ratio,
-                              schedule_spec(schedule).placement))
+    return tuple(held_at_peak(make_schedule(schedule, pp, virtual, microbatches), ratio))
 
 
 def inflight_layers(schedule: str, pp: int, rank: int, microbatches: int, layers_here: int, virtual: int = 1) -> float:

@@ -15,8 +15,11 @@ is computed once, from exactly what B left. Parameters whose frontiers are linke
 twice in one stage, one use feeding the other) share one W call in which the saved gradients
 replace what would flow between the frontier nodes, so nothing is counted twice. A stage output
 computed from parameters alone (the first stage's, which has no inputs) is a frontier of its own,
-started from its received gradient. A stage without inputs that need a gradient (the first) has
-nothing to split: its B is the whole backward and its W is empty.
+started from its received gradient. The first stage has no input that needs a gradient: the
+runtime taps the outputs of its first ops that read both the batch and a weight (an embedding, a
+first matmul: runtime/stage_actions.py's ChunkParams) and passes them as its inputs, so its B runs
+down to them and its W does the rest. A stage with no input needing a gradient at all has nothing
+to split: its B is the whole backward and its W is empty.
 
 Each parameter's `.grad` is accumulated once per microbatch, by its group's engine call in W: the
 gradient buffers' hooks (runtime/grad_buffer.py) count one arrival per microbatch, so a bucket's
@@ -179,6 +182,13 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor 
     finally:
         for h in handles:
             h.remove()
+    # An input that is itself a frontier node's output (the first stage's taps: an embedding's rows,
+    # a first matmul's output) got its gradient from the engine, not through a pre-hook.
+    frontier = {node: g for g in groups for node in g.frontier}
+    for t, d in zip(wanted, got):
+        g = frontier.get(t.grad_fn)
+        if g is not None and d is not None and t.grad_fn not in g.grads:
+            g.grads[t.grad_fn] = tuple(d if k == t.output_nr else None for k in range(t.output_nr + 1))
     by_input = iter(got[:len(wanted)])
     input_grads = [next(by_input) if t.requires_grad else None for t in inputs]
     done = [(p, d) for p, d in zip(kept, got[len(wanted):]) if d is not None]

@@ -120,8 +120,16 @@ class MeshRuntime(nn.Module):
         if id(gm) not in self._chunks:
             stages = self._prog.stage_graphs(gm)
             mine = [stages[stage_index(self.pp_rank, c, self.dims.pp, self.placement)] for c in range(self.virtual)]
-            built = [(sg, fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}")) for sg in mine]
-            self._chunks[id(gm)] = [(sg, chunk, ChunkParams(chunk)) for sg, chunk in built]
+            split = any(a.kind == "W" for a in self.actions)
+            built = []
+            for sg in mine:
+                chunk = fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}")
+                params = ChunkParams(chunk)
+                if split and sg.index == 0:       # B stops where the batch meets the first weights
+                    chunk = params.gm = fx.GraphModule(self._program, params.tap_boundaries(sg.graph),
+                                                       class_name=f"Stage{sg.index}")
+                built.append((sg, chunk, params))
+            self._chunks[id(gm)] = built
         return self._chunks[id(gm)]
 
     def stage_of(self, action: Action) -> int:

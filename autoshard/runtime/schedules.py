@@ -236,20 +236,17 @@ def rank_idle_fraction(timeline: Timeline) -> float:
     return out
 
 
-def held_at_peak(schedule: list[list[Action]], pending_weight: float, placement: str = "loop") -> list[tuple[int, int]]:
+def held_at_peak(schedule: list[list[Action]], pending_weight: float) -> list[tuple[int, int]]:
     """Per rank, (chunk activations held, chunks waiting for their W) when `activations + pending_weight
     x waiting` peaks: between its B and its W a chunk also keeps the gradients B captured for W
-    (runtime/backward_split.py), `pending_weight` of an activation's bytes. The first stage's B is
-    its whole backward: it frees the chunk and leaves nothing for W."""
+    (runtime/backward_split.py), `pending_weight` of an activation's bytes."""
     out = []
-    pp = len(schedule)
-    for r, acts in enumerate(schedule):
+    for acts in schedule:
         live = waiting = 0
         best, at = -1.0, (0, 0)
         for a in acts:
-            whole = a.stage(r, pp, placement) == 0
-            live += 1 if a.kind == "F" else -1 if a.kind == ("B" if whole else "W") else 0
-            waiting += 0 if whole else 1 if a.kind == "B" else -1 if a.kind == "W" else 0
+            live += 1 if a.kind == "F" else -1 if a.kind == "W" else 0
+            waiting += 1 if a.kind == "B" else -1 if a.kind == "W" else 0
             if live + pending_weight * waiting > best:
                 best, at = live + pending_weight * waiting, (live, waiting)
         out.append(at)

@@ -28,10 +28,16 @@ __all__ = ["ChunkParams", "run_actions"]
 
 class ChunkParams:
     """Which parameters one chunk's graph reads, and which of them are read inside a recomputed
-    region (their gradients are computed in B, so the region runs once: runtime/backward_split.py)."""
+    region (their gradients are computed in B, so the region runs once: runtime/backward_split.py).
+
+    `tap_boundaries(graph)`, for the first stage of a zero-bubble schedule: a copy of its graph in
+    which each first meeting of the batch with a weight (an op reading a value computed from the
+    inputs alone and one computed from weights alone: the embedding lookup, the first matmul) hands
+    its output to `self.taps` as it runs, so that B can stop there and leave the weights to W."""
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
+        self.taps: list[torch.Tensor] = []
         reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
         self.names = list(dict.fromkeys(n.target for n in reads))
         weights_only = set(reads)          # nodes computed from get_attr values alone (casts, sp's f on a norm weight)
@@ -49,6 +55,45 @@ class ChunkParams:
                         recomputed.add(a.target)
                     stack += [b for b in a.all_input_nodes if b in weights_only]
         self.recomputed = [name for name in self.names if name in recomputed]
+
+    @staticmethod
+    def boundaries(graph: fx.Graph) -> list[fx.Node]:
+        """The first ops that read both the batch (placeholders) and the weights (get_attr)."""
+        weights: set[fx.Node] = set()
+        data: set[fx.Node] = set()
+        out = []
+        for n in graph.nodes:
+            if n.op == "get_attr":
+                weights.add(n)
+            elif n.op == "placeholder" or (n.op == "call_function" and not n.all_input_nodes):
+                data.add(n)                    # the batch, and constants made in the graph (an arange)
+            elif n.op in ("call_function", "call_method", "call_module") and n.all_input_nodes:
+                ins = n.all_input_nodes
+                if all(a in weights for a in ins):
+                    weights.add(n)
+                elif all(a in data or a in weights for a in ins):
+                    if any(a in weights for a in ins):
+                        out.append(n)          # the batch meets a weight here
+                    else:
+                        data.add(n)
+        return out
+
+    def tap_boundaries(self, graph: fx.Graph) -> fx.Graph:
+        copy = fx.Graph()
+        copy.output(copy.graph_copy(graph, {}))
+        taps = self.taps
+
+        def tap(value):
+            for t in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+                    taps.append(t)
+            return value
+        for n in self.boundaries(copy):
+            with copy.inserting_after(n):
+                t = copy.call_function(tap, (n,))
+            n.replace_all_uses_with(t, delete_user_cb=lambda user, t=t: user is not t)
+        copy.lint()
+        return copy
 
     def tensors(self, names: list[str]) -> list[torch.Tensor]:
         """The trainable parameters among `names`, as the graph reads them now (the distributed
@@ -74,6 +119,7 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
         _, gm, params = chunks[a.chunk]
         if a.kind == "F":
             received = []
+            params.taps.clear()
             if stage > 0:
                 received = rt.transfer.recv_forward(len(chunks[a.chunk][0].receives), rt.rank_of_stage(stage - 1),
                                                     stage, i)
@@ -92,7 +138,8 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
                 losses.append(counted.detach().to(rt.device, torch.float32))
             else:
                 rt.transfer.send(outs, rt.rank_of_stage(stage + 1), stage, i, FORWARD)
-            saved[(stage, i)] = (outs, received)
+            # the first stage of a split schedule: its taps stand for the inputs B runs down to
+            saved[(stage, i)] = (outs, received if stage > 0 or not split else list(params.taps))
         elif a.kind == "B":
             outs, received = saved[(stage, i)] if split else saved.pop((stage, i))
             if stage == last:
@@ -118,4 +165,7 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
             backward_weight(pending.pop((stage, i)))
             saved.pop((stage, i))
         rt.records.append(ActionRecord(rt.global_rank, rt.pp_rank, stage, a, start - origin, time.time() - origin))
+        # drop this action's tensors now: a split B's outputs hold its microbatch's whole graph, which
+        # would otherwise live on until the next action of the same kind rebinds these names
+        outs = received = pairs = floats = back = grads = sent = loss = None
     return losses

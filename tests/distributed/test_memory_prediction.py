@@ -19,7 +19,10 @@ CPU = Hardware("cpu", peak_tflops=0.1, hbm_gb_s=1, memory_gib=24, gpus_per_node=
 CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2, 1, 1, 4, "selective", False),
            # zero-bubble: a chunk held from F to W, with B's gradients for W from B to W; zbv's rank 0
            # holds the first and the last stage
-           "pp2-m4-zb-h1": (1, 2, 1, 1, 4, "none", False, "zb-h1"), "pp2-m4-zbv": (1, 2, 1, 2, 4, "none", False, "zbv")}
+           "pp2-m4-zb-h1": (1, 2, 1, 1, 4, "none", False, "zb-h1"), "pp2-m4-zbv": (1, 2, 1, 2, 4, "none", False, "zbv"),
+           # V-Half's rank 0 measured 20% over the model while a split B's outputs (and with them its
+           # microbatch's graph) outlived the step's W until the next action rebound their names
+           "pp2-m4-v-half": (1, 2, 1, 2, 4, "none", False, "v-half")}
 # each configuration a job of the suite's launch of two processes (tests/launches.py)
 JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2)
         for name, config in CONFIGS.items()}

@@ -132,3 +132,23 @@ def test_a_recomputed_region_runs_once_with_its_weights_in_b():
     backward_weight(work)
     assert len(runs) == 2                  # the forward and one recomputation (in B)
     assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
+
+
+def test_an_input_that_is_a_frontier_gets_its_gradient_from_b():
+    """The first stage's taps (runtime/stage_actions.py): B runs down to an embedding's output, which
+    is both an input of the split and the embedding weight's frontier node; W computes the weight's
+    gradient from what B returned for it."""
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+    params = [emb.weight, lin.weight, lin.bias]
+    ids = torch.randint(0, 16, (4, 5))
+    g = torch.randn(4, 5, 8)
+    torch.autograd.backward([lin(emb(ids)).tanh()], [g])
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    tap = emb(ids)
+    _, work = backward_input([lin(tap).tanh()], [g], [tap], params)
+    assert all(p.grad is None for p in params)
+    backward_weight(work)
+    assert all(torch.equal(p.grad, w) for p, w in zip(params, want))

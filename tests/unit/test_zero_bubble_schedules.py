@@ -124,3 +124,30 @@ def test_peaks_stop_growing_by_4p_microbatches():
         v = schedule_spec(name).chunks
         for p in (2, 3, 4, 8):
             assert peak_in_flight(make_schedule(name, p, v, 4 * p)) == peak_in_flight(make_schedule(name, p, v, 9 * p))
+
+
+def test_the_first_stage_is_tapped_where_the_batch_meets_a_weight():
+    """ChunkParams.boundaries: an embedding lookup and a matmul of the input are where B stops on
+    the first stage; what follows them reads their outputs, not the batch alone."""
+    import torch
+    import torch.fx as fx
+
+    from autoshard.runtime.stage_actions import ChunkParams
+
+    class Stage(torch.nn.Module):       # parameters read as attributes: get_attr nodes, as in export's graphs
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos, self.w = (torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(4, 8)),
+                                          torch.nn.Parameter(torch.randn(8, 8)))
+
+        def forward(self, ids):
+            h = torch.nn.functional.embedding(ids, self.emb) + torch.nn.functional.embedding(torch.arange(ids.size(1)), self.pos)
+            return (h @ self.w.t()).relu()
+    gm = fx.symbolic_trace(Stage())
+    found = ChunkParams.boundaries(gm.graph)
+    assert [[a.target for a in n.all_input_nodes if a.op == "get_attr"] for n in found] == [["emb"], ["pos"]]
+    params = ChunkParams(gm)
+    tapped = fx.GraphModule(gm, params.tap_boundaries(gm.graph))
+    ids = torch.randint(0, 16, (2, 4))
+    assert torch.equal(tapped(ids), gm(ids)) and len(params.taps) == 2
+    assert [t.shape for t in params.taps] == [torch.Size([2, 4, 8]), torch.Size([4, 8])]
