@@ -3,7 +3,7 @@
 run in the same launch. Each mesh is a job of the suite's launch per world size (tests/launches.py)."""
 import pytest
 
-from tests.launches import Job, job_params
+from tests.launches import Job, job_params, needs
 
 SCHEDULES = {"zb-h1", "zbv", "v-half"}
 JOBS = {
@@ -36,3 +36,17 @@ def test_zero_bubble_schedules_train_as_1f1b(launched, key):
         # ZB-H1 runs 1F1B's stages and order: the same arithmetic, bit for bit; Llama bitwise everywhere
         if r["schedule"] == "zb-h1" or r["model"] == "llama":
             assert r["bitwise"], r
+
+
+CALLS = Job("zero-bubble/user-calls", "tests.harness.zero_bubble_calls", (), 2)
+
+
+@pytest.mark.slow
+@needs(CALLS)
+def test_zero_bubble_as_users_call_it(launched):
+    """Qwen2 (no other test builds it) frozen two ways, -100 prompts, padding, two train_step calls per
+    optimizer step and a new length: ZB-H1 and ZBV equal 1F1B bit for bit; frozen weights stay."""
+    lines = launched(CALLS)
+    assert {(r["freeze"], r["schedule"]) for r in lines} == {(f, s) for f in ("embedding", "lora") for s in ("zb-h1", "zbv")}
+    for r in lines:
+        assert r["all_ranks_ok"] and r["bitwise"] and r["frozen_unchanged"] and r["frozen"] > 0, r
