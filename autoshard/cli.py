@@ -76,7 +76,7 @@ def schedule(args: argparse.Namespace) -> None:
     """One unit of time per chunk for each of F, B (input gradients) and W (weight gradients): a
     schedule without W actions runs B and W as one backward of 2 units."""
     spec = schedule_spec(args.schedule)
-    v = spec.chunks or (args.virtual if args.schedule == "interleaved" else 1)
+    v = spec.chunks or args.virtual        # only the interleaved schedule takes any number of chunks
     steps = make_schedule(args.schedule, args.pp, v, args.microbatches)
     timeline = check(steps, v, args.microbatches, weight_cost=1.0, placement=spec.placement)
     print(text_timeline(timeline))

@@ -257,10 +257,11 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
         mix = lambda a, b: (a * (params - experts) + b * experts) / params        # noqa: E731
         per_param = ParamBytes(*(mix(getattr(per_param, f), getattr(held, f))
                                  for f in ("weights", "grads", "main", "moments")))
-    inflight, waiting = inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual), 0.0
     if schedule_spec(schedule).split:
         ratio = weight_gradient_inputs(x, recompute) / layer_activation_bytes(x, recompute)
         inflight, waiting = _split_held(schedule, pp, virtual, min(microbatches, 4 * pp), round(ratio, 2))[pp_rank]
+    else:
+        inflight, waiting = inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual), 0
     return rank_memory(x, params=params, per_param=per_param, recompute=recompute, layers_here=here,
                        inflight=inflight, waiting_for_w=waiting,
                        chunk_microbatches=microbatches * virtual, virtual=virtual,

@@ -111,8 +111,7 @@ def _groups(outputs: list[torch.Tensor], output_grads: list[torch.Tensor], input
     """The frontier groups of `params` in the graph from `inputs` to `outputs` (see the module doc)."""
     users = _consumers([o.grad_fn for o in outputs])
     starts = [n for n in map(_node_of, inputs) if n is not None and n in users]
-    from_inputs, _ = _upward(starts, users, set())
-    from_inputs |= set(starts)
+    from_inputs, _ = _upward(starts, users, set())          # the starts included
     seed_grads = {(o.grad_fn, o.output_nr): g for o, g in zip(outputs, output_grads) if o.grad_fn not in from_inputs}
     seed_nodes = {node for node, _ in seed_grads}
     keys: list[set[Node]] = []
@@ -158,15 +157,17 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor 
     pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, output_grads)
              if o.requires_grad and o.grad_fn is not None]
     outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
-    if not any(t.requires_grad for t in inputs):
-        # The first stage: no input gradient for anyone to wait for, so B is the whole backward (the
-        # graph is freed at once, and W, with nothing left, costs nothing). Split, W would start from
-        # the outputs and run the stage's collectives and recomputed regions a second time.
+    wanted = [t for t in inputs if t.requires_grad]
+    if not wanted:
+        # No input gradient for anyone to wait for (a first stage with nothing tapped, or all its
+        # weights frozen): B is the whole backward (the graph is freed at once, and W, with nothing
+        # left, costs nothing). Split, W would start from the outputs and run the stage's
+        # collectives and recomputed regions a second time.
         if outs:
             torch.autograd.backward(outs, grads)
         return [None] * len(inputs), WeightWork([], [])
     kept_ids = {id(p) for p in keep_in_b}
-    groups = _groups(outs, grads, [t for t in inputs if t.requires_grad],
+    groups = _groups(outs, grads, wanted,
                      [p for p in params if p.requires_grad and id(p) not in kept_ids]) if outs else []
     handles = []
     for g in groups:
@@ -174,11 +175,10 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor 
             def capture(grad_outputs, g=g, node=node):
                 g.grads[node] = tuple(grad_outputs)
             handles.append(node.register_prehook(capture))
-    wanted = [t for t in inputs if t.requires_grad]
     kept = [p for p in keep_in_b if p.requires_grad]
     try:
         got = torch.autograd.grad(outs, wanted + kept, grads, retain_graph=True, allow_unused=True) \
-            if outs and (wanted or kept) else [None] * (len(wanted) + len(kept))
+            if outs else [None] * (len(wanted) + len(kept))
     finally:
         for h in handles:
             h.remove()

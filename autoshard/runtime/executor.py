@@ -28,7 +28,7 @@ from autoshard.runtime.loss_tokens import loss_factors, loss_tokens_of
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import Transfer
 from autoshard.runtime.rank_binding import bound_rank_program
-from autoshard.runtime.schedules import Action, stage_index, stage_owner
+from autoshard.runtime.schedules import Action, splits_backward, stage_index, stage_owner
 from autoshard.runtime.stage_actions import ChunkParams, run_actions
 from autoshard.runtime.trace import REDUCE, ActionRecord, ring_records
 
@@ -87,6 +87,7 @@ class MeshRuntime(nn.Module):
         self.n_stages = self.dims.pp * self.virtual
         self.placement = prog.placement
         self.actions = schedule[self.pp_rank]
+        self.split = splits_backward(schedule)      # B and W apart (runtime/backward_split.py)
         self.records: list[ActionRecord] = []
         self.last_grad_norm: torch.Tensor | None = None
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
@@ -120,15 +121,12 @@ class MeshRuntime(nn.Module):
         if id(gm) not in self._chunks:
             stages = self._prog.stage_graphs(gm)
             mine = [stages[stage_index(self.pp_rank, c, self.dims.pp, self.placement)] for c in range(self.virtual)]
-            split = any(a.kind == "W" for a in self.actions)
             built = []
             for sg in mine:
-                chunk = fx.GraphModule(self._program, sg.graph, class_name=f"Stage{sg.index}")
-                params = ChunkParams(chunk)
-                if split and sg.index == 0:       # B stops where the batch meets the first weights
-                    chunk = params.gm = fx.GraphModule(self._program, params.tap_boundaries(sg.graph),
-                                                       class_name=f"Stage{sg.index}")
-                built.append((sg, chunk, params))
+                params = ChunkParams(sg.graph)
+                # a zero-bubble schedule's first stage: B stops where the batch meets the first weights
+                graph = params.tap_boundaries(sg.graph) if self.split and sg.index == 0 else sg.graph
+                built.append((sg, fx.GraphModule(self._program, graph, class_name=f"Stage{sg.index}"), params))
             self._chunks[id(gm)] = built
         return self._chunks[id(gm)]
 

@@ -21,14 +21,11 @@ from autoshard.errors import ShardingError
 __all__ = ["Action", "PLACEMENTS", "stage_index", "stage_owner"]
 
 PLACEMENTS = ("loop", "v")
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 
-def _check_placement(placement: str, chunks: int | None = None) -> None:
+def _check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ShardingError(f"unknown stage placement {placement!r}; choose from {PLACEMENTS}")
-    if placement == "v" and chunks is not None and chunks != 2:
-        raise ShardingError(f"the 'v' placement holds exactly 2 chunks per rank, got {chunks}")
 
 
 def stage_index(pp_rank: int, chunk: int, pp: int, placement: str = "loop") -> int:

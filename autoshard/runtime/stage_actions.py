@@ -26,6 +26,20 @@ from autoshard.runtime.trace import ActionRecord
 __all__ = ["ChunkParams", "run_actions"]
 
 
+_OPS = ("call_function", "call_method", "call_module")
+
+
+def _weight_values(graph: fx.Graph) -> set[fx.Node]:
+    """get_attr nodes and the nodes computed from them alone (a transpose, a cast, sp's f on a norm
+    weight); a recomputed region's call is never one (its body runs activations)."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr" or (n.op in _OPS and not n.meta.get("recompute") and n.all_input_nodes
+                                  and all(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
 class ChunkParams:
     """Which parameters one chunk's graph reads, and which of them are read inside a recomputed
     region (their gradients are computed in B, so the region runs once: runtime/backward_split.py).
@@ -35,47 +49,35 @@ class ChunkParams:
     inputs alone and one computed from weights alone: the embedding lookup, the first matmul) hands
     its output to `self.taps` as it runs, so that B can stop there and leave the weights to W."""
 
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
+    def __init__(self, graph: fx.Graph):
         self.taps: list[torch.Tensor] = []
-        reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
-        self.names = list(dict.fromkeys(n.target for n in reads))
-        weights_only = set(reads)          # nodes computed from get_attr values alone (casts, sp's f on a norm weight)
-        for n in gm.graph.nodes:
-            if (n.op in ("call_function", "call_module") and not n.meta.get("recompute") and n.all_input_nodes
-                    and all(a in weights_only for a in n.all_input_nodes)):
-                weights_only.add(n)
+        self.names = list(dict.fromkeys(n.target for n in graph.nodes if n.op == "get_attr"))
+        weights = _weight_values(graph)
         recomputed: set[str] = set()
-        for n in gm.graph.nodes:
+        for n in graph.nodes:
             if n.op == "call_module" and n.meta.get("recompute"):
-                stack = [a for a in n.all_input_nodes if a in weights_only]
+                stack = [a for a in n.all_input_nodes if a in weights]
                 while stack:
                     a = stack.pop()
                     if a.op == "get_attr":
                         recomputed.add(a.target)
-                    stack += [b for b in a.all_input_nodes if b in weights_only]
+                    stack += [b for b in a.all_input_nodes if b in weights]
         self.recomputed = [name for name in self.names if name in recomputed]
 
     @staticmethod
     def boundaries(graph: fx.Graph) -> list[fx.Node]:
         """The first ops that read both the batch (placeholders) and the weights (get_attr)."""
-        weights: set[fx.Node] = set()
+        weights = _weight_values(graph)
         data: set[fx.Node] = set()
         out = []
         for n in graph.nodes:
-            if n.op == "get_attr":
-                weights.add(n)
-            elif n.op == "placeholder" or (n.op == "call_function" and not n.all_input_nodes):
+            if n.op == "placeholder" or (n.op == "call_function" and not n.all_input_nodes):
                 data.add(n)                    # the batch, and constants made in the graph (an arange)
-            elif n.op in ("call_function", "call_method", "call_module") and n.all_input_nodes:
-                ins = n.all_input_nodes
-                if all(a in weights for a in ins):
-                    weights.add(n)
-                elif all(a in data or a in weights for a in ins):
-                    if any(a in weights for a in ins):
-                        out.append(n)          # the batch meets a weight here
-                    else:
-                        data.add(n)
+            elif n.op in _OPS and n not in weights and all(a in data or a in weights for a in n.all_input_nodes):
+                if any(a in weights for a in n.all_input_nodes):
+                    out.append(n)              # the batch meets a weight here
+                else:
+                    data.add(n)
         return out
 
     def tap_boundaries(self, graph: fx.Graph) -> fx.Graph:
@@ -95,10 +97,11 @@ class ChunkParams:
         copy.lint()
         return copy
 
-    def tensors(self, names: list[str]) -> list[torch.Tensor]:
-        """The trainable parameters among `names`, as the graph reads them now (the distributed
-        optimizer may have moved them)."""
-        out = [fetch_attr(self.gm, name) for name in names]
+    @staticmethod
+    def tensors(gm: fx.GraphModule, names: list[str]) -> list[torch.Tensor]:
+        """The trainable parameters among `names`, as `gm` reads them now (the distributed optimizer
+        may have moved them)."""
+        out = [fetch_attr(gm, name) for name in names]
         return [t for t in out if isinstance(t, torch.nn.Parameter) and t.requires_grad]
 
 
@@ -108,7 +111,7 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
     losses. A microbatch whose scale is 0 (no token counted: its mean is 0/0) adds nothing and
     back-propagates nothing."""
     last = rt.n_stages - 1
-    split = any(a.kind == "W" for a in rt.actions)
+    split = rt.split
     saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     pending: dict[tuple[int, int], WeightWork] = {}
     losses, origin = [], rt._origin
@@ -152,8 +155,8 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
             floats = [t for t in received if t.is_floating_point()]
             if split:
                 back, pending[(stage, i)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
-                                                           params.tensors(params.names),
-                                                           params.tensors(params.recomputed))
+                                                           params.tensors(gm, params.names),
+                                                           params.tensors(gm, params.recomputed))
             else:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

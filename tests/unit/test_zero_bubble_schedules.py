@@ -146,7 +146,7 @@ def test_the_first_stage_is_tapped_where_the_batch_meets_a_weight():
     gm = fx.symbolic_trace(Stage())
     found = ChunkParams.boundaries(gm.graph)
     assert [[a.target for a in n.all_input_nodes if a.op == "get_attr"] for n in found] == [["emb"], ["pos"]]
-    params = ChunkParams(gm)
+    params = ChunkParams(gm.graph)
     tapped = fx.GraphModule(gm, params.tap_boundaries(gm.graph))
     ids = torch.randint(0, 16, (2, 4))
     assert torch.equal(tapped(ids), gm(ids)) and len(params.taps) == 2
