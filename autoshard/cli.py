@@ -27,7 +27,8 @@ from autoshard.factory import load_factory, one_line_errors
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.planning.hardware import PRESETS
 from autoshard.planning.planner import ModelShape, explain, plan
-from autoshard.runtime.schedules import SCHEDULES, bubble_fraction, check, make_schedule, peak_in_flight, schedule_spec, stage_owner
+from autoshard.runtime.schedules import (SCHEDULES, bubble_fraction, check, make_schedule, overlapped_bubble, peak_in_flight,
+                                         schedule_spec, stage_owner)
 from autoshard.runtime.trace import export_trace, records_of, text_timeline
 
 __all__ = ["main"]
@@ -83,7 +84,9 @@ def schedule(args: argparse.Namespace) -> None:
     formula = {"zb-h1": ("(p - 1) / (3 m)", (args.pp - 1) / (3 * args.microbatches)),
                "zbv": ("the last rank's wait, (p - 1) / (6 m)", (args.pp - 1) / (6 * args.microbatches))}.get(
         args.schedule, ("(p - 1) / (v m)", (args.pp - 1) / (v * args.microbatches)))
+    overlapped = overlapped_bubble(steps, v, args.microbatches, weight_cost=1.0, placement=spec.placement)
     print(f"bubble: {bubble_fraction(timeline):.4f} of ideal time ({formula[0]} = {formula[1]:.4f}); "
+          f"with steps overlapped (optimizer post-validation, not run here): {overlapped:.4f}; "
           f"peak activations held: {max(peak_in_flight(steps))} chunk(s) of 1/{v} of a rank's layers")
     if args.out:
         export_trace(records_of(timeline, 1e-3), args.out)

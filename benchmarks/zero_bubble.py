@@ -3,10 +3,14 @@ torch.distributed.pipelining's zero-bubble schedules on the same model and split
 
     python benchmarks/zero_bubble.py [--microbatches 4 8] [--rounds 5] [--append]
 
-Two gloo processes, each pinned to a core of its own with one thread (with more processes than
-cores, idle time means nothing). The model is a stack of identical MLP blocks (x + W2 gelu(W1 x),
-hidden 256, FFN 1024) on float inputs with the mean square of the output as its loss, so every
-stage does the same work. Programs, trained side by side in rounds (one SGD step of each per round,
+Two gloo processes, each pinned with all its threads (gloo's too) to a core of its own, one
+compute thread (with more processes than cores, idle time means nothing). The model is an input LayerNorm and a stack of identical MLP
+blocks (x + W2 gelu(W1 x), hidden 256, FFN 1024) on float inputs with the mean square of the output
+as its loss, so every stage does the same work. The norm is where the first stage's B stops (the
+batch needs no gradient: B runs down to the first op that reads a weight, and W does the rest), so
+that stage's B still computes its first block's input gradient, as every later stage's does; without
+it the first stage's B is one matmul in eight short of the last stage's, and the first stage waits
+on the last every microbatch. Glibc's allocator is told to keep freed memory (ALLOCATOR). Programs, trained side by side in rounds (one SGD step of each per round,
 the order rotating, each step fenced by barriers):
 
 - autoshard 1F1B, ZB-H1 (2 stages) and ZBV, V-Half (4 stages, 2 per rank in a V);
@@ -18,7 +22,9 @@ Measured per step: wall time (median over rounds, and the median of per-round ra
 autoshard's programs each rank's idle time from its trace (from the step's start to the last
 action of any rank, less the time its own F, B and W actions ran). Then the simulator (runtime/schedules.py's `check`) is fed
 the F, B and W times ZB-H1 measured (planning/schedule_choice.stage_times) and gives each schedule's
-bubble at pp = 4 and 8, and the planner's choice (choose_schedule) at those times.
+bubble at pp = 4 and 8 for a step ending on every rank together (this runtime's), ZBV's with steps
+overlapped (optimizer post-validation, `overlapped_bubble`), and the planner's choice
+(choose_schedule) at those times.
 """
 from __future__ import annotations
 
@@ -40,7 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from autoshard import autoshard  # noqa: E402
 from autoshard.planning.schedule_choice import StageTimes, choose_schedule, stage_times  # noqa: E402
+from autoshard.runtime.schedules import make_schedule, overlapped_bubble  # noqa: E402
 
+# One thread per process; glibc keeps freed memory for reuse instead of unmapping large tensors and
+# faulting fresh pages in for the next (profiled at m = 8: by default the split schedules' backward
+# matmuls ran 7% slower than 1F1B's, with this 3-5%). Every program, ours and torch's, runs so.
+ALLOCATOR = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(32 * 2 ** 20),
+             "MALLOC_TRIM_THRESHOLD_": str(8 * 2 ** 30), "MALLOC_TOP_PAD_": str(256 * 2 ** 20)}
 OURS = ("1f1b", "zb-h1", "zbv", "v-half")
 THEIRS = ("torch zbv", "torch interleaved-zb")
 
@@ -55,13 +67,16 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """Identical blocks; the loss is the output's mean square (balanced stages, no embedding or head)."""
+    """An input norm and identical blocks; the loss is the output's mean square (balanced stages, no
+    embedding or head)."""
 
     def __init__(self, layers: int, hidden: int):
         super().__init__()
+        self.norm = nn.LayerNorm(hidden)
         self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
         for block in self.blocks:
             x = block(x)
         return x.pow(2).mean()
@@ -105,7 +120,8 @@ class Theirs:
         rank, model = dist.get_rank(), build(args)
         per = args.layers // 4
         mine = [rank, 3 - rank] if kind == "torch zbv" else [rank, rank + 2]
-        self.modules = [nn.Sequential(*model.blocks[s * per:(s + 1) * per]) for s in mine]
+        self.modules = [nn.Sequential(*([model.norm] if s == 0 else []), *model.blocks[s * per:(s + 1) * per])
+                        for s in mine]
         stages = [PipelineStage(mod, s, 4, torch.device("cpu")) for mod, s in zip(self.modules, mine)]
         make = ScheduleZBVZeroBubble if kind == "torch zbv" else ScheduleInterleavedZeroBubble
         self.schedule = make(stages, m, loss_fn=_square_mean)
@@ -135,9 +151,11 @@ def _timed(program, opt, x: torch.Tensor) -> tuple[float, float]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    # pinned before the process group starts, so that gloo's threads (sends and receives) run on
+    # this rank's core too rather than on the other rank's
+    os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
     out = {}
     for m in args.microbatches:
@@ -173,6 +191,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _overlapped_zbv(pp: int, m: int, t: StageTimes) -> float:
+    """ZBV's bubble with consecutive steps overlapped (post-validation; this runtime's steps end
+    together), each chunk costing half a rank's F, B and W."""
+    return overlapped_bubble(make_schedule("zbv", pp, 2, m), 2, m, forward_cost=t.forward / 2,
+                             backward_cost=t.backward_input / 2, weight_cost=t.backward_weight / 2, placement="v")
+
+
 def _tables(out: dict, args: argparse.Namespace) -> str:
     lines = []
     for m, r in out.items():
@@ -193,8 +218,9 @@ def _tables(out: dict, args: argparse.Namespace) -> str:
     f, b, w = r["fbw"]
     lines += [f"F, B, W per microbatch on a rank (ZB-H1's trace, rank 1, m = {m}): {1e3 * f:.1f}, {1e3 * b:.1f}, "
               f"{1e3 * w:.1f} ms. The simulator at these times (bubble: idle over busy, busiest rank):", "",
-              "| pp | m | 1f1b | interleaved | zb-h1 | zbv | v-half | chosen (no memory limit) | chosen (1F1B's memory / 2) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| pp | m | 1f1b | interleaved | zb-h1 | zbv | v-half | zbv, steps overlapped | chosen (no memory limit) "
+              "| chosen (1F1B's memory / 2) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     times = StageTimes(f, b, w)
     for pp in (4, 8):
         for mm in (2 * pp, 4 * pp):
@@ -203,7 +229,7 @@ def _tables(out: dict, args: argparse.Namespace) -> str:
             by = {c.name: c for c in free.considered}
             lines.append(f"| {pp} | {mm} | " + " | ".join(f"{100 * by[n].bubble:.1f}%" for n in
                                                           ("1f1b", "interleaved", "zb-h1", "zbv", "v-half"))
-                         + f" | {free.name} | {tight.name} |")
+                         + f" | {100 * _overlapped_zbv(pp, mm, times):.1f}% | {free.name} | {tight.name} |")
     return "\n".join(lines)
 
 
@@ -226,7 +252,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "--worker",
            *sys.argv[1:]]
     proc = subprocess.run([c for c in cmd if c != "--append"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, **ALLOCATOR})
     if proc.returncode:
         sys.exit(f"zero_bubble: the workers failed:\n{proc.stderr[-3000:]}")
     out = {int(k): v for k, v in json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("{"))).items()}

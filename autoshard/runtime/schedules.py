@@ -14,13 +14,17 @@ receives from s + 1 and sends to s - 1; W(stage s, m) runs on its rank alone aft
   W of microbatch i after the B of microbatch i + r. The cool-down's idle time is filled with the
   deferred W, so the bubble is (p - 1)(F + B - W): a third of 1F1B's at F = B = W, with 1F1B's peak
   of p microbatches in flight.
-- `zbv` and `v-half` (Qi et al. 2024): two chunks per rank in a V, built by list scheduling
-  (runtime/list_schedule.py) under a cap of 2p chunk activations (zbv: 1F1B's memory) or p + 1
-  (v-half: about half of it).
+- `zbv` (Qi et al. 2024): two chunks per rank in a V, written out in the paper's phases for m >= 2p - 1
+  (runtime/zbv.py; list-scheduled below that), holding 2p chunk activations (1F1B's memory).
+- `v-half` (Qi et al. 2024): two chunks per rank in a V, built by list scheduling
+  (runtime/list_schedule.py) under a cap of p + 1 chunk activations (about half of 1F1B's).
 
 `check` proves a schedule complete and free of deadlock by running it: every rank executes its
 actions in order, an action starts once its inputs exist (sends never block), and the run must
-finish. With given F, B and W costs the resulting timeline gives the pipeline bubble.
+finish. With given F, B and W costs the resulting timeline gives the pipeline bubble:
+`bubble_fraction` for a step that ends on every rank together (this runtime's), `overlapped_bubble`
+for consecutive steps run back to back with no step boundary between the ranks (what Qi et al.'s
+optimizer post-validation buys; not run here).
 """
 from __future__ import annotations
 
@@ -30,10 +34,11 @@ from typing import Callable
 from autoshard.errors import ShardingError, require_positive_int
 from autoshard.runtime.list_schedule import list_schedule
 from autoshard.runtime.pipeline_actions import Action, stage_index, stage_owner
+from autoshard.runtime.zbv import zbv
 
 __all__ = ["Action", "ScheduleSpec", "Timeline", "stage_index", "stage_owner", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "zb_h1", "make_schedule", "schedule_spec", "splits_backward", "check",
-           "bubble_fraction", "rank_idle_fraction", "peak_in_flight", "held_at_peak", "SCHEDULES"]
+           "bubble_fraction", "overlapped_bubble", "peak_in_flight", "held_at_peak", "SCHEDULES"]
 
 
 def _validate(pp: int, v: int, m: int) -> None:
@@ -119,8 +124,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "1f1b": ScheduleSpec(lambda pp, v, m: one_f_one_b(pp, m)),
     "interleaved": ScheduleSpec(_interleaved, chunks=None),
     "zb-h1": ScheduleSpec(lambda pp, v, m: zb_h1(pp, m), split=True),
-    "zbv": ScheduleSpec(lambda pp, v, m: list_schedule(pp, 2, m, "v", cap=2 * pp), chunks=2, placement="v",
-                        split=True),
+    "zbv": ScheduleSpec(lambda pp, v, m: zbv(pp, m), chunks=2, placement="v", split=True),
     "v-half": ScheduleSpec(lambda pp, v, m: list_schedule(pp, 2, m, "v", cap=pp + 1), chunks=2, placement="v",
                            split=True),
 }
@@ -224,16 +228,19 @@ def bubble_fraction(timeline: Timeline) -> float:
     return (timeline.makespan - busy) / busy
 
 
-def rank_idle_fraction(timeline: Timeline) -> float:
-    """The largest idle time inside one rank's own span (its first action's start to its last
-    action's end) over its busy time: the bubble left when consecutive steps overlap (a rank
-    starting its next step once its own last action is done, as with Qi et al.'s optimizer
-    post-validation), where a late-starting rank's wait at the start is hidden."""
-    out = 0.0
-    for row in timeline.spans:
-        busy = sum(e - s for _, s, e in row)
-        out = max(out, (row[-1][2] - row[0][1] - busy) / busy)
-    return out
+def overlapped_bubble(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float = 1.0,
+                      backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop") -> float:
+    """The bubble per step when steps run back to back with no boundary between the ranks: each
+    rank starts step k + 1 once its own step-k actions are done (its optimizer needs only its own
+    gradients, as with Qi et al.'s optimizer post-validation), so a rank that starts late may end
+    late. Three steps are simulated; the third's added time over one step's work (the busiest
+    rank's) is the bubble. Not what this runtime does: its steps end together (`bubble_fraction`)."""
+    def repeated(k: int) -> list[list[Action]]:
+        return [[Action(a.kind, a.chunk, a.microbatch + j * m) for j in range(k) for a in acts] for acts in schedule]
+    costs = dict(forward_cost=forward_cost, backward_cost=backward_cost, weight_cost=weight_cost, placement=placement)
+    two, three = (check(repeated(k), v, k * m, **costs) for k in (2, 3))
+    busy = max(sum(e - s for _, s, e in row) for row in check(schedule, v, m, **costs).spans)
+    return (three.makespan - two.makespan - busy) / busy
 
 
 def held_at_peak(schedule: list[list[Action]], pending_weight: float) -> list[tuple[int, int]]:
