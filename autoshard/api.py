@@ -104,9 +104,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         raise ShardingError(f"cp={cp} with world_size={world_size}: world_size plans tp, pp and dp without "
                             "context parallelism; see autoshard.plan(..., context_parallel=True) and give "
                             "tp/pp/dp/cp yourself")
+    args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
+        given_example = example_inputs is not None or example_kwargs is not None
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
-                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule)
+                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule,
+                                seq=_sequence_length(args, kwargs) if given_example else None)
         tp, pp, dp, ep, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.ep, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
@@ -121,7 +124,6 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         require_positive_int(name, x)
     _check_expert_parallel(model, ep, dp, cp, sequence_parallel)
     _check_context_attention(cp_attention)
-    args, kwargs = _example_call(model, example_inputs, example_kwargs)
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
                             "where the vocabulary-parallel embedding's partial sums are reduced")
@@ -174,20 +176,30 @@ def _check_context_attention(attention: str) -> None:
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
                    sequence_parallel: bool, recompute: str | None, given: dict[str, int | None],
-                   schedule: str | None = None) -> Estimate:
-    """The planner's fastest split of `world_size` GPUs; refused when the caller also fixed one."""
+                   schedule: str | None = None, seq: int | None = None) -> Estimate:
+    """The planner's fastest split of `world_size` GPUs at `seq` tokens per sequence (the example
+    call's; None: the config's maximum, which plan() warns of); refused when the caller also fixed one."""
     fixed = {k: x for k, x in given.items() if x is not None}
     if fixed:
         raise ShardingError(f"world_size={world_size} asks the planner to choose tp, pp, dp, virtual and "
                             f"microbatches; drop {', '.join(f'{k}={x}' for k, x in fixed.items())} or world_size")
     try:
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
-                    sequence_parallel=sequence_parallel, recompute=recompute,
+                    sequence_parallel=sequence_parallel, recompute=recompute, seq=seq,
                     **({"schedules": (schedule,)} if schedule else {}))[0]
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
                             "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"
                             "virtual/microbatches") from None
+
+
+def _sequence_length(args: tuple, kwargs: dict) -> int | None:
+    """Tokens per sequence in an example call: dim 1 of its first input of two or more dims (token
+    ids [batch, seq], or embeddings [batch, seq, hidden]), positional inputs first; None if none has."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return None
 
 
 def _example_call(model: nn.Module, example_inputs: tuple | torch.Tensor | None,

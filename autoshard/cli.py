@@ -26,7 +26,7 @@ from autoshard.errors import CaptureError
 from autoshard.factory import load_factory, one_line_errors
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.planning.hardware import PRESETS
-from autoshard.planning.planner import ModelShape, explain, plan
+from autoshard.planning.planner import ModelShape, explain, plan, shape_of
 from autoshard.runtime.schedules import (SCHEDULES, bubble_fraction, check, make_schedule, overlapped_bubble, peak_in_flight,
                                          schedule_spec, stage_owner)
 from autoshard.runtime.trace import export_trace, records_of, text_timeline
@@ -104,10 +104,14 @@ def plan_verb(args: argparse.Namespace) -> None:
         if missing:
             raise SystemExit(f"autoshard plan: give module:factory or all of {', '.join(missing)}")
         source = ModelShape(**{f: getattr(args, f) for f in fields})
+    seq = args.seq
+    if seq is None:        # a factory's model: its config's maximum positions, said rather than assumed
+        seq = shape_of(source).seq
+        _progress(f"no --seq: planning for {seq} tokens per sequence, the config's maximum")
     _progress(f"estimating every split of {args.gpus} GPUs on {args.hardware} ...")
     try:
         plans = plan(source, gpus=args.gpus, global_batch=args.global_batch, hardware=args.hardware,
-                     seq=args.seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                     seq=seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                      context_parallel=args.cp)
     except ValueError as e:
         raise SystemExit(f"autoshard plan: {e}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Hardware", "PRESETS", "get_hardware"]
+__all__ = ["Hardware", "PRESETS", "get_hardware", "preset_for_gpu"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,14 @@ def get_hardware(hardware: str | Hardware, **overrides) -> Hardware:
         raise ValueError(f"unknown hardware {hardware!r}; presets: {', '.join(sorted(PRESETS))} "
                          "(or pass an autoshard.planning.hardware.Hardware)")
     return replace(hw, **overrides) if overrides else hw
+
+
+def preset_for_gpu(name: str, memory_gib: float) -> str | None:
+    """The preset describing a GPU by its device name ("NVIDIA H100 80GB HBM3") and memory, or None:
+    the preset's model must appear in the name and its memory be within 15% of the device's (an
+    A100 with 40 GiB is not the a100-80gb preset)."""
+    for key, hw in PRESETS.items():
+        model = key.split("-")[0]
+        if model in name.lower() and abs(hw.memory_gib - memory_gib) <= 0.15 * hw.memory_gib:
+            return key
+    return None

@@ -17,6 +17,7 @@ the measured `cpu` profile (autoshard.cpu_profile.measure_cpu).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -47,6 +48,11 @@ _CONFIG_NAMES: dict[str, tuple[str, ...]] = {
     "vocab": ("vocab_size",),
     "seq": ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"),
 }
+
+
+def _config_name(model: nn.Module, field: str) -> str:
+    """Which of the config's attributes gave `field` (shape_of reads the first it finds)."""
+    return next(a for a in _CONFIG_NAMES[field] if isinstance(getattr(model.config, a, None), int))
 
 
 def shape_of(model_or_shape: nn.Module | ModelShape | dict) -> ModelShape:
@@ -106,7 +112,9 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     a percent of the best and crowd the ranking (benchmarks/RESULTS.md). attention: "math" or
     "flash" (the attention core's memory: costmodel.estimate). schedules: the pipeline schedules
     weighed for each split (planning/schedule_choice.py): by default 1F1B, interleaved and the
-    zero-bubble ZB-H1, ZBV and V-Half; each estimate's `explain()` lists them at its microbatch."""
+    zero-bubble ZB-H1, ZBV and V-Half; each estimate's `explain()` lists them at its microbatch.
+    seq: the tokens per sequence the run trains at; without it a model's plan is for its config's
+    maximum positions, with a warning (a ModelShape carries its own seq)."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
@@ -114,6 +122,10 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     modes = RECOMPUTE if recompute is None else (recompute,)
     if moe is None and isinstance(model_or_shape, nn.Module):
         moe = moe_shape(model_or_shape)
+    if seq is None and isinstance(model_or_shape, nn.Module):
+        warnings.warn(f"plan: no seq= given, so the plan is for {shape.seq} tokens per sequence, "
+                      f"{type(model_or_shape).__name__}.config's maximum ({_config_name(model_or_shape, 'seq')}); "
+                      "pass seq= the length you train at", stacklevel=2)
     seq = seq or shape.seq
     context = context_parallel and not sequence_parallel and moe is None
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,

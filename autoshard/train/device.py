@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autoshard.planning.hardware import preset_for_gpu
 from autoshard.train.options import TrainError, TrainOptions
 
-__all__ = ["Placement", "placement", "move_runtime"]
+__all__ = ["Placement", "placement", "move_runtime", "running_hardware"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,12 @@ def move_runtime(rt: nn.Module, device: str) -> None:
     rt.set_tensors(values)
     for gm in rt.graph_modules():
         retarget_device(gm, device, source="cpu")
+
+
+def running_hardware(place: Placement) -> str | None:
+    """The cost model's preset for the device this rank runs on: its GPU's, when a preset describes
+    it; None on the CPU (the presets are GPUs) or on a GPU no preset describes."""
+    if not place.is_cuda:
+        return None
+    props = torch.cuda.get_device_properties(torch.device(place.device))
+    return preset_for_gpu(props.name, props.total_memory / 2 ** 30)

@@ -18,16 +18,18 @@ from autoshard.checkpoint.convert import consolidate, load_from_file
 from autoshard.checkpoint.index import INDEX, CheckpointError
 from autoshard.checkpoint.materialize import materialize
 from autoshard.errors import expert_split_problem
-from autoshard.planning.costmodel import estimate
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
-from autoshard.train.device import Placement, move_runtime, placement
+from autoshard.train.device import Placement, move_runtime, placement, running_hardware
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
-from autoshard.train.metrics import Reporter, StepMetrics
+from autoshard.train.metrics import Reporter, StepMetrics, estimated_step_seconds
 from autoshard.train.options import TrainError, TrainOptions
 from autoshard.train.plot import loss_curve
+
+# what --plan plans for where no preset describes the machine (the CPU): said on the run's first line
+PLAN_DEFAULT = "a100-80gb"
 
 __all__ = ["run", "split_of", "check_data"]
 
@@ -103,22 +105,10 @@ def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) 
                          f"has {source.vocab} (--vocab)")
 
 
-def _estimated_seconds(opts: TrainOptions, source, split: dict) -> float | None:
-    cfg = source.config
-    try:
-        return estimate(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-                        vocab=cfg.vocab_size, seq=opts.seq_len, tp=split["tp"], pp=split["pp"], dp=split["dp"],
-                        global_batch=opts.batch, microbatch=opts.batch // (split["dp"] * split["microbatches"]),
-                        virtual=split["virtual"], hardware=opts.hardware, recompute=split.get("recompute", "none"),
-                        sequence_parallel=opts.sequence_parallel, cp=split.get("cp", 1)).seconds_per_iteration
-    except (AttributeError, ValueError, TypeError):     # not a transformer config the cost model reads
-        return None
-
-
-def _compile(opts: TrainOptions, source, world: int):
+def _compile(opts: TrainOptions, source, world: int, hardware: str | None):
     example = torch.zeros((2, opts.seq_len), dtype=torch.long)     # 2: a size 1 would be specialized
-    if opts.plan:
-        prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=opts.hardware,
+    if opts.plan:       # planned at --seq-len tokens: the example's
+        prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=hardware or PLAN_DEFAULT,
                          sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
                          example_kwargs={source.input_name: example, source.label_name: example})
         split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, ep=prog.dims.ep, virtual=prog.virtual,
@@ -214,7 +204,8 @@ def run(opts: TrainOptions) -> int:
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
     if source.weights is None:          # captured on its device (a folder's model stays on meta: loaded below)
         source.model.to(place.device)
-    prog, split = _compile(opts, source, world)
+    hardware = opts.hardware or running_hardware(place)
+    prog, split = _compile(opts, source, world, hardware)
     rt = prog.distributed(mesh=True)
     if source.weights is not None:
         materialize(prog, rt, seed=opts.seed)
@@ -232,8 +223,11 @@ def run(opts: TrainOptions) -> int:
                 "warmup": opts.warmup, "min_lr_ratio": opts.min_lr_ratio,
                 "data_key": os.path.basename(token_file), "split": split}
     start = _resume(opts, ckdir, prog, rt, optimizer, run_info) if opts.resume else 0
-    reporter = Reporter(opts.out, opts.steps, start, rank == 0, opts.hardware)
-    est = _estimated_seconds(opts, source, split)
+    reporter = Reporter(opts.out, opts.steps, start, rank == 0, hardware)
+    est = estimated_step_seconds(opts, source.config, split, hardware)
+    if rank == 0 and opts.plan and hardware is None:
+        print(f"autoshard train: --plan planned for {PLAN_DEFAULT} (no preset describes this machine; "
+              "--hardware to choose)", flush=True)
     if rank == 0:
         count = sum(p.numel() for p in source.model.parameters())
         print(f"autoshard train: {type(source.model).__name__} ({count / 1e6:.2f}M parameters), tp={split['tp']} pp={split['pp']} dp={split['dp']} "

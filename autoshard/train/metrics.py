@@ -9,7 +9,10 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-__all__ = ["StepMetrics", "Reporter"]
+from autoshard.planning.costmodel import estimate
+from autoshard.train.options import TrainOptions
+
+__all__ = ["StepMetrics", "Reporter", "estimated_step_seconds"]
 
 
 @dataclass
@@ -28,7 +31,7 @@ class Reporter:
     """Writes `out/metrics.csv` (rows after `start` are dropped first when resuming, so the file
     holds each step once) and prints progress; does nothing on ranks other than 0."""
 
-    def __init__(self, out: str, total: int, start: int, active: bool, hardware: str):
+    def __init__(self, out: str, total: int, start: int, active: bool, hardware: str | None):
         self.active, self.total, self.hardware = active, total, hardware
         self.path = os.path.join(out, "metrics.csv")
         self.tensorboard = None
@@ -81,3 +84,18 @@ class Reporter:
         with open(self.path, newline="") as fh:
             rows = list(csv.DictReader(fh))
         return [int(r["step"]) for r in rows], [float(r["loss"]) for r in rows]
+
+
+def estimated_step_seconds(opts: TrainOptions, cfg, split: dict, hardware: str | None) -> float | None:
+    """The cost model's step time for this run's split on `hardware` (None: no hardware to say it for,
+    or a config the cost model does not read)."""
+    if hardware is None:
+        return None
+    try:
+        return estimate(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                        vocab=cfg.vocab_size, seq=opts.seq_len, tp=split["tp"], pp=split["pp"], dp=split["dp"],
+                        global_batch=opts.batch, microbatch=opts.batch // (split["dp"] * split["microbatches"]),
+                        virtual=split["virtual"], hardware=hardware, recompute=split.get("recompute", "none"),
+                        sequence_parallel=opts.sequence_parallel, cp=split.get("cp", 1)).seconds_per_iteration
+    except (AttributeError, ValueError, TypeError):     # not a transformer config the cost model reads
+        return None

@@ -103,6 +103,8 @@ def test_the_planners_dp2_and_the_distributed_optimizer_give_the_same_losses_and
     a context-parallel run at cp=2 (each process half of every sequence, within 1e-5)."""
     out = _train(tmp_path / "plain", *LLAMA, "--plan", "--steps", "20", nproc=2).stdout
     assert "tp=1 pp=1 dp=2 virtual=1 microbatches=1 recompute=none" in out, out
+    # planned at --seq-len for a GPU preset, said so; no GPU's estimate beside the CPU's measured steps
+    assert "--plan planned for a100-80gb (no preset describes this machine" in out and "cost model:" not in out, out
     plain = [float(r["loss"]) for r in _rows(tmp_path / "plain")]
     assert len(plain) == 20 and sum(plain[-5:]) / 5 < sum(plain[:5]) / 5 - 0.5, plain        # it learns
     args = [*LLAMA, "--dp", "2", "--steps", "20", "--save-every", "5", "--distributed-optimizer"]

@@ -63,7 +63,8 @@ def test_plan_from_a_shape_prints_ranked_table(capsys):
 def test_plan_from_a_factory_and_its_errors(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     main(["plan", "tests.factories:small_gpt2", "--gpus", "4", "--global-batch", "8", "--hardware", "h200"])
-    assert "1. tp=" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "1. tp=" in out and "no --seq: planning for" in err and "the config's maximum" in err
     with pytest.raises(SystemExit, match="give module:factory or all of --hidden"):
         main(["plan", "--gpus", "4", "--global-batch", "8"])
     with pytest.raises(SystemExit, match="no split of 2 GPUs fits"):

@@ -1,4 +1,6 @@
 """The planner: legal splits only, fastest first; autoshard(model, world_size=N) compiles its choice."""
+import warnings
+
 import pytest
 import torch
 
@@ -44,14 +46,46 @@ def test_shape_is_read_from_hugging_face_and_nanogpt_configs():
 def test_autoshard_world_size_compiles_the_planners_choice():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=128, block_size=32))
-    prog = autoshard(model, world_size=4, global_batch=8)
-    best = plan(model, gpus=4, global_batch=8)[0]
+    with pytest.warns(UserWarning, match="plan: no seq= given"):     # no example call: the config's block_size
+        prog = autoshard(model, world_size=4, global_batch=8)
+    best = plan(model, gpus=4, global_batch=8, seq=32)[0]
     assert prog.planned == best
     assert (prog.tp, prog.pp, prog.dp, prog.virtual) == (best.tp, best.pp, best.dp, best.virtual)
     assert prog.world_size == 4 and prog.microbatches == best.microbatches
     assert prog.schedule_name == (best.schedule if best.pp > 1 else "1f1b")
     ids = torch.randint(0, 128, (2, 16))
     assert torch.allclose(prog.simulate(ids)[0], model(ids)[0], atol=1e-5)
+
+
+def _plan_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("plan:")]
+
+
+def test_plan_says_when_it_falls_back_to_the_configs_maximum():
+    """Regression: plan(model) without seq= planned for max_position_embeddings and said nothing."""
+    hf = build_model("llama", layers=2, hidden=64, heads=4)
+    maximum = hf.config.max_position_embeddings
+    with pytest.warns(UserWarning, match=f"plan is for {maximum} tokens .*max_position_embeddings.*pass seq="):
+        assert plan(hf, gpus=2, global_batch=4)[0].seq == maximum
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plan(hf, gpus=2, global_batch=4, seq=48)[0].seq == 48
+        plan(ModelShape(64, 2, 4, 128, 32), gpus=2, global_batch=4)       # a shape carries its seq
+    assert not _plan_warnings(caught)
+
+
+@pytest.mark.simulation
+def test_autoshard_world_size_plans_at_the_example_inputs_length():
+    """Regression: autoshard(world_size=...) planned for the config's maximum positions although the
+    example call gives the length (autoshard train --plan passes --seq-len tokens as its example)."""
+    model = build_model("llama", layers=2, hidden=64, heads=4)
+    assert model.config.max_position_embeddings != 48
+    ids = torch.randint(0, model.config.vocab_size, (2, 48))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog = autoshard(model, world_size=2, global_batch=4, example_kwargs={"input_ids": ids, "labels": ids})
+    assert prog.planned.seq == 48 and not _plan_warnings(caught)
+    assert prog.planned == plan(model, gpus=2, global_batch=4, seq=48)[0]
 
 
 def test_autoshard_world_size_excludes_an_explicit_split():

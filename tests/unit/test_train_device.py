@@ -49,3 +49,20 @@ def test_a_runtime_moves_to_another_device_with_its_graphs(one_process_group):
              if isinstance(a, torch.device)]
     assert named and all(d.type == "meta" for d in named)
     assert all(p.requires_grad for p in rt.parameters())
+
+
+def test_the_estimate_is_for_the_hardware_this_runs_on(tmp_path):
+    """Regression: every progress line of a CPU run printed an A100 estimate. By default the cost
+    model's hardware is the GPU's preset when one describes it, and none on the CPU; --hardware
+    names one explicitly."""
+    from autoshard.planning.hardware import preset_for_gpu
+    from autoshard.train.device import running_hardware
+    assert _opts(tmp_path).hardware is None
+    assert _opts(tmp_path, "--hardware", "h200").hardware == "h200"
+    assert running_hardware(Placement("cpu", "gloo", "fp32", False)) is None
+    assert preset_for_gpu("NVIDIA H100 80GB HBM3", 79.2) == "h100-80gb"
+    assert preset_for_gpu("NVIDIA A100-SXM4-80GB", 79.2) == "a100-80gb"
+    assert preset_for_gpu("NVIDIA A100-SXM4-40GB", 39.4) is None          # the preset's memory is 80 GiB
+    assert preset_for_gpu("NVIDIA H200", 139.8) == "h200"
+    assert preset_for_gpu("Tesla V100-SXM2-32GB", 31.7) == "v100-32gb"
+    assert preset_for_gpu("NVIDIA GeForce RTX 4090", 23.6) is None
