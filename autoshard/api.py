@@ -35,7 +35,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool | None = None, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
-              hardware: str | Hardware = "a100-80gb") -> ShardedProgram:
+              hardware: str | Hardware = "a100-80gb", distributed_optimizer: bool | None = False) -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
 
     tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
@@ -79,8 +79,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     `gradient_checkpointing_enable()` was called gets "full" unless `recompute` is given (its own
     checkpointing does not survive capture: the numbers would be right and no memory saved).
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
-    many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU); the
-    chosen costmodel.Estimate is `prog.planned`.
+    many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU), at the
+    example call's sequence length; the chosen costmodel.Estimate is `prog.planned`.
+    distributed_optimizer: with world_size, whether the plan's memory and time count AdamW's state
+    divided over the data-parallel ranks (False, the default: a plain optimizer); None lets the
+    planner choose, and `prog.planned.distributed_optimizer` then says whether to build
+    autoshard.runtime.DistributedOptimizer(runtime, torch.optim.AdamW, shard=True).
     sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
     1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
     and each new input shape is compiled once (sizes are exported static).
@@ -109,7 +113,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         given_example = example_inputs is not None or example_kwargs is not None
         chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule,
-                                seq=_sequence_length(args, kwargs) if given_example else None)
+                                seq=_sequence_length(args, kwargs) if given_example else None,
+                                distributed_optimizer=distributed_optimizer)
         tp, pp, dp, ep, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.ep, chosen.virtual
         microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
         recompute = chosen.recompute
@@ -176,7 +181,8 @@ def _check_context_attention(attention: str) -> None:
 
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
                    sequence_parallel: bool, recompute: str | None, given: dict[str, int | None],
-                   schedule: str | None = None, seq: int | None = None) -> Estimate:
+                   schedule: str | None = None, seq: int | None = None,
+                   distributed_optimizer: bool | None = False) -> Estimate:
     """The planner's fastest split of `world_size` GPUs at `seq` tokens per sequence (the example
     call's; None: the config's maximum, which plan() warns of); refused when the caller also fixed one."""
     fixed = {k: x for k, x in given.items() if x is not None}
@@ -186,6 +192,7 @@ def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, 
     try:
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
                     sequence_parallel=sequence_parallel, recompute=recompute, seq=seq,
+                    distributed_optimizer=distributed_optimizer,
                     **({"schedules": (schedule,)} if schedule else {}))[0]
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "

@@ -111,17 +111,18 @@ def plan_verb(args: argparse.Namespace) -> None:
     _progress(f"estimating every split of {args.gpus} GPUs on {args.hardware} ...")
     try:
         plans = plan(source, gpus=args.gpus, global_batch=args.global_batch, hardware=args.hardware,
-                     seq=seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                     seq=seq, distributed_optimizer={"no": False, "yes": True, "search": None}[args.distributed_optimizer], recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                      context_parallel=args.cp)
     except ValueError as e:
         raise SystemExit(f"autoshard plan: {e}") from None
     moe = any(e.moe is not None for e in plans)       # the ep column only for mixture-of-experts models
     context = any(e.cp > 1 for e in plans[:args.top])     # the cp column only when a shown plan has cp
     rows = [(i + 1, e.tp, e.pp, e.dp, *([e.ep] if moe else []), *([e.cp] if context else []), e.microbatch, e.virtual,
-             "yes" if e.sequence_parallel else "no", e.recompute, f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
+             "yes" if e.sequence_parallel else "no", e.recompute, "yes" if e.distributed_optimizer else "no",
+             f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
              f"{e.seconds_per_iteration:.3g}", f"{e.memory_gib_per_gpu:.1f}") for i, e in enumerate(plans[:args.top])]
     print(tabulate(rows, headers=("#", "tp", "pp", "dp", *(["ep"] if moe else []), *(["cp"] if context else []),
-                                  "microbatch", "v", "sp", "recompute",
+                                  "microbatch", "v", "sp", "recompute", "dist-opt",
                                   "TFLOP/s/GPU", "% peak", "s/iter", "GiB/GPU")))
     print(f"\n{len(plans)} configurations fit; the first three:\n{explain(plans)}")
 
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="activation recomputation (default: the planner tries all three)")
     pl.add_argument("--sequence-parallel", action="store_true")
     pl.add_argument("--cp", action="store_true", help="also search context parallelism (each rank seq / cp tokens)")
+    pl.add_argument("--distributed-optimizer", choices=("no", "yes", "search"), default="no",
+                    help="AdamW's state divided over the data-parallel ranks: never (default), always, or where "
+                         "it is faster or fits")
     pl.add_argument("--top", type=int, default=5)
     pl.set_defaults(run=plan_verb)
     verbs.add_parser("train", help="train a model on text, sharded (autoshard train --help)", add_help=False)

@@ -259,6 +259,9 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     breakdown["dp_comm"] = (tied + grad_reduce) * share
     params = evaluate("parameters_per_gpu", **sym) + per_rank * experts.params
     tensors = 12 * per_rank + 4        # GPT: 12 per layer; embeddings and the final norm's 2
+    if distributed_optimizer:          # each rank steps its share: dense over dp x cp, experts over dp x cp / ep
+        held_experts = per_rank * experts.expert_params
+        params = (params - held_experts) / (dp * cp) + held_experts * ep / (dp * cp)
     breakdown["optimizer"] = share * (params * hw.optimizer_s_per_param + tensors * hw.optimizer_s_per_tensor
                                       if hw.optimizer_s_per_param else bytes_seconds(_ADAM_BYTES * params, hw))
     if hw.step_overhead_s:
@@ -287,4 +290,4 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                     model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
                     memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - RESERVED) * hw.memory_gib * 2**30,
                     peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest, ep=ep, moe=moe,
-                    cp=cp, schedule=schedule)
+                    cp=cp, schedule=schedule, distributed_optimizer=distributed_optimizer)

@@ -42,6 +42,7 @@ class Estimate:
     cp: int = 1                         # context-parallel ranks (each holds seq / cp tokens)
     schedule: str = "1f1b"              # the pipeline schedule (runtime/schedules.py)
     schedules_weighed: tuple[str, ...] = ()     # the schedules the planner compared, at this microbatch
+    distributed_optimizer: bool = False     # AdamW's state and main weights divided over dp x cp
 
     @property
     def gpus(self) -> int:
@@ -59,7 +60,8 @@ class Estimate:
         parts = ", ".join(f"{k} {100 * x / self.seconds_per_iteration:.0f}%"
                           for k, x in self.breakdown.items() if x > 0)
         split = f"tp={self.tp} pp={self.pp} dp={self.dp}" + f" ep={self.ep}" * (self.ep > 1) + \
-            f" cp={self.cp}" * (self.cp > 1) + " sp" * self.sequence_parallel
+            f" cp={self.cp}" * (self.cp > 1) + " sp" * self.sequence_parallel + \
+            " distributed-optimizer" * self.distributed_optimizer
         schedule = f" schedule={self.schedule}" if self.pp > 1 else ""
         return (f"{split} microbatch={self.microbatch} virtual={self.virtual}{schedule}: "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "

@@ -96,15 +96,25 @@ def _expert_splits(dp: int, moe: MoEShape | None, sequence_parallel: bool) -> li
     return [e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0]
 
 
+def _optimizer_modes(distributed_optimizer: bool | None, data: int) -> tuple[bool, ...]:
+    """Whether to divide the optimizer's state, to try: as given, or both where there is a data axis
+    to divide it over (with one replica it changes nothing)."""
+    if distributed_optimizer is not None:
+        return (distributed_optimizer,)
+    return (False, True) if data > 1 else (False,)
+
+
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
          hardware: str | Hardware = "a100-80gb", seq: int | None = None, recompute: str | None = None,
          sequence_parallel: bool = False, top: int | None = None,
-         distributed_optimizer: bool = False, moe: MoEShape | None = None,
+         distributed_optimizer: bool | None = False, moe: MoEShape | None = None,
          context_parallel: bool = False, attention: str = "math",
          schedules: tuple[str, ...] = CANDIDATES) -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
-    and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory.
+    and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory and in
+    the optimizer's time; None searches both where dp x cp > 1 (the estimate's
+    `distributed_optimizer` says which: it is the optimizer you build, not part of the program).
     moe: the model's experts (read from a model's config when not given); the planner then also
     searches ep (dividing dp and the experts; ep=1 with sequence parallelism). context_parallel:
     also search cp (each rank seq / cp tokens; not with sequence parallelism or experts, which the
@@ -131,10 +141,11 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     found = [estimate(hidden=shape.hidden, layers=shape.layers, heads=shape.heads, vocab=shape.vocab,
                       seq=seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
-                      distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, attention=attention,
+                      distributed_optimizer=sharded, moe=moe, ep=ep, cp=cp, attention=attention,
                       schedules=schedules)
              for tp, pp, dp, cp in _splits(shape, gpus, global_batch, hw, seq, context)
-             for ep in _expert_splits(dp, moe, sequence_parallel) for mode in modes]
+             for ep in _expert_splits(dp, moe, sequence_parallel) for mode in modes
+             for sharded in _optimizer_modes(distributed_optimizer, dp * cp)]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:
         least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)

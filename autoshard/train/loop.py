@@ -110,9 +110,11 @@ def _compile(opts: TrainOptions, source, world: int, hardware: str | None):
     if opts.plan:       # planned at --seq-len tokens: the example's
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=hardware or PLAN_DEFAULT,
                          sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
+                         distributed_optimizer=True if opts.distributed_optimizer else None,
                          example_kwargs={source.input_name: example, source.label_name: example})
         split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, ep=prog.dims.ep, virtual=prog.virtual,
-                     microbatches=prog.microbatches, recompute=prog.recompute)
+                     microbatches=prog.microbatches, recompute=prog.recompute,
+                     distributed_optimizer=prog.planned.distributed_optimizer)
         if opts.batch % (split["dp"] * split["microbatches"]):
             raise TrainError(f"the planner's dp={split['dp']} x microbatches={split['microbatches']} does not divide "
                              f"--batch {opts.batch}")
@@ -213,8 +215,9 @@ def run(opts: TrainOptions) -> int:
         if place.is_cuda:
             move_runtime(rt, place.device)
     adamw = dict(lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
-    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=opts.distributed_optimizer, **adamw)
-                 if opts.distributed_optimizer or opts.precision != "fp32"
+    shard = opts.distributed_optimizer or split.get("distributed_optimizer", False)     # given, or --plan's
+    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=shard, **adamw)
+                 if shard or opts.precision != "fp32"
                  else torch.optim.AdamW(rt.parameters(), **adamw))
     # the cp ranks of a replica read the same sequences (data rank = replica x cp + cp rank)
     batches = Batches.open(token_file, seq_len=opts.seq_len, global_batch=opts.batch, dp=split["dp"],
@@ -235,7 +238,7 @@ def run(opts: TrainOptions) -> int:
               + (f"cp={split['cp']} " if split.get("cp", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
               + (f"AdamW state sharded over dp={split['dp']}"
                  + (f" (experts' over dp/ep={split['dp'] // split['ep']})" if split.get("ep", 1) > 1 else "") + ", "
-                 if opts.distributed_optimizer else "")
+                 if shard else "")
               + (f"{opts.precision} with fp32 main weights, " if opts.precision != "fp32" else "") +
               f"{batches.sequences} sequences of "
               f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else

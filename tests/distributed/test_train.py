@@ -98,20 +98,22 @@ def test_train_llama_tp2_pp2_resumes_exactly_reshards_and_exports(tmp_path):
 
 @pytest.mark.slow
 def test_the_planners_dp2_and_the_distributed_optimizer_give_the_same_losses_and_bf16_tracks_them(tmp_path):
-    """The planner chooses dp=2 for this model on two processes; that run (plain AdamW) is the
-    reference of the distributed optimizer's run at dp=2 (within 1e-5), of its bf16 run (2e-2), and of
-    a context-parallel run at cp=2 (each process half of every sequence, within 1e-5)."""
-    out = _train(tmp_path / "plain", *LLAMA, "--plan", "--steps", "20", nproc=2).stdout
+    """The planner chooses dp=2 with the distributed optimizer for this model on two processes, and the
+    run applies both; a plain AdamW run at dp=2 is the reference of that run (within 1e-5), of a bf16
+    run with the distributed optimizer (2e-2), and of a context-parallel run at cp=2 (each process
+    half of every sequence, within 1e-5)."""
+    out = _train(tmp_path / "planned", *LLAMA, "--plan", "--steps", "20", "--save-every", "5", nproc=2).stdout
     assert "tp=1 pp=1 dp=2 virtual=1 microbatches=1 recompute=none" in out, out
+    assert "AdamW state sharded over dp=2" in out, out         # the planner's choice, applied
     # planned at --seq-len for a GPU preset, said so; no GPU's estimate beside the CPU's measured steps
     assert "--plan planned for a100-80gb (no preset describes this machine" in out and "cost model:" not in out, out
+    planned = [float(r["loss"]) for r in _rows(tmp_path / "planned")]
+    out = _train(tmp_path / "plain", *LLAMA, "--dp", "2", "--steps", "20", nproc=2).stdout
+    assert "AdamW state sharded" not in out, out
     plain = [float(r["loss"]) for r in _rows(tmp_path / "plain")]
     assert len(plain) == 20 and sum(plain[-5:]) / 5 < sum(plain[:5]) / 5 - 0.5, plain        # it learns
-    args = [*LLAMA, "--dp", "2", "--steps", "20", "--save-every", "5", "--distributed-optimizer"]
-    out = _train(tmp_path / "zero", *args, nproc=2).stdout
-    assert "AdamW state sharded over dp=2" in out
-    zero = [float(r["loss"]) for r in _rows(tmp_path / "zero")]
-    assert len(zero) == 20 and max(abs(a - b) / abs(b) for a, b in zip(zero, plain)) < 1e-5, (zero, plain)
+    assert len(planned) == 20 and max(abs(a - b) / abs(b) for a, b in zip(planned, plain)) < 1e-5, (planned, plain)
+    args = [*LLAMA, "--dp", "2", "--steps", "20", "--distributed-optimizer"]
     out = _train(tmp_path / "bf16", *args, "--precision", "bf16", nproc=2).stdout
     assert "bf16 with fp32 main weights" in out
     half = [float(r["loss"]) for r in _rows(tmp_path / "bf16")]

@@ -85,6 +85,12 @@ def test_plan_table_tells_every_row_apart(capsys, monkeypatch):
     assert {r[3] for r in rows} > {"1"}, rows                        # ep searched
     main(["plan", "tests.factories:small_gpt2", "--gpus", "4", "--global-batch", "8"])
     assert "ep" not in capsys.readouterr().out.splitlines()[0].split()  # no MoE: no ep column
+    # the distributed optimizer searched: where dp > 1 it divides the state and the optimizer's time
+    main(["plan", "tests.factories:small_gpt2", "--gpus", "4", "--global-batch", "8", "--distributed-optimizer", "search"])
+    lines = capsys.readouterr().out.splitlines()
+    col = lines[0].split().index("dist-opt")
+    assert lines[2].split()[col] == ("yes" if lines[2].split()[3] != "1" else "no"), lines[:3]
+    assert "distributed-optimizer" in "\n".join(lines[len(lines) - 8:]) or lines[2].split()[3] == "1"
 
 
 def test_errors_are_one_line_unless_debug(monkeypatch):

@@ -88,6 +88,25 @@ def test_autoshard_world_size_plans_at_the_example_inputs_length():
     assert prog.planned == plan(model, gpus=2, global_batch=4, seq=48)[0]
 
 
+def test_plan_searches_the_distributed_optimizer():
+    """distributed_optimizer=None weighs both optimizers where dp > 1: the divided one holds less and
+    steps 1/dp of the state, so splits that do not fit with a plain AdamW come in (a 13B GPT on 8
+    GPUs), and the fastest plan uses it; the default (False) never does."""
+    shape = ModelShape(hidden=5120, layers=40, heads=40, vocab=51200, seq=2048)
+    key = lambda e: (e.tp, e.pp, e.dp, e.microbatch, e.virtual, e.recompute, e.schedule)     # noqa: E731
+    plain = {key(e): e for e in plan(shape, gpus=8, global_batch=64)}
+    divided = {key(e): e for e in plan(shape, gpus=8, global_batch=64, distributed_optimizer=True)}
+    both = plan(shape, gpus=8, global_batch=64, distributed_optimizer=None)
+    assert not any(e.distributed_optimizer for e in plain.values())
+    assert {e.distributed_optimizer for e in both} == {False, True}
+    assert set(divided) - set(plain) and both[0].distributed_optimizer and both[0].dp > 1
+    assert "distributed-optimizer" in both[0].explain()
+    k = next(k for k in plain if k in divided and k[2] > 1)
+    assert divided[k].memory_gib_per_gpu < plain[k].memory_gib_per_gpu
+    assert divided[k].breakdown["optimizer"] == pytest.approx(plain[k].breakdown["optimizer"] / k[2])
+    assert all(not e.distributed_optimizer for e in both if e.dp == 1)       # one replica: nothing to divide
+
+
 def test_autoshard_world_size_excludes_an_explicit_split():
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32))
     with pytest.raises(ShardingError, match="world_size=4 asks the planner .* drop tp=2"):
