@@ -2,7 +2,7 @@
 predict autoshard's own CPU gloo runs (one thread per rank, as torchrun sets it).
 
     from autoshard.cpu_profile import measure_cpu
-    hw = measure_cpu(hidden=256, heads=8, seq=128, microbatch=2)      # ~10 s
+    hw = measure_cpu(hidden=256, heads=8, seq=128, microbatch=2)      # 1-2 minutes on 2 cores, then cached
     autoshard.plan(model, gpus=2, global_batch=8, hardware=hw)
 
 What is measured, each on the shapes given (fp32, denormals flushed as the runs do):
@@ -22,16 +22,22 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
+from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
+
+_REST_FLOOR = 0.05      # the element-wise remainder's floor, as a fraction of the layer's time
+_BUSY = 0.5             # load average per core above which the machine counts as busy
 
 CPU_DEFAULTS = dict(sms=1, tile=(1, 1), matmul_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
                     activation_bytes=4, mask_bytes=4, weight_bytes=4, grad_bytes=4, reduce_bytes=4,
@@ -87,15 +93,22 @@ def _per_layer(x: LayerShape, **kw) -> tuple[float, float]:
     return layer, max(0.0, two - 2 * layer)
 
 
-def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> float:
+def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple[float, str | None]:
     """Bytes per second: ELEMENTWISE's bytes for one layer (fp32) / the layer's measured time less its
     GEMMs (at the measured rate) and its dispatch cost. Unfused on the CPU, a layer moves more than
     the table's fused kernels count (copies for the attention's batched products, separate bias,
-    scale and mask ops): the rate is an effective one, for these shapes."""
+    scale and mask ops): the rate is an effective one, for these shapes. With it, a note when the
+    remainder fell under its floor."""
     layer, _ = _per_layer(x)
     flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
-    rest = max(layer - flops / gemm_rate - dispatch, 1e-6)
-    return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest
+    rest = layer - flops / gemm_rate - dispatch
+    floor = _REST_FLOOR * layer
+    note = None
+    if rest < floor:        # the remainder is lost in the noise of its three terms: say so
+        note = (f"element-wise rate: the layer's {layer * 1e3:.3g} ms less its GEMMs and dispatch left "
+                f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer; the floor is used")
+        rest = floor
+    return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest, note
 
 
 def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
@@ -115,6 +128,9 @@ def _gloo_worker(rank: int, port: int, message: int, out) -> None:
     which makes a collective in a training step cost several times its idle ping (RESULTS.md)."""
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
+    # measured from a rank of a torchrun job (autoshard train --hardware cpu): this pair's store is its
+    # own, not the job's agent store that torchrun's environment points to
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     a, b = torch.randn(256, 256), torch.randn(256, 768)
 
@@ -133,7 +149,7 @@ def _gloo_worker(rank: int, port: int, message: int, out) -> None:
         rounds(buf, 3)
         costs.append(statistics.median([rounds(buf) - rounds(None) for _ in range(3)]))
     if rank == 0:
-        out.put((max(costs[0], 1e-6), max(costs[1], 1e-6), small.numel() * 4, big.numel() * 4))
+        out.put((costs[0], costs[1], small.numel() * 4, big.numel() * 4))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -145,7 +161,8 @@ def _local_worker(x: LayerShape, out) -> None:
     dispatch, step = _per_layer(tiny, with_optimizer=True)
     gemm = _gemm_rate(x)
     dispatch_fb, _ = _per_layer(tiny)        # forward and backward only
-    out.put((gemm, _elementwise_rate(x, gemm, dispatch_fb), dispatch, step, *_adam_costs()))
+    elementwise, note = _elementwise_rate(x, gemm, dispatch_fb)
+    out.put((gemm, elementwise, note, dispatch, step, *_adam_costs()))
 
 
 def _spawned(target, args: tuple, n: int) -> tuple:
@@ -171,24 +188,56 @@ def _spawned(target, args: tuple, n: int) -> tuple:
     return got
 
 
+def _floored(value: float, floor: float, what: str, notes: list[str]) -> float:
+    if value < floor:
+        notes.append(f"{what} measured {value * 1e6:.3g} us, under its floor of {floor * 1e6:.3g} us; the floor is used")
+        return floor
+    return value
+
+
 def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gib: float | None = None,
-                name: str = "cpu") -> Hardware:
+                name: str = "cpu", cache: bool = True) -> Hardware:
     """The profile of this machine for a model of these shapes (see the module docstring); measured
-    in spawned processes, one thread each."""
+    in spawned processes, one thread each, in one to two minutes on 2 cores. With `cache`, a profile
+    measured before on this machine for these arguments is read back instead
+    (autoshard/cpu_profile_cache.py), and a new one stored. Warns when the machine was busy as it
+    started (load average over half the cores) or a value fell under its floor, and again each
+    time such a profile is read back: it is unreliable (measure it again on a quiet machine:
+    delete the stored file)."""
+    key = profile_key(hidden=hidden, heads=heads, seq=seq, microbatch=microbatch, memory_gib=memory_gib, name=name)
+    if cache and (found := load_profile(key)) is not None:
+        hw, _, notes = found
+        if notes:
+            warnings.warn("the stored cpu profile may be off: " + "; ".join(notes), stacklevel=2)
+        return hw
+    notes: list[str] = []
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > _BUSY * cores:
+        notes.append(f"the machine was busy as the measurement started (load average {load:.1f} on {cores} cores)")
+    t0 = time.perf_counter()
     x = LayerShape(microbatch, seq, hidden, heads, 1)
-    gemm, elementwise, layer, step, adam, adam_tensor = _spawned(_local_worker, (x,), 1)
+    gemm, elementwise, note, layer, step, adam, adam_tensor = _spawned(_local_worker, (x,), 1)
+    notes += [note] if note else []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     small, bulk, small_bytes, nbytes = _spawned(_gloo_worker, (port, microbatch * seq * hidden), 2)
+    small = _floored(small, 1e-6, "a small all-reduce", notes)
+    bulk = _floored(bulk, small + 1e-6, "a large all-reduce (beyond the small one's)", notes)
     # latency + bytes / link through the two sizes measured (a ring all-reduce of 2 ranks moves the
     # buffer through each link once)
-    link = (nbytes - small_bytes) / max(bulk - small, 1e-9)
-    lat = max(small - small_bytes / link, 1e-6)
+    link = (nbytes - small_bytes) / (bulk - small)
+    lat = _floored(small - small_bytes / link, 1e-6, "gloo's latency", notes)
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return Hardware(name, peak_tflops=gemm / 1e12, hbm_gb_s=elementwise / 1e9, memory_gib=memory_gib,
-                    gpus_per_node=os.cpu_count() or 1, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9,
-                    latency_us=lat * 1e6, layer_overhead_s=layer, step_overhead_s=step,
-                    cores=os.cpu_count() or 1, optimizer_s_per_param=adam,
-                    optimizer_s_per_tensor=adam_tensor, **CPU_DEFAULTS)
+    hw = Hardware(name, peak_tflops=gemm / 1e12, hbm_gb_s=elementwise / 1e9, memory_gib=memory_gib,
+                  gpus_per_node=os.cpu_count() or 1, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9,
+                  latency_us=lat * 1e6, layer_overhead_s=layer, step_overhead_s=step,
+                  cores=os.cpu_count() or 1, optimizer_s_per_param=adam,
+                  optimizer_s_per_tensor=adam_tensor, **CPU_DEFAULTS)
+    seconds = time.perf_counter() - t0
+    where = f"; stored in {save_profile(key, hw, seconds, notes)}" if cache else ""
+    print(f"autoshard: measured the {name} profile in {seconds:.0f} s{where}", file=sys.stderr, flush=True)
+    if notes:
+        warnings.warn("the measured cpu profile may be off: " + "; ".join(notes), stacklevel=2)
+    return hw

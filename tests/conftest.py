@@ -1,6 +1,7 @@
 import os
 import socket
 import subprocess
+import tempfile
 import warnings
 
 import pytest
@@ -17,6 +18,10 @@ warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 # (autoshard/compile/trace_cache.py, tested in tests/simulation/test_trace_cache.py). Tests and
 # benchmarks that time compilation turn it off.
 os.environ.setdefault(trace_cache.ENV, "1")
+
+# Measured cpu profiles (autoshard/cpu_profile_cache.py) go to a folder of this test process, not
+# the user's cache: a test measures afresh, and leaves nothing behind in the home directory.
+os.environ["AUTOSHARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
 
 # One thread per test process: the models here are tiny (threads buy nothing), and pytest-xdist
 # workers each running several OpenMP threads on a 2-core machine spend CPU spinning against each other.

@@ -1,3 +1,4 @@
 from autoshard.train import main
 
-main()
+if __name__ == "__main__":      # not in a process spawned from a rank (the cpu profile's measurement)
+    main()

@@ -18,15 +18,17 @@ from autoshard.checkpoint.convert import consolidate, load_from_file
 from autoshard.checkpoint.index import INDEX, CheckpointError
 from autoshard.checkpoint.materialize import materialize
 from autoshard.errors import expert_split_problem
+from autoshard.planning.hardware import Hardware
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
-from autoshard.train.device import Placement, move_runtime, placement, running_hardware
+from autoshard.train.device import Placement, move_runtime, placement
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
 from autoshard.train.metrics import Reporter, StepMetrics, estimated_step_seconds
 from autoshard.train.options import TrainError, TrainOptions
 from autoshard.train.plot import loss_curve
+from autoshard.train.run_hardware import hardware_name, run_hardware
 
 # what --plan plans for where no preset describes the machine (the CPU): said on the run's first line
 PLAN_DEFAULT = "a100-80gb"
@@ -105,7 +107,7 @@ def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) 
                          f"has {source.vocab} (--vocab)")
 
 
-def _compile(opts: TrainOptions, source, world: int, hardware: str | None):
+def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | None):
     example = torch.zeros((2, opts.seq_len), dtype=torch.long)     # 2: a size 1 would be specialized
     if opts.plan:       # planned at --seq-len tokens: the example's
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=hardware or PLAN_DEFAULT,
@@ -206,7 +208,8 @@ def run(opts: TrainOptions) -> int:
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
     if source.weights is None:          # captured on its device (a folder's model stays on meta: loaded below)
         source.model.to(place.device)
-    hardware = opts.hardware or running_hardware(place)
+    guess = {"dp": world, "microbatches": 1} if opts.plan else split_of(opts, world)    # for the cpu profile's shapes
+    hardware = run_hardware(opts, place, source.config, max(1, opts.batch // (guess["dp"] * guess["microbatches"])))
     prog, split = _compile(opts, source, world, hardware)
     rt = prog.distributed(mesh=True)
     if source.weights is not None:
@@ -226,7 +229,7 @@ def run(opts: TrainOptions) -> int:
                 "warmup": opts.warmup, "min_lr_ratio": opts.min_lr_ratio,
                 "data_key": os.path.basename(token_file), "split": split}
     start = _resume(opts, ckdir, prog, rt, optimizer, run_info) if opts.resume else 0
-    reporter = Reporter(opts.out, opts.steps, start, rank == 0, hardware)
+    reporter = Reporter(opts.out, opts.steps, start, rank == 0, hardware_name(hardware))
     est = estimated_step_seconds(opts, source.config, split, hardware)
     if rank == 0 and opts.plan and hardware is None:
         print(f"autoshard train: --plan planned for {PLAN_DEFAULT} (no preset describes this machine; "

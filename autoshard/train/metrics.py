@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from autoshard.planning.costmodel import estimate
+from autoshard.planning.hardware import Hardware
 from autoshard.train.options import TrainOptions
 
 __all__ = ["StepMetrics", "Reporter", "estimated_step_seconds"]
@@ -86,7 +87,7 @@ class Reporter:
         return [int(r["step"]) for r in rows], [float(r["loss"]) for r in rows]
 
 
-def estimated_step_seconds(opts: TrainOptions, cfg, split: dict, hardware: str | None) -> float | None:
+def estimated_step_seconds(opts: TrainOptions, cfg, split: dict, hardware: str | Hardware | None) -> float | None:
     """The cost model's step time for this run's split on `hardware` (None: no hardware to say it for,
     or a config the cost model does not read)."""
     if hardware is None:

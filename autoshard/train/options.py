@@ -123,9 +123,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     r.add_argument("--export", default=None, help="at the end, write a single-device Hugging Face folder here")
     r.add_argument("--log-every", type=int, default=1)
-    r.add_argument("--hardware", choices=sorted(PRESETS), default=None,
-                   help="the cost model's hardware, for the estimated step time and --plan (default: the GPU this "
-                        "runs on when a preset describes it; on the CPU no estimate, and --plan plans for a100-80gb)")
+    r.add_argument("--hardware", choices=[*sorted(PRESETS), "cpu"], default=None,
+                   help="the cost model's hardware, for the estimated step time and --plan: a GPU preset, or cpu "
+                        "(this machine, measured once for the model's shapes and kept; 1-2 minutes the first time) "
+                        "(default: the GPU this runs on when a preset describes it; on the CPU no estimate, and "
+                        "--plan plans for a100-80gb)")
     r.add_argument("--halt-after", type=int, default=None,
                    help="stop abruptly after this step, as a crash would (to test --resume)")
     return ap

@@ -128,6 +128,22 @@ def test_the_planners_dp2_and_the_distributed_optimizer_give_the_same_losses_and
 
 
 @pytest.mark.slow
+def test_hardware_cpu_estimates_with_this_machines_stored_profile(tmp_path, monkeypatch):
+    """Regression: --hardware cpu was refused ("invalid choice"). The profile for the run's shapes is
+    read back from where measure_cpu keeps it (stored here beforehand: measuring takes minutes)."""
+    from autoshard.cpu_profile import CPU_DEFAULTS
+    from autoshard.cpu_profile_cache import profile_key, save_profile
+    from autoshard.planning.hardware import Hardware
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    hw = Hardware("cpu", peak_tflops=0.05, hbm_gb_s=3.0, memory_gib=24, gpus_per_node=2, nvlink_gb_s=1.5,
+                  network_gb_s=1.5, latency_us=80.0, **CPU_DEFAULTS)
+    # one process: dp = 1, one microbatch of the whole --batch 8
+    save_profile(profile_key(hidden=64, heads=4, seq=64, microbatch=8, memory_gib=None, name="cpu"), hw, 90.0)
+    out = _train(tmp_path / "run", *LLAMA, "--steps", "2", "--hardware", "cpu").stdout
+    assert "s on cpu)" in out and "measured the cpu profile" not in out, out
+
+
+@pytest.mark.slow
 def test_gpt2_with_dropout_resumes_exactly(tmp_path):
     """GPT-2's dropout (0.1) draws from generators reseeded per step: a resumed run draws the same masks."""
     args = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--batch", "4",

@@ -59,6 +59,7 @@ def test_the_estimate_is_for_the_hardware_this_runs_on(tmp_path):
     from autoshard.train.device import running_hardware
     assert _opts(tmp_path).hardware is None
     assert _opts(tmp_path, "--hardware", "h200").hardware == "h200"
+    assert _opts(tmp_path, "--hardware", "cpu").hardware == "cpu"          # this machine, measured
     assert running_hardware(Placement("cpu", "gloo", "fp32", False)) is None
     assert preset_for_gpu("NVIDIA H100 80GB HBM3", 79.2) == "h100-80gb"
     assert preset_for_gpu("NVIDIA A100-SXM4-80GB", 79.2) == "a100-80gb"
