@@ -85,3 +85,23 @@ def test_the_element_wise_remainder_has_a_floor_and_says_so(monkeypatch):
     assert note is None
     rate_floored, note = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.999e-3)
     assert "under the floor of 5% of the layer" in note and rate_floored == pytest.approx(rate * 0.5 / 0.05)
+
+
+def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
+    """Regression: measured from a rank of `autoshard train --hardware cpu`, the pair's processes
+    inherited torchrun's TORCHELASTIC_USE_AGENT_STORE, waited for the job's agent store and hung."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(*args, **kwargs):
+        seen["agent_store"] = cpu_profile.os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+        seen["init_method"] = kwargs.get("init_method")
+        raise Stop
+    monkeypatch.setattr(cpu_profile.dist, "init_process_group", init)
+    monkeypatch.setattr(cpu_profile.torch, "set_flush_denormal", lambda on: True)    # this process's mode stays
+    with pytest.raises(Stop):
+        cpu_profile._gloo_worker(0, 12345, 64, None)
+    assert seen == {"agent_store": None, "init_method": "tcp://127.0.0.1:12345"}
