@@ -102,11 +102,12 @@ def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple
     layer, _ = _per_layer(x)
     flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
     rest = layer - flops / gemm_rate - dispatch
-    floor = _REST_FLOOR * layer
+    floor = max(_REST_FLOOR * layer, 1e-6)     # a layer measured at 0 (4 layers no slower than 2) too
     note = None
     if rest < floor:        # the remainder is lost in the noise of its three terms: say so
         note = (f"element-wise rate: the layer's {layer * 1e3:.3g} ms less its GEMMs and dispatch left "
-                f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer; the floor is used")
+                f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer (1 us at least); "
+                "the floor is used")
         rest = floor
     return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest, note
 

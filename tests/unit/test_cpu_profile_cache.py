@@ -85,6 +85,10 @@ def test_the_element_wise_remainder_has_a_floor_and_says_so(monkeypatch):
     assert note is None
     rate_floored, note = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.999e-3)
     assert "under the floor of 5% of the layer" in note and rate_floored == pytest.approx(rate * 0.5 / 0.05)
+    # a busy machine measured 4 layers no slower than 2: the layer at 0 (before: division by zero)
+    monkeypatch.setattr(cpu_profile, "_per_layer", lambda x: (0.0, 1e-3))
+    rate_zero, note = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=1e-4)
+    assert "layer's 0 ms" in note and 0 < rate_zero < float("inf")
 
 
 def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
