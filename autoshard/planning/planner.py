@@ -50,9 +50,9 @@ _CONFIG_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _config_name(model: nn.Module, field: str) -> str:
-    """Which of the config's attributes gave `field` (shape_of reads the first it finds)."""
-    return next(a for a in _CONFIG_NAMES[field] if isinstance(getattr(model.config, a, None), int))
+def _config_name(config, field: str) -> str | None:
+    """The first of `field`'s config attributes that holds an int (the one shape_of reads), or None."""
+    return next((a for a in _CONFIG_NAMES[field] if isinstance(getattr(config, a, None), int)), None)
 
 
 def shape_of(model_or_shape: nn.Module | ModelShape | dict) -> ModelShape:
@@ -67,8 +67,9 @@ def shape_of(model_or_shape: nn.Module | ModelShape | dict) -> ModelShape:
                          "pass autoshard.planning.planner.ModelShape(hidden=, layers=, heads=, vocab=, seq=)")
     found, missing = {}, []
     for name, aliases in _CONFIG_NAMES.items():
-        value = next((getattr(config, a) for a in aliases if isinstance(getattr(config, a, None), int)), None)
-        (missing.append(f"{name} (one of {', '.join(aliases)})") if value is None else found.__setitem__(name, value))
+        attr = _config_name(config, name)
+        (missing.append(f"{name} (one of {', '.join(aliases)})") if attr is None
+         else found.__setitem__(name, getattr(config, attr)))
     if missing:
         raise ValueError(f"{type(model_or_shape).__name__}.config lacks {'; '.join(missing)}; "
                          "pass autoshard.planning.planner.ModelShape instead")
@@ -134,7 +135,7 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
         moe = moe_shape(model_or_shape)
     if seq is None and isinstance(model_or_shape, nn.Module):
         warnings.warn(f"plan: no seq= given, so the plan is for {shape.seq} tokens per sequence, "
-                      f"{type(model_or_shape).__name__}.config's maximum ({_config_name(model_or_shape, 'seq')}); "
+                      f"{type(model_or_shape).__name__}.config's maximum ({_config_name(model_or_shape.config, 'seq')}); "
                       "pass seq= the length you train at", stacklevel=2)
     seq = seq or shape.seq
     context = context_parallel and not sequence_parallel and moe is None

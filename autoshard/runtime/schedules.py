@@ -233,13 +233,14 @@ def overlapped_bubble(schedule: list[list[Action]], v: int, m: int, *, forward_c
     """The bubble per step when steps run back to back with no boundary between the ranks: each
     rank starts step k + 1 once its own step-k actions are done (its optimizer needs only its own
     gradients, as with Qi et al.'s optimizer post-validation), so a rank that starts late may end
-    late. Three steps are simulated; the third's added time over one step's work (the busiest
-    rank's) is the bubble. Not what this runtime does: its steps end together (`bubble_fraction`)."""
+    late. Two and three steps are simulated; the third's added time over one step's work (the
+    busiest rank's, half of its two steps') is the bubble. Not what this runtime does: its steps end
+    together (`bubble_fraction`)."""
     def repeated(k: int) -> list[list[Action]]:
         return [[Action(a.kind, a.chunk, a.microbatch + j * m) for j in range(k) for a in acts] for acts in schedule]
     costs = dict(forward_cost=forward_cost, backward_cost=backward_cost, weight_cost=weight_cost, placement=placement)
     two, three = (check(repeated(k), v, k * m, **costs) for k in (2, 3))
-    busy = max(sum(e - s for _, s, e in row) for row in check(schedule, v, m, **costs).spans)
+    busy = max(sum(e - s for _, s, e in row) for row in two.spans) / 2
     return (three.makespan - two.makespan - busy) / busy
 
 

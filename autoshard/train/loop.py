@@ -198,8 +198,8 @@ def run(opts: TrainOptions) -> int:
     ckdir = os.path.join(opts.out, "checkpoints")
     # Everything that can be wrong with the options, data and tokenizer is found before the model is
     # sharded and compiled on every rank (minutes): the split, the fit of model and tokenizer, the data.
-    if not opts.plan:
-        split_of(opts, world)
+    # --plan's split is the planner's; until it is known, the cpu profile's shapes take all ranks as dp
+    given = {"dp": world, "microbatches": 1} if opts.plan else split_of(opts, world)
     tokenizer = tokenizer_for(opts.model)
     token_file = _on_rank0(lambda: check_data(opts, tokenizer))     # the launcher tokenized it already
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
@@ -208,8 +208,7 @@ def run(opts: TrainOptions) -> int:
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
     if source.weights is None:          # captured on its device (a folder's model stays on meta: loaded below)
         source.model.to(place.device)
-    guess = {"dp": world, "microbatches": 1} if opts.plan else split_of(opts, world)    # for the cpu profile's shapes
-    hardware = run_hardware(opts, place, source.config, max(1, opts.batch // (guess["dp"] * guess["microbatches"])))
+    hardware = run_hardware(opts, place, source.config, max(1, opts.batch // (given["dp"] * given["microbatches"])))
     prog, split = _compile(opts, source, world, hardware)
     rt = prog.distributed(mesh=True)
     if source.weights is not None:
