@@ -23,6 +23,7 @@ from autoshard.planning.context_cost import choose_attention
 from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.planner import plan
+from autoshard.planning.graph_fit import first_that_fits
 from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import check, make_schedule, schedule_spec
 
@@ -103,22 +104,36 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         raise ShardingError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     if recompute is None and getattr(model, "is_gradient_checkpointing", False) is True:
         recompute = "full"          # Hugging Face's gradient_checkpointing_enable(): capture drops it, so honour it here
-    chosen = None
     if world_size is not None and cp not in (None, 1):
         raise ShardingError(f"cp={cp} with world_size={world_size}: world_size plans tp, pp and dp without "
                             "context parallelism; see autoshard.plan(..., context_parallel=True) and give "
                             "tp/pp/dp/cp yourself")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
-    if world_size is not None:      # the planner picks the split (and the recompute mode, unless given)
-        given_example = example_inputs is not None or example_kwargs is not None
-        chosen = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
+    common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
+                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware)
+    if world_size is None:
+        return _program(model, args, kwargs, tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches,
+                        schedule=schedule, recompute=recompute, **common)
+    # the planner ranks the splits (and the recompute mode, unless given); the fastest whose every
+    # pipeline rank fits, read off its own compiled graphs, is the one compiled
+    given_example = example_inputs is not None or example_kwargs is not None
+    candidates = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule,
                                 seq=_sequence_length(args, kwargs) if given_example else None,
                                 distributed_optimizer=distributed_optimizer)
-        tp, pp, dp, ep, virtual = chosen.tp, chosen.pp, chosen.dp, chosen.ep, chosen.virtual
-        microbatches = chosen.microbatches       # b sequences each: the plan's memory assumes it
-        recompute = chosen.recompute
-        schedule = schedule or (chosen.schedule if pp > 1 else None)
+
+    def build(chosen: Estimate) -> ShardedProgram:
+        return _program(model, args, kwargs, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, ep=chosen.ep,
+                        virtual=chosen.virtual, microbatches=chosen.microbatches, recompute=chosen.recompute,
+                        schedule=schedule or (chosen.schedule if chosen.pp > 1 else None), **common)
+    return first_that_fits(candidates, get_hardware(hardware), build, world_size)
+
+
+def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp: int | None, dp: int | None,
+             ep: int | None, cp: int | None, virtual: int | None, microbatches: int | None, schedule: str | None,
+             recompute: str | None, cp_attention: str, vocab_parallel: bool, gather_output: bool,
+             sequence_parallel: bool, fuse: bool | None, hardware: str | Hardware) -> ShardedProgram:
+    """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
     if virtual is None and schedule is not None:
         virtual = schedule_spec(schedule).chunks         # a V schedule's two chunks
@@ -155,7 +170,6 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     stages = StageLayout(pp, virtual, all_names, rank0.graph, placement)   # pipeline stages; who holds each parameter
     prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
                           microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
-    prog.planned = chosen
     return prog
 
 
@@ -182,9 +196,10 @@ def _check_context_attention(attention: str) -> None:
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
                    sequence_parallel: bool, recompute: str | None, given: dict[str, int | None],
                    schedule: str | None = None, seq: int | None = None,
-                   distributed_optimizer: bool | None = False) -> Estimate:
-    """The planner's fastest split of `world_size` GPUs at `seq` tokens per sequence (the example
-    call's; None: the config's maximum, which plan() warns of); refused when the caller also fixed one."""
+                   distributed_optimizer: bool | None = False) -> list[Estimate]:
+    """The planner's splits of `world_size` GPUs at `seq` tokens per sequence (the example call's;
+    None: the config's maximum, which plan() warns of), fastest first; refused when the caller also
+    fixed one."""
     fixed = {k: x for k, x in given.items() if x is not None}
     if fixed:
         raise ShardingError(f"world_size={world_size} asks the planner to choose tp, pp, dp, virtual and "
@@ -193,7 +208,7 @@ def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, 
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
                     sequence_parallel=sequence_parallel, recompute=recompute, seq=seq,
                     distributed_optimizer=distributed_optimizer,
-                    **({"schedules": (schedule,)} if schedule else {}))[0]
+                    **({"schedules": (schedule,)} if schedule else {}))
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "
                             "autoshard.plan(ModelShape(...), gpus=..., global_batch=...) and pass tp/pp/dp/"

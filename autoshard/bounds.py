@@ -21,7 +21,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         _traced_check(in_range, f"a token id is out of range for the embedding's vocabulary of {vocab_size} rows "
                                 f"(ids must be in [0, {vocab_size}))")
         return ids
-    if ids.numel():
+    if ids.numel() and ids.device.type != "meta":      # a meta tensor (shapes only) has no ids to check
         low, high = torch.stack(torch.aminmax(ids)).tolist()       # one pass, one device sync
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
@@ -38,7 +38,7 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> t
         _traced_check(~outside, f"a target is out of bounds for cross-entropy over {vocab_size} classes "
                                 f"(targets must be in [0, {vocab_size}) or ignore_index={ignore_index})")
         return target
-    if target.numel() and bool(outside.any()):                 # one device sync when all is well
+    if target.numel() and target.device.type != "meta" and bool(outside.any()):                 # one device sync when all is well
         bad = target[outside]
         raise IndexError(f"target {int(bad[0])} is out of bounds for cross-entropy over {vocab_size} classes "
                          f"(targets must be in [0, {vocab_size}) or ignore_index={ignore_index})")

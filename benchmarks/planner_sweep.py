@@ -6,7 +6,8 @@ First measures the `cpu` profile (autoshard.cpu_profile.measure_cpu) for the swe
 (hidden 256, 8 heads, 4 layers, vocabulary 512, sequence 128, 2 sequences per microbatch, dropout
 0.1), then runs each configuration with torchrun (benchmarks/sweep_worker.py: AdamW, denormals
 flushed) and compares, per rank, the measured peak bytes (parameters, gradients, optimizer state
-and activations; autoshard.testing.memory.PeakBytes) with `memory_model.rank_memory`, and the
+and activations; autoshard.testing.memory.PeakBytes) with `memory_model.rank_memory` (the GPT
+table) and with the rank's own graphs (planning/graph_memory.py), and the
 median step time with `costmodel.estimate(..., hardware=profile)`.
 """
 from __future__ import annotations
@@ -43,14 +44,20 @@ def worker_args(config) -> list[str]:
              "--recompute", rc] + (["--sp"] if sp else []) + (["--schedule", schedule[0]] if schedule else []))
 
 
+def run_worker(args: list[str], world: int) -> list[dict]:
+    """benchmarks/sweep_worker.py with `args` on `world` processes: one dict per rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "benchmarks.sweep_worker", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def run(config) -> list[dict]:
     tp, pp, dp = config[:3]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
-           str(ROOT / "benchmarks" / "sweep_worker.py"), *worker_args(config)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        raise RuntimeError(f"{config} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_worker(worker_args(config), tp * pp * dp)
 
 
 def predicted_memory(config, pp_rank: int, hw) -> RankMemory:
@@ -82,9 +89,10 @@ def main() -> None:
              f"layer dispatch {hw.layer_overhead_s * 1e3:.2f} ms, step fixed {hw.step_overhead_s * 1e3:.2f} ms, "
              f"AdamW {hw.optimizer_s_per_param * 1e9:.2f} ns/param, gloo {hw.latency_us:.0f} us + "
              f"{hw.network_gb_s:.2f} GB/s, {hw.cores} cores", "",
-             "| tp | pp | dp | v | m | recompute | sp | schedule | rank | peak MiB | model MiB | error | step s | model s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    worst_mem = worst_time = 0.0
+             "| tp | pp | dp | v | m | recompute | sp | schedule | rank | peak MiB | table MiB | error | graph MiB | error | "
+             "step s | model s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    worst_mem = worst_graph = worst_time = 0.0
     for config in configs:
         ranks = run(config)
         want_s = predicted_seconds(config, hw)
@@ -97,12 +105,16 @@ def main() -> None:
             want = predicted_memory(config, r["pp_rank"], hw).peak
             err = (want - r["peak_bytes"]) / r["peak_bytes"]
             worst_mem = max(worst_mem, abs(err))
+            g_err = (r["graph_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
+            worst_graph = max(worst_graph, abs(g_err))
             tp, pp, dp, v, m, rc, sp, *schedule = config
             lines.append(f"| {tp} | {pp} | {dp} | {v} | {m} | {rc} | {sp} | {(schedule or ['-'])[0]} | {r['rank']} | "
-                         f"{r['peak_bytes'] / 2**20:.1f} | {want / 2**20:.1f} | {100 * err:+.1f}% | {step:.3f} | "
+                         f"{r['peak_bytes'] / 2**20:.1f} | {want / 2**20:.1f} | {100 * err:+.1f}% | "
+                         f"{r['graph_bytes'] / 2**20:.1f} | {100 * g_err:+.2f}% | {step:.3f} | "
                          f"{want_s:.3f} | {100 * t_err:+.1f}% |")
         print(lines[-1], flush=True)
-    lines += ["", f"worst memory error {100 * worst_mem:.1f}%, worst step-time error {100 * worst_time:.1f}% "
+    lines += ["", f"worst memory error {100 * worst_mem:.1f}% (GPT table), {100 * worst_graph:.2f}% (read off the "
+              f"graphs), worst step-time error {100 * worst_time:.1f}% "
               f"over {len(configs)} configurations"]
     print("\n".join(lines))
     if args.append:

@@ -1,10 +1,12 @@
 """One configuration of benchmarks/planner_sweep.py, under torchrun: measured peak bytes and step time per rank.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/sweep_worker.py --tp 2 --microbatches 2 --recompute full
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.sweep_worker --tp 2 --microbatches 2 --recompute full
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.sweep_worker --model llama --dp 2 --distributed-optimizer
 
-Trains the sweep's GPT with AdamW through `MeshRuntime.train_step`: two warm-up steps, then one step
+Trains one of benchmarks/sweep_models.py's models (default: the GPT) with AdamW (or the distributed optimizer) through `MeshRuntime.train_step`: two warm-up steps, then one step
 under `autoshard.testing.memory.PeakBytes` (on top of the parameters and optimizer state already
-live) and `--steps` timed steps, each fenced by barriers. Rank 0 prints one JSON line per rank.
+live) and `--steps` timed steps, each fenced by barriers. Each rank also predicts its peak from its own
+graphs (planning/graph_memory.py) before it runs. Rank 0 prints one JSON line per rank.
 Denormals are flushed while it measures and the setting is put back after (the test suite runs it
 as a job of a launch shared with other checks: tests/launches.py).
 """
@@ -19,23 +21,27 @@ import torch
 import torch.distributed as dist
 
 from autoshard import autoshard
-from autoshard.models import GPT, GPTConfig
+from autoshard.planning.graph_memory import rank_memory_of
+from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.launch import run_checker
 from autoshard.testing.memory import PeakBytes, state_bytes
+from benchmarks.sweep_models import GPT_SHAPE, SWEEP_MODELS, VOCAB
 
-SHAPE = dict(n_layer=4, n_head=8, n_embd=256, vocab_size=512, block_size=128)
+SHAPE = GPT_SHAPE
 MICRO = 2          # sequences per microbatch
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("tp", "pp", "dp", "microbatches"):
+    ap.add_argument("--model", default="gpt", choices=sorted(SWEEP_MODELS))
+    for name in ("tp", "pp", "dp", "ep", "microbatches"):
         ap.add_argument(f"--{name}", type=int, default=1)
     # not --virtual: torchrun reads any prefix of its --virtual-local-rank as its own
     ap.add_argument("--virtual-pipeline", dest="virtual", type=int, default=1)
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--schedule", default=None, help="a pipeline schedule (runtime/schedules.py); default 1F1B / interleaved")
+    ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     run_checker(lambda: _measured(args))
@@ -51,31 +57,39 @@ def _measured(args: argparse.Namespace) -> bool:
 
 
 def _measure(args: argparse.Namespace) -> None:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**SHAPE, dropout=0.1)).train()
-    seq = SHAPE["block_size"]
+    spec = SWEEP_MODELS[args.model]
+    model = spec.model()
     rows = args.dp * args.microbatches * MICRO
     gen = torch.Generator().manual_seed(0)
-    batch = lambda: (torch.randint(0, SHAPE["vocab_size"], (rows, seq), generator=gen),) * 2  # noqa: E731
-    ids, _ = batch()
-    prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual=args.virtual, microbatches=args.microbatches,
-                     recompute=args.recompute, sequence_parallel=args.sp, schedule=args.schedule,
-                     example_inputs=(ids[:MICRO], ids[:MICRO]))
+
+    def batch() -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (rows, spec.seq), generator=gen)
+        return {spec.tokens: ids, spec.labels: ids}
+    example = {k: v[:MICRO] for k, v in batch().items()}
+    prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, virtual=args.virtual,
+                     microbatches=args.microbatches, recompute=args.recompute, sequence_parallel=args.sp,
+                     schedule=args.schedule, example_kwargs=example)
     rt = prog.distributed(mesh=True)
     del model
-    opt = torch.optim.AdamW(rt.parameters(), lr=1e-4)
+    if args.distributed_optimizer:
+        opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(rt.parameters(), lr=1e-4)
+    # the prediction read off this rank's own graphs (planning/graph_memory.py), before anything runs
+    graph = rank_memory_of(prog, rt.pp_rank, tp_rank=rt.tp_rank, data_rank=rt.dp_rank,
+                           distributed_optimizer=args.distributed_optimizer)
 
     def step():
-        x, y = batch()
-        rt.train_step(x, y)
+        rt.train_step(**batch())
         opt.step()
         opt.zero_grad()
     for _ in range(2):
         step()
     params = list(rt.parameters())
-    # what a rank holds between steps: parameters, optimizer state, the runtime's gradient buffers
+    # what a rank holds between steps: parameters and buffers, optimizer state, the runtime's gradient buffers
     grads = [part.buffer.data for part in rt.grads.parts]
-    base = state_bytes(params + [t for s in opt.state.values() for t in s.values()] + grads)
+    state = opt.optimizer.state if args.distributed_optimizer else opt.state
+    base = state_bytes(params + list(rt.buffers()) + [t for s in state.values() for t in s.values()] + grads)
     with PeakBytes(base=base) as peak:
         step()
     times = []
@@ -87,6 +101,7 @@ def _measure(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
     mine = {"rank": dist.get_rank(), "tp_rank": rt.tp_rank, "pp_rank": rt.pp_rank, "dp_rank": rt.dp_rank,
             "params": sum(p.numel() for p in params), "state_bytes": base, "peak_bytes": peak.peak,
+            "graph_bytes": graph.peak,
             "step_s": statistics.median(times)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

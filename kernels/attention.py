@@ -33,14 +33,17 @@ def is_causal_mask(mask: torch.Tensor) -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, *,
-              scale: float | None = None, repeat: int = 1, enable_gqa: bool = False) -> torch.Tensor:
+              scale: float | None = None, repeat: int = 1, enable_gqa: bool = False,
+              sdpa=F.scaled_dot_product_attention) -> torch.Tensor:
     """SDPA of q [b, h, L, e] with k, v [b, h / repeat, S, e] (each key/value head serving `repeat`
-    query heads, as repeat_kv repeats them) under `mask`; `causal` says `mask` is the lower triangle."""
+    query heads, as repeat_kv repeats them) under `mask`; `causal` says `mask` is the lower triangle.
+    `sdpa`: the SDPA to call (a rank read on meta tensors passes one that picks the backend its
+    device would: compile/meta_ops.py)."""
     if causal and tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa or repeat > 1)
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa or repeat > 1)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def causal_attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,

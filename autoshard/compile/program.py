@@ -55,6 +55,7 @@ class ShardedProgram:
             self.param_aliases.setdefault(by_id.setdefault(id(p), n), []).append(n)
         self._bind = InputBinder.of(model)
         self.planned = None     # the planner's Estimate when autoshard chose the split (world_size=)
+        self.planned_memory = None      # then each pipeline rank's peak read off its graphs (planning/graph_fit.py)
         self._seed = 0
         self._training = model.training     # the ranks' mode: they start in the model's
         self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice
@@ -114,9 +115,10 @@ class ShardedProgram:
                 self._add_graph(rank, entry)
         return entry
 
-    def stage_graphs(self, gm: fx.GraphModule | fx.Graph) -> list[StageGraph]:
-        """The pp * virtual stage graphs cut from one rank graph `gm` (cached)."""
-        return self._stages.stage_graphs(gm)
+    def stage_graphs(self, gm: fx.GraphModule | fx.Graph, cache: bool = True) -> list[StageGraph]:
+        """The pp * virtual stage graphs cut from one rank graph `gm` (cached unless `cache` is False:
+        a graph read once, as planning/graph_memory.py reads a meta copy's)."""
+        return self._stages.stage_graphs(gm, cache)
 
     def stage_modules(self, tp_rank: int = 0) -> list[fx.GraphModule]:
         """Tensor-parallel rank `tp_rank`'s program cut into stages (example inputs' graph): one module

@@ -35,9 +35,11 @@ class StageLayout:
             if len(holders) > 1:
                 self.shared_params.setdefault(tuple(sorted(holders)), []).append(name)
 
-    def stage_graphs(self, gm: fx.GraphModule | fx.Graph) -> list[StageGraph]:
-        """The pp * virtual stage graphs cut from one rank graph `gm` (cached; `gm` is kept alive
-        with its entry so its id is not reused)."""
+    def stage_graphs(self, gm: fx.GraphModule | fx.Graph, cache: bool = True) -> list[StageGraph]:
+        """The pp * virtual stage graphs cut from one rank graph `gm` (cached unless `cache` is
+        False; `gm` is kept alive with its entry so its id is not reused)."""
+        if not cache and id(gm) not in self._stages:
+            return split_stages(gm, self.pp * self.virtual, self.names_with_ties, late=_is_f)
         if id(gm) not in self._stages:
             self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, self.names_with_ties, late=_is_f))
         return self._stages[id(gm)][1]

@@ -56,6 +56,16 @@ def owner_of(flat_ids: torch.Tensor, per_rank: int) -> torch.Tensor:
     return torch.div(flat_ids, per_rank, rounding_mode="floor")
 
 
+def _pairs_per_owner(owner: torch.Tensor, size: int) -> list[int]:
+    """How many of the pairs go to each rank. A meta tensor (a rank's memory read on shapes alone:
+    planning/graph_memory.py) has no expert ids: its pairs are spread evenly, as a balanced router
+    spreads them."""
+    if owner.device.type == "meta":
+        even, extra = divmod(owner.numel(), size)
+        return [even + (r < extra) for r in range(size)]
+    return torch.bincount(owner, minlength=size).tolist()
+
+
 def dispatch_combine(red: Reducer, xs: list[torch.Tensor], idxs: list[torch.Tensor], ws: list[torch.Tensor],
                      run_locals: list[RunLocal], per_rank: int, size: int) -> list[torch.Tensor]:
     """The experts' output for each present rank's tokens, computed by the experts' owners (see above)."""
@@ -65,7 +75,7 @@ def dispatch_combine(red: Reducer, xs: list[torch.Tensor], idxs: list[torch.Tens
         owner = owner_of(flat, per_rank)
         order = torch.argsort(owner, stable=True)                # pairs grouped by owner rank
         rows = torch.div(order, idx.shape[1], rounding_mode="floor")      # the token of each sent pair
-        send = torch.bincount(owner, minlength=size).tolist()    # [size] pairs per owner
+        send = _pairs_per_owner(owner, size)                     # [size] pairs per owner
         plans.append((flat, owner, order, rows, send))
     sends = [p[4] for p in plans]
     local_ids, recvs = red.all_to_all([(flat - owner * per_rank)[order]

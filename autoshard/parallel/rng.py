@@ -47,6 +47,8 @@ class RNGTracker:
     def fork(self, region: str, device: torch.device | str = "cpu"):
         """Run the block with `region`'s generator state on `device`; the default state is restored."""
         device = torch.device(device)
+        if device.type == "meta":           # shapes only (planning/graph_memory.py): no generator draws
+            device = torch.device("cpu")
         cuda = device.type == "cuda"
         saved = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
         (torch.cuda.set_rng_state if cuda else torch.set_rng_state)(

@@ -16,11 +16,10 @@ buffers) is not seen.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard.planning.live_bytes import LiveBytes
 
 __all__ = ["SavedBytes", "PeakBytes", "state_bytes"]
 
@@ -67,35 +66,9 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-class PeakBytes(TorchDispatchMode):
-    """Live bytes of storages made by ops inside the block, on top of `base`; `peak` is the most."""
+class PeakBytes(LiveBytes):
+    """Live bytes of CPU storages made by ops inside the block, on top of `base`; `peak` is the most
+    (planning/live_bytes.py's LiveBytes on the CPU)."""
 
     def __init__(self, base: int = 0):
-        super().__init__()
-        self.base, self.live, self.peak = base, 0, base
-        self._alive: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        if key in self._alive:
-            self._alive.discard(key)
-            self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = None
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                st = t.untyped_storage()
-                key = id(st)
-                if key in self._alive or not st.nbytes():
-                    continue
-                if inputs is None:      # an in-place op or a view returns an input's storage: not new
-                    inputs = {id(a.untyped_storage()) for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                              if isinstance(a, torch.Tensor) and a.device.type == "cpu"}
-                if key not in inputs:
-                    self._alive.add(key)
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.base + self.live)
-                    weakref.finalize(st, self._free, key, st.nbytes())
-        return out
+        super().__init__("cpu", base)

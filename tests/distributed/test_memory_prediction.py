@@ -1,5 +1,6 @@
-"""The planner's memory prediction against measured peaks of real gloo runs (benchmarks/planner_sweep.py
-runs the whole sweep, with step times)."""
+"""Memory predictions against measured peaks of real gloo runs: the GPT table (memory_model.py) within
+15%, the rank's own graphs (graph_memory.py) within 1% on the GPT and 5% on other families
+(benchmarks/planner_sweep.py and graph_memory_sweep.py run the whole sweeps)."""
 import sys
 from pathlib import Path
 
@@ -26,16 +27,31 @@ CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2
 # each configuration a job of the suite's launch of two processes (tests/launches.py)
 JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2)
         for name, config in CONFIGS.items()}
+# two other families, read off their graphs only: Llama with the distributed optimizer; Mixtral's
+# experts over ep = 2, whose measured routing is uneven where the prediction spreads it evenly
+GRAPH_JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(argv.split()), 2) for name, argv in {
+    "llama-dp2-distributed-optimizer": "--model llama --dp 2 --distributed-optimizer --microbatches 2 --steps 1",
+    "mixtral-ep2": "--model mixtral --dp 2 --ep 2 --microbatches 2 --steps 1"}.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", job_params(JOBS))
-def test_predicted_peak_memory_within_15_percent_of_measured(launched, name):
+def test_predicted_peak_memory_of_the_gpt_within_15_and_1_percent_of_measured(launched, name):
     config, ranks = CONFIGS[name], launched(JOBS[name])
     assert len(ranks) == 2
     for r in ranks:
         want = predicted_memory(config, r["pp_rank"], CPU).peak
         assert abs(want - r["peak_bytes"]) <= 0.15 * r["peak_bytes"], (r, want)
+        assert abs(r["graph_bytes"] - r["peak_bytes"]) <= 0.01 * r["peak_bytes"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", job_params(GRAPH_JOBS))
+def test_memory_read_off_the_graphs_within_5_percent_of_measured(launched, name):
+    ranks = launched(GRAPH_JOBS[name])
+    assert len(ranks) == 2
+    for r in ranks:
+        assert abs(r["graph_bytes"] - r["peak_bytes"]) <= 0.05 * r["peak_bytes"], r
 
 
 def test_measured_cpu_profile_plans_our_runs():

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "parallel": set(),
     "passes": {"parallel", "kernels"},
     "runtime": {"parallel", "passes"},
-    "compile": {"parallel", "passes", "runtime"},
+    "compile": {"parallel", "passes", "runtime", "kernels"},
     "planning": {"compile", "runtime"},
     "checkpoint": {"compile", "runtime", "parallel", "passes"},
     "models": set(),

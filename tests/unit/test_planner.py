@@ -134,3 +134,31 @@ def test_docstring_examples_run():
     for module in (autoshard.planning.costmodel, autoshard.planning.planner):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+@pytest.mark.simulation
+def test_world_size_keeps_the_fastest_split_that_fits_when_read_off_its_graphs():
+    """Regression: autoshard(world_size=...) compiled the table's first pick unchecked. An fp32 Llama
+    planned for a 16-bit GPU preset holds about twice what the table says: with memory between the
+    two, the first pick is compiled, read off its graphs, set aside, and a later split kept (or, if
+    none fits, the error lists what each needs)."""
+    import dataclasses
+
+    from autoshard.planning.hardware import get_hardware
+    from autoshard.planning.graph_fit import first_that_fits
+    model = build_model("llama", layers=2, hidden=64, heads=4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    example = {"input_ids": ids, "labels": ids}
+    roomy = autoshard(model, world_size=2, global_batch=4, example_kwargs=example)
+    first, graph = roomy.planned, max(m.peak for m in roomy.planned_memory)
+    assert graph > first.memory_gib_per_gpu * 2 ** 30          # fp32 weights and activations
+    usable = (first.memory_gib_per_gpu * 2 ** 30 + graph) / 2
+    tight = dataclasses.replace(get_hardware("a100-80gb"), memory_gib=usable / 0.9 / 2 ** 30)
+    try:
+        prog = autoshard(model, world_size=2, global_batch=4, example_kwargs=example, hardware=tight)
+    except ShardingError as e:
+        assert "read off its compiled graphs" in str(e) and f"tp={first.tp} pp={first.pp}" in str(e)
+    else:
+        assert prog.planned != first and max(m.peak for m in prog.planned_memory) <= usable
+    with pytest.raises(ShardingError, match="none of the planner's 1 fastest splits fits"):
+        first_that_fits([first], tight, lambda e: roomy, 2, tries=1)
