@@ -13,6 +13,9 @@ What is measured, each on the shapes given (fp32, denormals flushed as the runs 
   GEMMs and dispatch, against the bytes gemm_timing.ELEMENTWISE counts for that layer (fp32): an
   effective rate for the unfused CPU ops;
 - AdamW seconds per parameter (a few million) and per parameter tensor (64 tiny ones);
+- for step times read off a program's ops (planning/graph_time.py): the seconds per aten op (the
+  tiny layer's time over its ops, counted on meta tensors by planning/op_cost.py) and the rate of
+  the non-matmul ops' bytes (the layer at the given shapes less its matmuls and op overhead);
 - gloo: all-reduce latency and bandwidth between 2 processes on this machine, fitted through a
   layer's activation message and a larger one, each measured between rounds of GEMM work, as
   collectives run in a step.
@@ -33,6 +36,7 @@ import torch.multiprocessing as mp
 from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
 from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
 from autoshard.planning.hardware import Hardware
+from autoshard.planning.op_cost import OpWork
 
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
 
@@ -93,12 +97,12 @@ def _per_layer(x: LayerShape, **kw) -> tuple[float, float]:
     return layer, max(0.0, two - 2 * layer)
 
 
-def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple[float, str | None]:
+def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple[float, str | None, float]:
     """Bytes per second: ELEMENTWISE's bytes for one layer (fp32) / the layer's measured time less its
     GEMMs (at the measured rate) and its dispatch cost. Unfused on the CPU, a layer moves more than
     the table's fused kernels count (copies for the attention's batched products, separate bias,
     scale and mask ops): the rate is an effective one, for these shapes. With it, a note when the
-    remainder fell under its floor."""
+    remainder fell under its floor, and the layer's seconds."""
     layer, _ = _per_layer(x)
     flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
     rest = layer - flops / gemm_rate - dispatch
@@ -109,7 +113,42 @@ def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple
                 f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer (1 us at least); "
                 "the floor is used")
         rest = floor
-    return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest, note
+    return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest, note, layer
+
+
+def _layer_work(x: LayerShape) -> OpWork:
+    """One layer's aten ops, forward and backward, of the GPT `_layer_seconds` times, counted on meta
+    tensors (planning/op_cost.py): a 4-layer step's less a 2-layer one's, halved."""
+    from autoshard import autoshard
+    from autoshard.models import GPT, GPTConfig
+    from autoshard.planning.graph_memory import walk
+    works = []
+    for layers in (2, 4):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=layers, n_head=x.a, n_embd=x.h, vocab_size=64, block_size=x.s, dropout=0.1))
+        ids = torch.zeros(x.b, x.s, dtype=torch.long)
+        total = OpWork()
+        for a in walk(autoshard(model, example_inputs=(ids, ids)), device="cpu").step.actions:
+            total = total.add(a.work)
+        works.append(total)
+    two, four = works
+    return OpWork(*((getattr(four, f) - getattr(two, f)) / 2 for f in ("matmul_flops", "matmul_bytes", "other_bytes", "ops")))
+
+
+def _op_rates(x: LayerShape, tiny: LayerShape, layer: float, tiny_layer: float, gemm_rate: float
+              ) -> tuple[float, float, str | None]:
+    """(seconds per aten op, bytes per second of the non-matmul ops) for planning/graph_time.py: a
+    tiny layer's time over its op count; the layer's time at x less its matmuls and ops' overhead,
+    over the bytes its other ops move. With a note when that remainder fell under its floor."""
+    per_op = tiny_layer / _layer_work(tiny).ops
+    work = _layer_work(x)
+    rest = layer - work.matmul_flops / gemm_rate - work.ops * per_op
+    floor, note = max(_REST_FLOOR * layer, 1e-6), None
+    if rest < floor:
+        note = (f"op-bytes rate: the layer's {layer * 1e3:.3g} ms less its matmuls and op overhead left "
+                f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer; the floor is used")
+        rest = floor
+    return per_op, work.other_bytes / rest, note
 
 
 def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
@@ -162,8 +201,9 @@ def _local_worker(x: LayerShape, out) -> None:
     dispatch, step = _per_layer(tiny, with_optimizer=True)
     gemm = _gemm_rate(x)
     dispatch_fb, _ = _per_layer(tiny)        # forward and backward only
-    elementwise, note = _elementwise_rate(x, gemm, dispatch_fb)
-    out.put((gemm, elementwise, note, dispatch, step, *_adam_costs()))
+    elementwise, note, layer = _elementwise_rate(x, gemm, dispatch_fb)
+    op_overhead, op_bytes, op_note = _op_rates(x, tiny, layer, dispatch_fb, gemm)
+    out.put((gemm, elementwise, note, dispatch, step, *_adam_costs(), op_overhead, op_bytes, op_note))
 
 
 def _spawned(target, args: tuple, n: int) -> tuple:
@@ -217,8 +257,9 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
         notes.append(f"the machine was busy as the measurement started (load average {load:.1f} on {cores} cores)")
     t0 = time.perf_counter()
     x = LayerShape(microbatch, seq, hidden, heads, 1)
-    gemm, elementwise, note, layer, step, adam, adam_tensor = _spawned(_local_worker, (x,), 1)
-    notes += [note] if note else []
+    gemm, elementwise, note, layer, step, adam, adam_tensor, op_overhead, op_bytes, op_note = \
+        _spawned(_local_worker, (x,), 1)
+    notes += [n for n in (note, op_note) if n]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -235,7 +276,8 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
                   gpus_per_node=os.cpu_count() or 1, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9,
                   latency_us=lat * 1e6, layer_overhead_s=layer, step_overhead_s=step,
                   cores=os.cpu_count() or 1, optimizer_s_per_param=adam,
-                  optimizer_s_per_tensor=adam_tensor, **CPU_DEFAULTS)
+                  optimizer_s_per_tensor=adam_tensor, op_overhead_s=op_overhead, op_bytes_gb_s=op_bytes / 1e9,
+                  **CPU_DEFAULTS)
     seconds = time.perf_counter() - t0
     where = f"; stored in {save_profile(key, hw, seconds, notes)}" if cache else ""
     print(f"autoshard: measured the {name} profile in {seconds:.0f} s{where}", file=sys.stderr, flush=True)

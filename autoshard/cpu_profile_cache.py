@@ -35,10 +35,13 @@ def _processor() -> str:
     return "unknown"
 
 
+_FIELDS = 2        # the profile's fields changed (2: op_overhead_s, op_bytes_gb_s): measured again
+
+
 def profile_key(**shape) -> dict:
     """What a profile measured with `shape` (measure_cpu's arguments) depends on."""
     return {"host": socket.gethostname(), "processor": _processor(), "cores": os.cpu_count() or 1,
-            "torch": torch.__version__, **shape}
+            "torch": torch.__version__, "fields": _FIELDS, **shape}
 
 
 def profile_path(key: dict) -> Path:

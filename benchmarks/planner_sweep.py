@@ -78,6 +78,35 @@ def predicted_seconds(config, hw) -> float:
                     schedules=tuple(schedule) or None).seconds_per_iteration
 
 
+def graph_seconds(config, hw) -> float:
+    """The step time read off the configuration's own program (planning/graph_time.py), compiled
+    from the sweep's GPT on the meta device."""
+    import torch
+
+    from autoshard import autoshard
+    from autoshard.planning.graph_time import step_time
+    from benchmarks.sweep_models import SWEEP_MODELS
+    tp, pp, dp, v, m, rc, sp, *schedule = config
+    with torch.device("meta"):
+        model = SWEEP_MODELS["gpt"].build().train()
+    ids = torch.zeros(MICRO, SHAPE["block_size"], dtype=torch.long)
+    prog = autoshard(model, tp=tp, pp=pp, dp=dp, virtual=v, microbatches=m, recompute=rc, sequence_parallel=sp,
+                     schedule=schedule[0] if schedule else None, example_inputs=(ids, ids))
+    return step_time(prog, hw).seconds
+
+
+def _rank_correlation(a: list[float], b: list[float]) -> float:
+    """Spearman's: the Pearson correlation of the ranks (no ties expected)."""
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = ([sorted(x).index(v) for v in x] for x in (a, b))
+    n = len(a)
+    mean = (n - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--append", action="store_true", help="record the table in benchmarks/RESULTS.md")
@@ -88,17 +117,23 @@ def main() -> None:
     lines = [f"profile: GEMM {hw.peak_tflops * 1e3:.1f} GFLOP/s, element-wise {hw.hbm_gb_s:.2f} GB/s, "
              f"layer dispatch {hw.layer_overhead_s * 1e3:.2f} ms, step fixed {hw.step_overhead_s * 1e3:.2f} ms, "
              f"AdamW {hw.optimizer_s_per_param * 1e9:.2f} ns/param, gloo {hw.latency_us:.0f} us + "
-             f"{hw.network_gb_s:.2f} GB/s, {hw.cores} cores", "",
+             f"{hw.network_gb_s:.2f} GB/s, {hw.cores} cores; per aten op {hw.op_overhead_s * 1e6:.2f} us, other ops' "
+             f"bytes {hw.op_bytes_gb_s:.2f} GB/s", "",
              "| tp | pp | dp | v | m | recompute | sp | schedule | rank | peak MiB | table MiB | error | graph MiB | error | "
-             "step s | model s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    worst_mem = worst_graph = worst_time = 0.0
+             "step s | model s | error | graph s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    worst_mem = worst_graph = worst_time = worst_graph_time = 0.0
+    pairs = []
     for config in configs:
         ranks = run(config)
         want_s = predicted_seconds(config, hw)
         step = max(r["step_s"] for r in ranks)
         t_err = (want_s - step) / step
         worst_time = max(worst_time, abs(t_err))
+        graph_s = graph_seconds(config, hw)
+        gt_err = (graph_s - step) / step
+        worst_graph_time = max(worst_graph_time, abs(gt_err))
+        pairs.append((want_s, graph_s, step))
         for r in sorted(ranks, key=lambda r: r["rank"]):
             if r["tp_rank"] or r["dp_rank"]:
                 continue         # tensor- and data-parallel peers hold what their pipeline rank holds
@@ -111,11 +146,15 @@ def main() -> None:
             lines.append(f"| {tp} | {pp} | {dp} | {v} | {m} | {rc} | {sp} | {(schedule or ['-'])[0]} | {r['rank']} | "
                          f"{r['peak_bytes'] / 2**20:.1f} | {want / 2**20:.1f} | {100 * err:+.1f}% | "
                          f"{r['graph_bytes'] / 2**20:.1f} | {100 * g_err:+.2f}% | {step:.3f} | "
-                         f"{want_s:.3f} | {100 * t_err:+.1f}% |")
+                         f"{want_s:.3f} | {100 * t_err:+.1f}% | {graph_s:.3f} | {100 * gt_err:+.1f}% |")
         print(lines[-1], flush=True)
     lines += ["", f"worst memory error {100 * worst_mem:.1f}% (GPT table), {100 * worst_graph:.2f}% (read off the "
               f"graphs), worst step-time error {100 * worst_time:.1f}% "
-              f"over {len(configs)} configurations"]
+              f"over {len(configs)} configurations; read off the graphs, worst step-time error "
+              f"{100 * worst_graph_time:.1f}%; rank correlation of predicted and measured step times: "
+              f"{_rank_correlation([p[0] for p in pairs], [p[2] for p in pairs]):.2f} (table), "
+              f"{_rank_correlation([p[1] for p in pairs], [p[2] for p in pairs]):.2f} (graphs); load average "
+              f"{os.getloadavg()[0]:.1f} at the end"]
     print("\n".join(lines))
     if args.append:
         import datetime

@@ -28,18 +28,20 @@ has not: its tokens are spread evenly over the experts (planning/graph_memory_mo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.utils._pytree as pytree
 
 from autoshard.compile.meta_rank import meta_rank
 from autoshard.module_paths import fetch_attr
 from autoshard.planning.memory_model import RankMemory
-from autoshard.planning.meta_step import step_bytes
+from autoshard.planning.meta_step import StepBytes, step_bytes
 from autoshard.runtime.grad_buffer import plan_layout
 from autoshard.runtime.gradients import main_dtype
 from autoshard.runtime.schedules import stage_index
 
-__all__ = ["rank_memory_of", "program_memory"]
+__all__ = ["RankWalk", "rank_memory_of", "program_memory", "state_bytes", "walk"]
 
 _BUCKET_BYTES = 25 * 2 ** 20      # MeshRuntime.shard_gradients' default
 
@@ -61,7 +63,7 @@ def _bytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _state(held: dict[str, torch.Tensor], prog, distributed_optimizer: bool, moments: int) -> tuple[int, int, int]:
+def state_bytes(held: dict[str, torch.Tensor], prog, distributed_optimizer: bool, moments: int = 2) -> tuple[int, int, int]:
     """(weights and optimizer state, gradient buffer, the optimizer step's temporaries) in bytes."""
     dims = prog.dims
     trainable = [(n, t) for n, t in held.items() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
@@ -111,14 +113,18 @@ def _compiled_for(rank, named: dict[str, object]) -> None:
         rank.train(was)
 
 
-def rank_memory_of(prog, pp_rank: int = 0, *, tp_rank: int = 0, data_rank: int = 0, batch: int | None = None,
-                   distributed_optimizer: bool = False, moments: int = 2,
-                   device: torch.device | str | None = None) -> RankMemory:
-    """Peak bytes of the mesh rank at (`pp_rank`, `data_rank`, `tp_rank`) of `prog` in a training
-    step, by cause (see the module doc). Each microbatch has the example inputs' shapes, or `batch`
-    sequences of them (the training graph for that size compiled first if the program has none). `distributed_optimizer`: AdamW's state divided over the data-parallel ranks.
-    `device`: the one the rank will run on, whose attention kernel is read (default: where the
-    weights are; the CPU for a model on meta)."""
+@dataclass(frozen=True)
+class RankWalk:
+    """One mesh rank's step run on meta tensors (`walk`): the tensors its stages read and what the
+    step allocated and did, action by action."""
+    held: dict[str, torch.Tensor]
+    step: StepBytes
+
+
+def walk(prog, pp_rank: int = 0, *, tp_rank: int = 0, data_rank: int = 0, batch: int | None = None,
+         device: torch.device | str | None = None) -> RankWalk:
+    """Run the training step of the mesh rank at (`pp_rank`, `data_rank`, `tp_rank`) on meta tensors
+    (`rank_memory_of`'s arguments)."""
     if not 0 <= pp_rank < prog.pp:
         raise IndexError(f"pp_rank {pp_rank} out of range for pp={prog.pp}")
     dims = prog.dims
@@ -130,9 +136,22 @@ def rank_memory_of(prog, pp_rank: int = 0, *, tp_rank: int = 0, data_rank: int =
     rank.train(True)
     gm, flat, out_spec = rank.graph_for((), _microbatch(prog, batch, "meta"))
     graphs = prog.stage_graphs(gm, cache=False)
-    state, grads, optimizer_step = _state(_held_tensors(rank, prog, graphs, pp_rank), prog, distributed_optimizer,
-                                          moments)
-    step = step_bytes(rank, prog, pp_rank=pp_rank, graphs=graphs, flat=flat, out_spec=out_spec)
+    return RankWalk(_held_tensors(rank, prog, graphs, pp_rank),
+                    step_bytes(rank, prog, pp_rank=pp_rank, graphs=graphs, flat=flat, out_spec=out_spec))
+
+
+def rank_memory_of(prog, pp_rank: int = 0, *, tp_rank: int = 0, data_rank: int = 0, batch: int | None = None,
+                   distributed_optimizer: bool = False, moments: int = 2,
+                   device: torch.device | str | None = None) -> RankMemory:
+    """Peak bytes of the mesh rank at (`pp_rank`, `data_rank`, `tp_rank`) of `prog` in a training
+    step, by cause (see the module doc). Each microbatch has the example inputs' shapes, or `batch`
+    sequences of them (the training graph for that size compiled first if the program has none).
+    `distributed_optimizer`: AdamW's state divided over the data-parallel ranks. `device`: the one
+    the rank will run on, whose attention kernel is read (default: where the weights are; the CPU
+    for a model on meta)."""
+    run = walk(prog, pp_rank, tp_rank=tp_rank, data_rank=data_rank, batch=batch, device=device)
+    state, grads, optimizer_step = state_bytes(run.held, prog, distributed_optimizer, moments)
+    step = run.step
     peak = state + grads + max(step.peak, optimizer_step)
     return RankMemory(state=state, gradients=grads, activations=step.held,
                       working=max(step.peak, optimizer_step) - step.held, peak=peak)

@@ -40,6 +40,8 @@ class Hardware:
     gemm_traffic: bool = True           # a GEMM takes at least its operands' bytes at hbm_gb_s
     optimizer_s_per_param: float = 0.0  # measured optimizer step (0: 28 bytes per parameter at hbm_gb_s)
     optimizer_s_per_tensor: float = 0.0  # and its fixed cost per parameter tensor (GPT: 12 per layer)
+    op_overhead_s: float = 0.0          # per aten op, forward or backward (planning/graph_time.py; 0: none)
+    op_bytes_gb_s: float = 0.0          # what non-matmul aten ops move per second (0: hbm_gb_s's rate)
 
     def __post_init__(self):
         for name in ("peak_tflops", "hbm_gb_s", "memory_gib", "nvlink_gb_s", "network_gb_s"):

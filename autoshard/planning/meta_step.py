@@ -24,19 +24,33 @@ import torch.utils._pytree as pytree
 
 from autoshard.errors import ShardingError
 from autoshard.planning.live_bytes import LiveBytes
+from autoshard.planning.op_cost import OpCost, OpWork
 from autoshard.runtime.batching import pick_loss
 from autoshard.runtime.p2p import FORWARD
 from autoshard.runtime.schedules import splits_backward, stage_index, stage_owner
 from autoshard.runtime.stage_actions import ChunkParams, run_actions
 
-__all__ = ["StepBytes", "step_bytes"]
+__all__ = ["ActionWork", "StepBytes", "step_bytes"]
+
+
+@dataclass(frozen=True)
+class ActionWork:
+    """What one action of the step did: its ops' work, its collectives (kind, bytes, group size) and
+    the bytes it sent to other pipeline ranks."""
+    kind: str
+    stage: int
+    microbatch: int
+    work: OpWork
+    collectives: tuple[tuple[str, int, int], ...]
+    sent_bytes: int
 
 
 @dataclass(frozen=True)
 class StepBytes:
-    """Bytes one rank's step allocates beyond what it holds between steps."""
+    """Bytes one rank's step allocates beyond what it holds between steps, and each action's work."""
     peak: int        # the most live at once
     held: int        # the most live between two actions (activations kept for backward, mostly)
+    actions: tuple[ActionWork, ...] = ()
 
 
 class _Transfer:
@@ -46,6 +60,7 @@ class _Transfer:
 
     def __init__(self, me: int, inputs_of: dict[int, list[tuple[torch.Size, torch.dtype]]]):
         self._me, self._inputs_of = me, inputs_of
+        self.sent_bytes = 0
         self._kept: list[torch.Tensor] = []
         self._local: dict[tuple[int, int, int], list[torch.Tensor]] = {}
 
@@ -54,6 +69,7 @@ class _Transfer:
             self._local[(stage, microbatch, direction)] = [t.detach().clone() for t in tensors]
         else:
             self._kept += [t.detach().contiguous() for t in tensors]
+            self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         if src == self._me:
@@ -70,14 +86,20 @@ class _Transfer:
 
 
 class _Sampler(list):
-    """run_actions appends one record after each action: the moment to read what is held between actions."""
+    """run_actions appends one record after each action: the moment to read what is held between
+    actions and what the action did."""
 
-    def __init__(self, live: LiveBytes):
+    def __init__(self, live: LiveBytes, cost: OpCost, collectives: list, transfer: "_Transfer"):
         super().__init__()
-        self.live, self.held = live, 0
+        self.live, self.cost, self.collectives, self.transfer = live, cost, collectives, transfer
+        self.held, self.actions, self._seen, self._sent = 0, [], 0, 0
 
     def append(self, record) -> None:
         self.held = max(self.held, self.live.live)
+        a = record.action
+        self.actions.append(ActionWork(a.kind, record.stage, a.microbatch, self.cost.take(),
+                                       tuple(self.collectives[self._seen:]), self.transfer.sent_bytes - self._sent))
+        self._seen, self._sent = len(self.collectives), self.transfer.sent_bytes
         super().append(record)
 
 
@@ -139,14 +161,18 @@ def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) 
         graph = params.tap_boundaries(sg.graph) if split and sg.index == 0 else sg.graph
         chunks.append((sg, fx.GraphModule(rank, graph, class_name=f"Stage{sg.index}"), params))
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in rank.parameters() if p.requires_grad]
+    log = getattr(rank, "collective_log", [])
     try:
-        with _grouped_mm_on_meta(), LiveBytes("meta") as live:
-            rt = _Rank(prog, pp_rank, split, _Transfer(pp_rank, inputs_of), _Sampler(live))
+        with _grouped_mm_on_meta(), LiveBytes("meta") as live, OpCost() as cost:
+            transfer = _Transfer(pp_rank, inputs_of)
+            cost.take()
+            del log[:]
+            rt = _Rank(prog, pp_rank, split, transfer, _Sampler(live, cost, log, transfer))
             losses = run_actions(rt, chunks, microbatches, out_spec, lambda outputs, i: _loss(outputs),
                                  [1.0] * len(microbatches))
             rt.transfer.wait_sends()
             del losses
-            return StepBytes(live.peak, rt.records.held)
+            return StepBytes(live.peak, rt.records.held, tuple(rt.records.actions))
     finally:
         for h in hooks:
             h.remove()

@@ -173,11 +173,13 @@ def _dependencies(kind: str, s: int, i: int, n_stages: int) -> list[tuple[str, i
 
 
 def check(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float = 1.0,
-          backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop") -> Timeline:
+          backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop",
+          cost_of: Callable[[str, int], float] | None = None) -> Timeline:
     """Run `schedule` with the given action costs (per chunk); raise ShardingError if it is
     incomplete or deadlocks. Returns the timeline. `backward_cost` is the input-gradient part of a
     backward and `weight_cost` the weight-gradient part: a whole B (no W actions) costs their sum,
-    a split one `backward_cost` and each W `weight_cost`."""
+    a split one `backward_cost` and each W `weight_cost`. `cost_of(kind, stage)`, when given, is
+    each action's cost instead (stages differ: the first embeds, the last takes the loss)."""
     pp = len(schedule)
     n_stages = pp * v
     split = splits_backward(schedule)
@@ -208,7 +210,7 @@ def check(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float =
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
-                end = start + cost[a.kind]
+                end = start + (cost_of(a.kind, s) if cost_of is not None else cost[a.kind])
                 done[(a.kind, s, a.microbatch)] = clock[r] = end
                 spans[r].append((a, start, end))
                 pos[r] += 1

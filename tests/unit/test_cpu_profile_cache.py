@@ -35,7 +35,7 @@ class _Fake:
     def __call__(self, target, args, n):
         self.calls += 1
         if target is cpu_profile._local_worker:
-            return 5e10, 3e9, None, 1e-4, 2e-3, 1e-9, 1e-6
+            return 5e10, 3e9, None, 1e-4, 2e-3, 1e-9, 1e-6, 3e-6, 8e9, None
         return self.gloo
 
 
@@ -81,13 +81,13 @@ def test_the_element_wise_remainder_has_a_floor_and_says_so(monkeypatch):
     from autoshard.planning.gemm_timing import LayerShape
     x = LayerShape(2, 32, 64, 4, 1)
     monkeypatch.setattr(cpu_profile, "_per_layer", lambda x: (1e-3, 0.0))
-    rate, note = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.5e-3)
+    rate, note, _ = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.5e-3)
     assert note is None
-    rate_floored, note = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.999e-3)
+    rate_floored, note, _ = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.999e-3)
     assert "under the floor of 5% of the layer" in note and rate_floored == pytest.approx(rate * 0.5 / 0.05)
     # a busy machine measured 4 layers no slower than 2: the layer at 0 (before: division by zero)
     monkeypatch.setattr(cpu_profile, "_per_layer", lambda x: (0.0, 1e-3))
-    rate_zero, note = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=1e-4)
+    rate_zero, note, _ = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=1e-4)
     assert "layer's 0 ms" in note and 0 < rate_zero < float("inf")
 
 
@@ -109,3 +109,19 @@ def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
     with pytest.raises(Stop):
         cpu_profile._gloo_worker(0, 12345, 64, None)
     assert seen == {"agent_store": None, "init_method": "tcp://127.0.0.1:12345"}
+
+
+def test_the_op_rates_are_read_on_the_ops_counted(monkeypatch):
+    """For step times read off a program's ops: seconds per aten op from the tiny layer's time over
+    its op count, the other ops' bytes rate from what is left of the layer; a remainder under 5% of
+    the layer is floored and noted."""
+    from autoshard.planning.gemm_timing import LayerShape
+    from autoshard.planning.op_cost import OpWork
+    tiny, x = LayerShape(1, 8, 16, 2, 1), LayerShape(2, 32, 64, 4, 1)
+    works = {tiny: OpWork(0.0, 0.0, 0.0, 100), x: OpWork(1e9, 0.0, 4e6, 100)}
+    monkeypatch.setattr(cpu_profile, "_layer_work", works.__getitem__)
+    per_op, rate, note = cpu_profile._op_rates(x, tiny, layer=3e-3, tiny_layer=1e-4, gemm_rate=1e12)
+    assert per_op == pytest.approx(1e-6) and note is None
+    assert rate == pytest.approx(4e6 / (3e-3 - 1e-3 - 1e-4))
+    _, floored, note = cpu_profile._op_rates(x, tiny, layer=1.1e-3, tiny_layer=1e-4, gemm_rate=1e12)
+    assert "op-bytes rate" in note and floored == pytest.approx(4e6 / (0.05 * 1.1e-3))

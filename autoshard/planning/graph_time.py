@@ -1,0 +1,104 @@
+"""Step time read off the program's own ops: every pipeline rank's step run on meta tensors
+(graph_memory.walk), each action's work timed on a hardware profile, the actions laid out by the
+schedule, and the step's end added.
+
+    t = step_time(prog, hw)                  # a StepTime: seconds and their breakdown
+    t.seconds, t.breakdown
+
+Per action (F, B or W of one stage and microbatch), from planning/op_cost.py's count of its ops:
+
+    compute     max(matmul FLOPs / the GEMM rate, their bytes / the memory rate)
+                + the other ops' bytes / the op-bytes rate + ops x the per-op overhead
+    collectives each one its group's alpha-beta time (collective_timing.py): an all-reduce, an
+                all-gather or reduce-scatter as half an all-reduce of the larger side, an all-to-all,
+                a ring step's send
+    sends       to the next or previous stage: latency + bytes over the link
+
+On a machine whose ranks share cores (the `cpu` profile's `cores`) compute is stretched by ranks /
+cores. The schedule is run with those costs per stage (runtime/schedules.check) and its makespan
+taken; then the gradients' reduction over the data-parallel ranks (after backward, as on gloo; a
+parameter tied across stages summed first), the optimizer's step on the rank's (or, distributed,
+its 1/dp of the) parameters, and the profile's fixed cost per step.
+
+Rates: the profile's GEMM rate (`peak_tflops` x `matmul_efficiency`) and memory rate; the per-op
+overhead and op-bytes rate where the profile measured them (`op_overhead_s`, `op_bytes_gb_s`:
+autoshard/cpu_profile.py, on the same counts), else no overhead and the memory rate.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from autoshard.planning.collective_timing import all_to_all_seconds, allreduce_seconds
+from autoshard.planning.graph_memory import state_bytes, walk
+from autoshard.planning.hardware import Hardware
+from autoshard.planning.meta_step import ActionWork
+from autoshard.planning.op_cost import OpWork
+from autoshard.runtime.schedules import check
+
+__all__ = ["StepTime", "step_time", "work_seconds"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    breakdown: dict[str, float] = field(default_factory=dict)     # pipeline, dp_comm, optimizer, fixed
+
+
+def work_seconds(work: OpWork, hw: Hardware) -> float:
+    """Seconds of `work`'s ops on one rank of `hw` (see the module doc)."""
+    gemm_rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
+    memory_rate = hw.hbm_gb_s * 1e9 * hw.memory_efficiency
+    op_rate = hw.op_bytes_gb_s * 1e9 if hw.op_bytes_gb_s else memory_rate
+    matmul = work.matmul_flops / gemm_rate
+    if hw.gemm_traffic:
+        matmul = max(matmul, work.matmul_bytes / memory_rate)
+    return matmul + work.other_bytes / op_rate + work.ops * hw.op_overhead_s
+
+
+def _collective_seconds(kind: str, nbytes: int, size: int, hw: Hardware) -> float:
+    link = hw.nvlink_gb_s if size <= hw.gpus_per_node else hw.network_gb_s
+    if kind == "all_reduce":
+        return allreduce_seconds(nbytes, size, link, hw)
+    if kind in ("all_gather", "reduce_scatter"):      # the larger side, half an all-reduce's traffic
+        return allreduce_seconds(nbytes * (size if kind == "all_gather" else 1), size, link, hw) / 2
+    if kind == "all_to_all":
+        return all_to_all_seconds(nbytes, size, link, hw)
+    return hw.latency_us * 1e-6 + nbytes / (link * 1e9 * hw.network_efficiency)     # a ring step's send
+
+
+def _action_seconds(a: ActionWork, hw: Hardware, share: float) -> float:
+    comm = sum(_collective_seconds(kind, nbytes, size, hw) for kind, nbytes, size in a.collectives)
+    send = 0.0
+    if a.sent_bytes:
+        send = hw.latency_us * 1e-6 + a.sent_bytes / (hw.network_gb_s * 1e9 * hw.network_efficiency)
+    return share * work_seconds(a.work, hw) + comm + send
+
+
+def step_time(prog, hw: Hardware, *, batch: int | None = None, distributed_optimizer: bool = False) -> StepTime:
+    """Seconds of one training step of `prog` on `hw` (see the module doc), microbatches of the
+    example inputs' shapes (or `batch` sequences of them)."""
+    dims = prog.dims
+    share = max(1.0, dims.world_size / hw.cores) if hw.cores else 1.0
+    costs: dict[tuple[str, int], list[float]] = defaultdict(list)
+    reduce = optimizer = 0.0
+    for r in range(prog.pp):
+        run = walk(prog, r, batch=batch)
+        for a in run.step.actions:
+            costs[(a.kind, a.stage)].append(_action_seconds(a, hw, share))
+        _, grad_bytes, _ = state_bytes(run.held, prog, distributed_optimizer)
+        trainable = [t for t in run.held.values() if getattr(t, "requires_grad", False)]
+        shared = {id(run.held[n]) for names in prog.shared_params.values() for n in names if n in run.held}
+        tied = sum(t.numel() * 4 for t in trainable if id(t) in shared)
+        link = hw.nvlink_gb_s if dims.world_size <= hw.gpus_per_node else hw.network_gb_s
+        reduce = max(reduce, allreduce_seconds(grad_bytes, dims.data, link, hw) + allreduce_seconds(tied, 2, link, hw))
+        params = sum(t.numel() for t in trainable) / (dims.data if distributed_optimizer else 1)
+        rank_optimizer = params * hw.optimizer_s_per_param + len(trainable) * hw.optimizer_s_per_tensor \
+            if hw.optimizer_s_per_param else 28 * params / (hw.hbm_gb_s * 1e9 * hw.memory_efficiency)
+        optimizer = max(optimizer, rank_optimizer)
+    mean = {key: sum(v) / len(v) for key, v in costs.items()}
+    timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement,
+                     cost_of=lambda kind, stage: mean.get((kind, stage), 0.0))
+    breakdown = {"pipeline": timeline.makespan, "dp_comm": share * reduce, "optimizer": share * optimizer,
+                 "fixed": share * hw.step_overhead_s}
+    return StepTime(sum(breakdown.values()), breakdown)

@@ -1,0 +1,65 @@
+"""Step time read off a program's own ops (planning/graph_time.py, op_cost.py); measured against our
+gloo runs by benchmarks/planner_sweep.py."""
+import dataclasses
+
+import pytest
+import torch
+
+from autoshard import autoshard
+from autoshard.models import GPT, GPTConfig
+from autoshard.planning.graph_memory import walk
+from autoshard.planning.graph_time import step_time, work_seconds
+from autoshard.planning.hardware import get_hardware
+from autoshard.planning.op_cost import OpCost, OpWork
+from autoshard.runtime.schedules import check, make_schedule
+
+
+def test_op_cost_counts_matmul_flops_bytes_and_views():
+    x = torch.empty(64, 128, device="meta", requires_grad=True)
+    w = torch.empty(128, 256, device="meta", requires_grad=True)
+    with OpCost() as cost:
+        y = (x @ w).relu()
+    work = cost.take()
+    assert work.matmul_flops == 2 * 64 * 128 * 256 and work.matmul_bytes == 4 * (64 * 128 + 128 * 256 + 64 * 256)
+    assert work.other_bytes == 2 * 4 * 64 * 256          # relu reads and writes; its saved detach is a view
+    assert work.ops == 3
+    with OpCost() as cost:
+        y.transpose(0, 1)
+    assert cost.take() == OpWork(ops=1)                                    # a view moves nothing
+
+
+def test_work_seconds_on_a_profile():
+    hw = dataclasses.replace(get_hardware("a100-80gb"), op_overhead_s=1e-5, op_bytes_gb_s=100.0, gemm_traffic=False)
+    work = OpWork(matmul_flops=312e12 * 0.7, matmul_bytes=0.0, other_bytes=1e11, ops=1000)
+    assert work_seconds(work, hw) == pytest.approx(1.0 + 1.0 + 0.01)
+
+
+def test_the_schedule_takes_each_stages_own_cost():
+    """1F1B at pp = 2, one microbatch: F0, F1, B1, B0 one after another."""
+    costs = {("F", 0): 1.0, ("F", 1): 2.0, ("B", 1): 4.0, ("B", 0): 8.0}
+    timeline = check(make_schedule("1f1b", 2, 1, 1), 1, 1, cost_of=lambda kind, stage: costs[(kind, stage)])
+    assert timeline.makespan == 15.0
+
+
+def _gpt(**options):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)).train()
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    return autoshard(model, example_inputs=(ids, ids), **options)
+
+
+def test_one_rank_step_is_its_actions_plus_the_steps_end():
+    hw = get_hardware("a100-80gb")
+    prog = _gpt(microbatches=2)
+    actions = walk(prog).step.actions
+    assert [a.kind for a in actions] == ["F", "F", "B", "B"] or [a.kind for a in actions] == ["F", "B", "F", "B"]
+    t = step_time(prog, hw)
+    assert t.breakdown["pipeline"] == pytest.approx(sum(work_seconds(a.work, hw) for a in actions))
+    assert t.seconds == pytest.approx(sum(t.breakdown.values())) and t.breakdown["optimizer"] > 0
+
+
+def test_tensor_parallel_actions_carry_their_collectives():
+    actions = walk(_gpt(tp=2)).step.actions
+    forward = next(a for a in actions if a.kind == "F")
+    kinds = {kind for kind, _, _ in forward.collectives}
+    assert "all_reduce" in kinds and all(size == 2 for _, _, size in forward.collectives)
