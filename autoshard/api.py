@@ -23,7 +23,7 @@ from autoshard.planning.context_cost import choose_attention
 from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.planner import plan
-from autoshard.planning.graph_fit import first_that_fits
+from autoshard.planning.graph_fit import fastest_that_fits
 from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import check, make_schedule, schedule_spec
 
@@ -81,7 +81,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     checkpointing does not survive capture: the numbers would be right and no memory saved).
     world_size: instead of tp/pp/dp/virtual/microbatches, let `autoshard.plan` choose them for this
     many GPUs of `hardware` and a step of `global_batch` sequences (default: one per GPU), at the
-    example call's sequence length; the chosen costmodel.Estimate is `prog.planned`.
+    example call's sequence length: its first three candidates are compiled and the one whose own
+    graphs say it fits and steps fastest is kept (planning/graph_fit.py); the chosen
+    costmodel.Estimate is `prog.planned`, its ranks' peaks `prog.planned_memory` and its step's
+    seconds `prog.planned_seconds`, both read off its graphs.
     distributed_optimizer: with world_size, whether the plan's memory and time count AdamW's state
     divided over the data-parallel ranks (False, the default: a plain optimizer); None lets the
     planner choose, and `prog.planned.distributed_optimizer` then says whether to build
@@ -114,8 +117,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     if world_size is None:
         return _program(model, args, kwargs, tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches,
                         schedule=schedule, recompute=recompute, **common)
-    # the planner ranks the splits (and the recompute mode, unless given); the fastest whose every
-    # pipeline rank fits, read off its own compiled graphs, is the one compiled
+    # the planner ranks the splits (and the recompute mode, unless given); of its first few, compiled,
+    # the fastest whose every pipeline rank fits, both read off its own graphs, is kept
     given_example = example_inputs is not None or example_kwargs is not None
     candidates = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule,
@@ -126,7 +129,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         return _program(model, args, kwargs, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, ep=chosen.ep,
                         virtual=chosen.virtual, microbatches=chosen.microbatches, recompute=chosen.recompute,
                         schedule=schedule or (chosen.schedule if chosen.pp > 1 else None), **common)
-    return first_that_fits(candidates, get_hardware(hardware), build, world_size)
+    return fastest_that_fits(candidates, get_hardware(hardware), build, world_size)
 
 
 def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp: int | None, dp: int | None,

@@ -31,7 +31,7 @@ SHAPE = GPT_SHAPE
 MICRO = 2          # sequences per microbatch
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt", choices=sorted(SWEEP_MODELS))
     for name in ("tp", "pp", "dp", "ep", "microbatches"):
@@ -43,7 +43,17 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="a pipeline schedule (runtime/schedules.py); default 1F1B / interleaved")
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args()
+    return ap
+
+
+def split_of(args: argparse.Namespace) -> dict[str, object]:
+    """autoshard's arguments for the parsed configuration."""
+    return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, virtual=args.virtual, microbatches=args.microbatches,
+                recompute=args.recompute, sequence_parallel=args.sp, schedule=args.schedule)
+
+
+def main() -> None:
+    args = parser().parse_args()
     run_checker(lambda: _measured(args))
 
 
@@ -66,9 +76,7 @@ def _measure(args: argparse.Namespace) -> None:
         ids = torch.randint(0, VOCAB, (rows, spec.seq), generator=gen)
         return {spec.tokens: ids, spec.labels: ids}
     example = {k: v[:MICRO] for k, v in batch().items()}
-    prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, virtual=args.virtual,
-                     microbatches=args.microbatches, recompute=args.recompute, sequence_parallel=args.sp,
-                     schedule=args.schedule, example_kwargs=example)
+    prog = autoshard(model, **split_of(args), example_kwargs=example)
     rt = prog.distributed(mesh=True)
     del model
     if args.distributed_optimizer:

@@ -56,6 +56,7 @@ class ShardedProgram:
         self._bind = InputBinder.of(model)
         self.planned = None     # the planner's Estimate when autoshard chose the split (world_size=)
         self.planned_memory = None      # then each pipeline rank's peak read off its graphs (planning/graph_fit.py)
+        self.planned_seconds = None     # and its step's seconds read off them
         self._seed = 0
         self._training = model.training     # the ranks' mode: they start in the model's
         self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice

@@ -1,13 +1,15 @@
-"""The planner's pick checked against the compiled program: the fastest of its candidate splits whose
-every pipeline rank fits the device, each rank's peak read off its own graphs (graph_memory.py).
+"""The planner's pick checked against the compiled programs: of its fastest candidate splits, the one
+whose every pipeline rank fits the device and whose step is fastest, both read off the program's
+own graphs (graph_memory.py, graph_time.py).
 
-    prog = first_that_fits(plan(model, gpus=8, ...), hw, build=lambda chosen: compile(chosen), world_size=8)
-    prog.planned, prog.planned_memory          # the chosen Estimate; each pipeline rank's RankMemory
+    prog = fastest_that_fits(plan(model, gpus=8, ...), hw, build=lambda chosen: compile(chosen), world_size=8)
+    prog.planned, prog.planned_memory, prog.planned_seconds   # the Estimate; each pipeline rank's peak; the step
 
-The planner ranks splits with its closed-form memory (memory_model.py: Megatron's GPT table), which
-is exact for that GPT and off for other layers (a written-out activation saves more, attention
-without dropout less). Its candidates are compiled in order, at most `tries` of them, and the first
-whose graphs fit is kept; when none does the error lists what each needs.
+The planner ranks splits with closed forms (memory_model.py, costmodel.py: Megatron's GPT), exact
+for that GPT and off for other layers (a written-out activation saves more, attention without
+dropout less, an unfused op costs its own dispatch). Its first `tries` candidates are compiled and
+read; the fastest by its graphs among those that fit is kept. When none fits, up to 2 x `tries`
+candidates are read before the error, which lists what each needs.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import torch
 from autoshard.errors import ShardingError
 from autoshard.planning.estimate import RESERVED, Estimate
 from autoshard.planning.graph_memory import program_memory
+from autoshard.planning.graph_time import step_time
 from autoshard.planning.hardware import Hardware
 
-__all__ = ["first_that_fits"]
+__all__ = ["fastest_that_fits"]
 
 
 def _device_of(hw: Hardware) -> torch.device:
@@ -33,20 +36,29 @@ def _split(e: Estimate) -> str:
             + (" distributed-optimizer" if e.distributed_optimizer else ""))
 
 
-def first_that_fits(candidates: list[Estimate], hw: Hardware, build: Callable[[Estimate], object], world_size: int,
-                    tries: int = 4):
-    """`build(chosen)` for the fastest candidate whose ranks fit `hw` (see the module doc)."""
+def fastest_that_fits(candidates: list[Estimate], hw: Hardware, build: Callable[[Estimate], object], world_size: int,
+                      tries: int = 3):
+    """`build(chosen)` for the candidate the graphs say is fastest among those that fit `hw` (see the
+    module doc)."""
     usable = (1 - RESERVED) * hw.memory_gib * 2 ** 30
-    needed = []
-    for chosen in candidates[:tries]:
+    device = _device_of(hw)
+    needed, best = [], None
+    for i, chosen in enumerate(candidates[:2 * tries]):
+        if i >= tries and best is not None:
+            break
         prog = build(chosen)
-        memory = program_memory(prog, batch=chosen.microbatch, distributed_optimizer=chosen.distributed_optimizer,
-                                device=_device_of(hw))
+        options = dict(batch=chosen.microbatch, distributed_optimizer=chosen.distributed_optimizer)
+        memory = program_memory(prog, device=device, **options)
         peak = max(m.peak for m in memory)
-        if peak <= usable:
-            prog.planned, prog.planned_memory = chosen, memory
-            return prog
-        needed.append(f"{_split(chosen)}: {peak / 2 ** 30:.2f} GiB (the table said {chosen.memory_gib_per_gpu:.2f})")
-    raise ShardingError(f"world_size={world_size}: none of the planner's {len(needed)} fastest splits fits "
-                        f"{(1 - RESERVED) * hw.memory_gib:.1f} usable GiB of {hw.name} when read off its compiled "
-                        f"graphs: " + "; ".join(needed))
+        if peak > usable:
+            needed.append(f"{_split(chosen)}: {peak / 2 ** 30:.2f} GiB (the table said {chosen.memory_gib_per_gpu:.2f})")
+            continue
+        seconds = step_time(prog, hw, **options).seconds
+        if best is None or seconds < best[0]:
+            prog.planned, prog.planned_memory, prog.planned_seconds = chosen, memory, seconds
+            best = (seconds, prog)
+    if best is None:
+        raise ShardingError(f"world_size={world_size}: none of the planner's {len(needed)} fastest splits fits "
+                            f"{(1 - RESERVED) * hw.memory_gib:.1f} usable GiB of {hw.name} when read off its compiled "
+                            f"graphs: " + "; ".join(needed))
+    return best[1]
