@@ -13,16 +13,13 @@ shapes (autoshard.cpu_profile.measure_cpu, stored and read back).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.planner_sweep import _rank_correlation, run_worker  # noqa: E402
+from benchmarks.sweep_common import append_results, rank_correlation, run_worker, sweep_options  # noqa: E402
 from benchmarks.sweep_worker import MICRO, parser, split_of  # noqa: E402
 from benchmarks.sweep_models import SWEEP_MODELS  # noqa: E402
 
@@ -74,11 +71,7 @@ def graph_seconds(model: str, argv: list[str], hw) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--append", action="store_true", help="record the table in benchmarks/RESULTS.md")
-    ap.add_argument("--configs", type=int, nargs="+", default=None, help="indices into CONFIGS (default: all)")
-    args = ap.parse_args()
-    configs = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
+    args, configs = sweep_options(__doc__.splitlines()[0], CONFIGS)
     lines = ["| model | configuration | rank (pp, tp, dp) | measured MiB | graph MiB | error | step s | graph s | error |",
              "|---|---|---|---|---|---|---|---|---|"]
     worst = worst_time = 0.0
@@ -102,14 +95,12 @@ def main() -> None:
             print(lines[-1], flush=True)
     lines += ["", f"worst memory error {100 * worst:.2f}% over {len(configs)} configurations, every rank; worst "
               f"step-time error {100 * worst_time:.1f}%, rank correlation "
-              f"{_rank_correlation([t[0] for t in times], [t[1] for t in times]):.2f}; load average {load:.1f} "
+              f"{rank_correlation([t[0] for t in times], [t[1] for t in times]):.2f}; load average {load:.1f} "
               f"at the start, {os.getloadavg()[0]:.1f} at the end"]
     print(lines[-1])
     if args.append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as fh:
-            fh.write(f"\n### Peak memory read off the graphs vs measured, {datetime.date.today()}, {platform.node()} "
-                     f"({platform.machine()}, {os.cpu_count()} cores)\n\n`python benchmarks/graph_memory_sweep.py "
-                     f"--append`\n\n" + "\n".join(lines) + "\n")
+        append_results("Memory and step time read off the graphs vs measured",
+                       "python benchmarks/graph_memory_sweep.py --append", lines)
 
 
 if __name__ == "__main__":

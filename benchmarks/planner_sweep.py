@@ -12,10 +12,7 @@ median step time with `costmodel.estimate(..., hardware=profile)`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 from autoshard.cpu_profile import measure_cpu  # noqa: E402
 from autoshard.planning.costmodel import estimate  # noqa: E402
 from autoshard.planning.memory_model import RankMemory, gpt_rank_memory  # noqa: E402
+from benchmarks.sweep_common import append_results, rank_correlation, run_worker, sweep_options  # noqa: E402
 from benchmarks.sweep_worker import MICRO, SHAPE  # noqa: E402
 
 # (tp, pp, dp, virtual, microbatches, recompute, sequence parallel[, schedule])
@@ -42,17 +40,6 @@ def worker_args(config) -> list[str]:
     tp, pp, dp, v, m, rc, sp, *schedule = config
     return (["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v), "--microbatches", str(m),
              "--recompute", rc] + (["--sp"] if sp else []) + (["--schedule", schedule[0]] if schedule else []))
-
-
-def run_worker(args: list[str], world: int) -> list[dict]:
-    """benchmarks/sweep_worker.py with `args` on `world` processes: one dict per rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "benchmarks.sweep_worker", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def run(config) -> list[dict]:
@@ -95,24 +82,8 @@ def graph_seconds(config, hw) -> float:
     return step_time(prog, hw).seconds
 
 
-def _rank_correlation(a: list[float], b: list[float]) -> float:
-    """Spearman's: the Pearson correlation of the ranks (no ties expected)."""
-    if len(a) < 2:
-        return float("nan")
-    ra, rb = ([sorted(x).index(v) for v in x] for x in (a, b))
-    n = len(a)
-    mean = (n - 1) / 2
-    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
-    var = sum((x - mean) ** 2 for x in ra)
-    return cov / var
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--append", action="store_true", help="record the table in benchmarks/RESULTS.md")
-    ap.add_argument("--configs", type=int, nargs="+", default=None, help="indices into CONFIGS (default: all)")
-    args = ap.parse_args()
-    configs = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
+    args, configs = sweep_options(__doc__.splitlines()[0], CONFIGS)
     hw = measure_cpu(hidden=SHAPE["n_embd"], heads=SHAPE["n_head"], seq=SHAPE["block_size"], microbatch=MICRO)
     lines = [f"profile: GEMM {hw.peak_tflops * 1e3:.1f} GFLOP/s, element-wise {hw.hbm_gb_s:.2f} GB/s, "
              f"layer dispatch {hw.layer_overhead_s * 1e3:.2f} ms, step fixed {hw.step_overhead_s * 1e3:.2f} ms, "
@@ -152,17 +123,12 @@ def main() -> None:
               f"graphs), worst step-time error {100 * worst_time:.1f}% "
               f"over {len(configs)} configurations; read off the graphs, worst step-time error "
               f"{100 * worst_graph_time:.1f}%; rank correlation of predicted and measured step times: "
-              f"{_rank_correlation([p[0] for p in pairs], [p[2] for p in pairs]):.2f} (table), "
-              f"{_rank_correlation([p[1] for p in pairs], [p[2] for p in pairs]):.2f} (graphs); load average "
+              f"{rank_correlation([p[0] for p in pairs], [p[2] for p in pairs]):.2f} (table), "
+              f"{rank_correlation([p[1] for p in pairs], [p[2] for p in pairs]):.2f} (graphs); load average "
               f"{os.getloadavg()[0]:.1f} at the end"]
     print("\n".join(lines))
     if args.append:
-        import datetime
-        import platform
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as fh:
-            fh.write(f"\n### Planner predictions vs our CPU gloo runs, {datetime.date.today()}, {platform.node()} "
-                     f"({platform.machine()}, {os.cpu_count()} cores)\n\n`python benchmarks/planner_sweep.py --append`\n\n"
-                     + "\n".join(lines) + "\n")
+        append_results("Planner predictions vs our CPU gloo runs", "python benchmarks/planner_sweep.py --append", lines)
 
 
 if __name__ == "__main__":
