@@ -187,7 +187,8 @@ def _gloo_worker(rank: int, port: int, message: int, out) -> None:
     costs = []
     for buf in (small, big):
         rounds(buf, 3)
-        costs.append(statistics.median([rounds(buf) - rounds(None) for _ in range(3)]))
+        # a call's cost on this machine ranges over 3x from one round of 30 to the next: the median of 9
+        costs.append(statistics.median([rounds(buf) - rounds(None) for _ in range(9)]))
     if rank == 0:
         out.put((costs[0], costs[1], small.numel() * 4, big.numel() * 4))
     dist.barrier()

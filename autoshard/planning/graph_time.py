@@ -10,9 +10,12 @@ Per action (F, B or W of one stage and microbatch), from planning/op_cost.py's c
     compute     max(matmul FLOPs / the GEMM rate, their bytes / the memory rate)
                 + the other ops' bytes / the op-bytes rate + ops x the per-op overhead
     collectives each one its group's alpha-beta time (collective_timing.py): an all-reduce, an
-                all-gather or reduce-scatter as half an all-reduce of the larger side, an all-to-all,
-                a ring step's send
-    sends       to the next or previous stage: latency + bytes over the link
+                all-gather or reduce-scatter as half an all-reduce of the larger side; an all-to-all
+                as n - 1 messages, a ring step's send as one
+    sends       to the next or previous stage: one message
+
+A message costs half the profile's latency: `latency_us` is a two-rank all-reduce's start-up cost,
+two message steps.
 
 On a machine whose ranks share cores (the `cpu` profile's `cores`) compute is stretched by ranks /
 cores. The schedule is run with those costs per stage (runtime/schedules.check) and its makespan
@@ -29,7 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from autoshard.planning.collective_timing import all_to_all_seconds, allreduce_seconds
+from autoshard.planning.collective_timing import allreduce_seconds
 from autoshard.planning.graph_memory import state_bytes, walk
 from autoshard.planning.hardware import Hardware
 from autoshard.planning.meta_step import ActionWork
@@ -56,22 +59,26 @@ def work_seconds(work: OpWork, hw: Hardware) -> float:
     return matmul + work.other_bytes / op_rate + work.ops * hw.op_overhead_s
 
 
+def _message_seconds(nbytes: float, link_gb_s: float, hw: Hardware) -> float:
+    """One message between two ranks: half the start-up cost of an all-reduce of two ranks, which
+    is two message steps (reduce-scatter, all-gather): what `latency_us` is fitted to on the CPU."""
+    return hw.latency_us * 1e-6 / 2 + nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
+
+
 def _collective_seconds(kind: str, nbytes: int, size: int, hw: Hardware) -> float:
     link = hw.nvlink_gb_s if size <= hw.gpus_per_node else hw.network_gb_s
     if kind == "all_reduce":
         return allreduce_seconds(nbytes, size, link, hw)
     if kind in ("all_gather", "reduce_scatter"):      # the larger side, half an all-reduce's traffic
         return allreduce_seconds(nbytes * (size if kind == "all_gather" else 1), size, link, hw) / 2
-    if kind == "all_to_all":
-        return all_to_all_seconds(nbytes, size, link, hw)
-    return hw.latency_us * 1e-6 + nbytes / (link * 1e9 * hw.network_efficiency)     # a ring step's send
+    if kind == "all_to_all":                          # n - 1 message steps, (n - 1) / n of the rows leave
+        return (size - 1) * _message_seconds(nbytes / size, link, hw)
+    return _message_seconds(nbytes, link, hw)         # a ring step's send
 
 
 def _action_seconds(a: ActionWork, hw: Hardware, share: float) -> float:
     comm = sum(_collective_seconds(kind, nbytes, size, hw) for kind, nbytes, size in a.collectives)
-    send = 0.0
-    if a.sent_bytes:
-        send = hw.latency_us * 1e-6 + a.sent_bytes / (hw.network_gb_s * 1e9 * hw.network_efficiency)
+    send = _message_seconds(a.sent_bytes, hw.network_gb_s, hw) if a.sent_bytes else 0.0
     return share * work_seconds(a.work, hw) + comm + send
 
 

@@ -63,3 +63,15 @@ def test_tensor_parallel_actions_carry_their_collectives():
     forward = next(a for a in actions if a.kind == "F")
     kinds = {kind for kind, _, _ in forward.collectives}
     assert "all_reduce" in kinds and all(size == 2 for _, _, size in forward.collectives)
+
+
+def test_a_message_costs_half_a_two_rank_all_reduces_start_up():
+    """The profile's latency is a two-rank all-reduce's (two message steps): an all-to-all of two
+    ranks or a send is one message, an all-gather half an all-reduce (RESULTS.md: the ep = 2 runs
+    were +71% over while every all-to-all paid a whole all-reduce's start-up)."""
+    from autoshard.planning.graph_time import _collective_seconds
+    hw = dataclasses.replace(get_hardware("a100-80gb"), latency_us=2000.0, nvlink_gb_s=1e6, network_gb_s=1e6)
+    assert _collective_seconds("all_reduce", 8, 2, hw) == pytest.approx(2e-3)
+    assert _collective_seconds("all_to_all", 8, 2, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("send", 8, 2, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("all_gather", 8, 2, hw) == pytest.approx(1e-3)
