@@ -42,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--schedule", default=None, help="a pipeline schedule (runtime/schedules.py); default 1F1B / interleaved")
     ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--micro", type=int, default=MICRO, help="sequences per microbatch")
     ap.add_argument("--steps", type=int, default=3)
     return ap
 
@@ -69,13 +70,13 @@ def _measured(args: argparse.Namespace) -> bool:
 def _measure(args: argparse.Namespace) -> None:
     spec = SWEEP_MODELS[args.model]
     model = spec.model()
-    rows = args.dp * args.microbatches * MICRO
+    rows = args.dp * args.microbatches * args.micro
     gen = torch.Generator().manual_seed(0)
 
     def batch() -> dict[str, torch.Tensor]:
         ids = torch.randint(0, VOCAB, (rows, spec.seq), generator=gen)
         return {spec.tokens: ids, spec.labels: ids}
-    example = {k: v[:MICRO] for k, v in batch().items()}
+    example = {k: v[:args.micro] for k, v in batch().items()}
     prog = autoshard(model, **split_of(args), example_kwargs=example)
     rt = prog.distributed(mesh=True)
     del model
