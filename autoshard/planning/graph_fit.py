@@ -19,7 +19,7 @@ import torch
 
 from autoshard.errors import ShardingError
 from autoshard.planning.estimate import RESERVED, Estimate
-from autoshard.planning.graph_memory import program_memory
+from autoshard.planning.graph_memory import memory_of, walk
 from autoshard.planning.graph_time import step_time
 from autoshard.planning.hardware import Hardware
 
@@ -47,13 +47,13 @@ def fastest_that_fits(candidates: list[Estimate], hw: Hardware, build: Callable[
         if i >= tries and best is not None:
             break
         prog = build(chosen)
-        options = dict(batch=chosen.microbatch, distributed_optimizer=chosen.distributed_optimizer)
-        memory = program_memory(prog, device=device, **options)
+        walks = [walk(prog, r, batch=chosen.microbatch, device=device) for r in range(prog.pp)]
+        memory = [memory_of(run, prog, distributed_optimizer=chosen.distributed_optimizer) for run in walks]
         peak = max(m.peak for m in memory)
         if peak > usable:
             needed.append(f"{_split(chosen)}: {peak / 2 ** 30:.2f} GiB (the table said {chosen.memory_gib_per_gpu:.2f})")
             continue
-        seconds = step_time(prog, hw, **options).seconds
+        seconds = step_time(prog, hw, distributed_optimizer=chosen.distributed_optimizer, walks=walks).seconds
         if best is None or seconds < best[0]:
             prog.planned, prog.planned_memory, prog.planned_seconds = chosen, memory, seconds
             best = (seconds, prog)

@@ -41,7 +41,7 @@ from autoshard.runtime.grad_buffer import plan_layout
 from autoshard.runtime.gradients import main_dtype
 from autoshard.runtime.schedules import stage_index
 
-__all__ = ["RankWalk", "rank_memory_of", "program_memory", "state_bytes", "walk"]
+__all__ = ["RankWalk", "memory_of", "rank_memory_of", "program_memory", "state_bytes", "walk"]
 
 _BUCKET_BYTES = 25 * 2 ** 20      # MeshRuntime.shard_gradients' default
 
@@ -150,6 +150,11 @@ def rank_memory_of(prog, pp_rank: int = 0, *, tp_rank: int = 0, data_rank: int =
     the rank will run on, whose attention kernel is read (default: where the weights are; the CPU
     for a model on meta)."""
     run = walk(prog, pp_rank, tp_rank=tp_rank, data_rank=data_rank, batch=batch, device=device)
+    return memory_of(run, prog, distributed_optimizer=distributed_optimizer, moments=moments)
+
+
+def memory_of(run: RankWalk, prog, *, distributed_optimizer: bool = False, moments: int = 2) -> RankMemory:
+    """A walked rank's peak, by cause: what it holds between steps and what its step added."""
     state, grads, optimizer_step = state_bytes(run.held, prog, distributed_optimizer, moments)
     step = run.step
     peak = state + grads + max(step.peak, optimizer_step)

@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from autoshard.planning.collective_timing import allreduce_seconds
-from autoshard.planning.graph_memory import state_bytes, walk
+from autoshard.planning.graph_memory import RankWalk, state_bytes, walk
 from autoshard.planning.hardware import Hardware
 from autoshard.planning.meta_step import ActionWork
 from autoshard.planning.op_cost import OpWork
@@ -82,15 +82,16 @@ def _action_seconds(a: ActionWork, hw: Hardware, share: float) -> float:
     return share * work_seconds(a.work, hw) + comm + send
 
 
-def step_time(prog, hw: Hardware, *, batch: int | None = None, distributed_optimizer: bool = False) -> StepTime:
+def step_time(prog, hw: Hardware, *, batch: int | None = None, distributed_optimizer: bool = False,
+              walks: list[RankWalk] | None = None) -> StepTime:
     """Seconds of one training step of `prog` on `hw` (see the module doc), microbatches of the
-    example inputs' shapes (or `batch` sequences of them)."""
+    example inputs' shapes (or `batch` sequences of them). `walks`: every pipeline rank's walk
+    already made (graph_memory.walk, in pipeline-rank order), read instead of walking again."""
     dims = prog.dims
     share = max(1.0, dims.world_size / hw.cores) if hw.cores else 1.0
     costs: dict[tuple[str, int], list[float]] = defaultdict(list)
     reduce = optimizer = 0.0
-    for r in range(prog.pp):
-        run = walk(prog, r, batch=batch)
+    for run in walks if walks is not None else [walk(prog, r, batch=batch) for r in range(prog.pp)]:
         for a in run.step.actions:
             costs[(a.kind, a.stage)].append(_action_seconds(a, hw, share))
         _, grad_bytes, _ = state_bytes(run.held, prog, distributed_optimizer)
