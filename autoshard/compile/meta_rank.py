@@ -9,9 +9,9 @@ It runs alone in one process at any size (a 175B model's rank costs no memory) a
 op, what the real rank allocates: planning/graph_memory.py reads a rank's memory off it. The copy
 is made with `copy.deepcopy`, every tensor of the rank replaced by an empty meta tensor of its
 shape, dtype and `requires_grad` first, so no weight is ever copied. It runs the graphs the program
-has compiled so far (a new input signature is refused: compile it by calling the program). The devices the graphs name (`arange(...,
-device=cpu)`) become meta (passes/rewrite/retarget.py), and the ops that read values or pick a
-kernel by device get compile/meta_ops.py's stand-ins.
+has compiled so far (a new input signature is refused: compile it by calling the program). The
+devices the graphs name (`arange(..., device=cpu)`) become meta (passes/rewrite/retarget.py), and
+the ops that read values or pick a kernel by device get compile/meta_ops.py's stand-ins.
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard.compile.rank import RankProgram
-from autoshard.compile.tables import TableCache
 from autoshard.compile.meta_ops import on_meta
+from autoshard.compile.tables import TableCache
 from autoshard.errors import ShardingError
 from autoshard.parallel.comm import CommHandle
 from autoshard.parallel.expert_parallel import ExpertGroup
+from autoshard.parallel.rng import RegionRandomOp
 from autoshard.parallel.shape_comm import ShapeComm
 from autoshard.passes.rewrite.retarget import retarget_device
 
@@ -57,8 +58,9 @@ def meta_rank(prog, tp_rank: int, *, ep_rank: int | None = None, cp_rank: int | 
     doc); `device`: the one it stands for, whose kernels its ops pick (compile/meta_ops.py; default:
     where the rank's weights are, the CPU for a model on meta)."""
     rank = prog.rank(tp_rank, ep_rank=ep_rank, cp_rank=cp_rank)
+    tensors = _tensors(rank)
     memo: dict[int, object] = {}
-    for t in _tensors(rank):
+    for t in tensors:
         if id(t) not in memo:
             memo[id(t)] = t if t.device.type == "meta" and not isinstance(t, nn.Parameter) else _meta(t)
     # shared, not copied: the input binding and any bound process group; no compile (it would build
@@ -80,7 +82,7 @@ def meta_rank(prog, tp_rank: int, *, ep_rank: int | None = None, cp_rank: int | 
         group.handle.comm = ShapeComm(prog.dims.ep, log)
         copied.bind_experts(group)
     copied.collective_log = log
-    devices = {t.device for t in _tensors(rank)} - {torch.device("meta")}
+    devices = {t.device for t in tensors} - {torch.device("meta")}
     swaps = on_meta(device or next(iter(devices), torch.device("cpu")))
     for gm in copied.graph_modules():       # graphs name their device (arange(..., device=cpu)): meta now
         for d in devices:
@@ -99,7 +101,7 @@ def _swap(gm: fx.GraphModule, swaps: dict) -> None:
     """`swaps`' stand-ins for the functions `gm` and its nested graphs call (and the ops the rank's
     random-op modules wrap), in place."""
     for sub in gm.modules():
-        if isinstance(getattr(sub, "op", None), type(torch.ops.aten.add.Tensor)) and sub.op in swaps:
+        if isinstance(sub, RegionRandomOp) and sub.op in swaps:
             sub.op = swaps[sub.op]
         if isinstance(sub, fx.GraphModule):
             swapped = [n for n in sub.graph.nodes if n.op == "call_function" and n.target in swaps]

@@ -42,7 +42,6 @@ from autoshard.runtime.schedules import schedule_spec
 __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
 
 RECOMPUTE = ("full", "selective", "none")
-_ADAM_BYTES = 28    # per parameter per step: read fp16 grad, fp32 master, m, v; write them and fp16 weight
 
 
 def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
@@ -262,8 +261,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     if distributed_optimizer:          # each rank steps its share: dense over dp x cp, experts over dp x cp / ep
         held_experts = per_rank * experts.expert_params
         params = (params - held_experts) / (dp * cp) + held_experts * ep / (dp * cp)
-    breakdown["optimizer"] = share * (params * hw.optimizer_s_per_param + tensors * hw.optimizer_s_per_tensor
-                                      if hw.optimizer_s_per_param else bytes_seconds(_ADAM_BYTES * params, hw))
+    breakdown["optimizer"] = share * hw.optimizer_seconds(params, tensors)
     if hw.step_overhead_s:
         breakdown["fixed"] = share * hw.step_overhead_s
     seconds = sum(breakdown.values())

@@ -101,9 +101,7 @@ def step_time(prog, hw: Hardware, *, batch: int | None = None, distributed_optim
         link = hw.nvlink_gb_s if dims.world_size <= hw.gpus_per_node else hw.network_gb_s
         reduce = max(reduce, allreduce_seconds(grad_bytes, dims.data, link, hw) + allreduce_seconds(tied, 2, link, hw))
         params = sum(t.numel() for t in trainable) / (dims.data if distributed_optimizer else 1)
-        rank_optimizer = params * hw.optimizer_s_per_param + len(trainable) * hw.optimizer_s_per_tensor \
-            if hw.optimizer_s_per_param else 28 * params / (hw.hbm_gb_s * 1e9 * hw.memory_efficiency)
-        optimizer = max(optimizer, rank_optimizer)
+        optimizer = max(optimizer, hw.optimizer_seconds(params, len(trainable)))
     mean = {key: sum(v) / len(v) for key, v in costs.items()}
     timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement,
                      cost_of=lambda kind, stage: mean.get((kind, stage), 0.0))

@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 __all__ = ["Hardware", "PRESETS", "get_hardware", "preset_for_gpu"]
 
 
+_ADAM_BYTES = 28    # per parameter per step: read fp16 grad, fp32 master, m, v; write them and fp16 weight
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -50,6 +53,13 @@ class Hardware:
         for name in ("matmul_efficiency", "memory_efficiency", "network_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+
+    def optimizer_seconds(self, params: float, tensors: int) -> float:
+        """AdamW's step over `params` elements in `tensors` tensors: as measured (the `cpu` profile),
+        else its bytes at the memory rate (_ADAM_BYTES a parameter)."""
+        if self.optimizer_s_per_param:
+            return params * self.optimizer_s_per_param + tensors * self.optimizer_s_per_tensor
+        return _ADAM_BYTES * params / (self.hbm_gb_s * 1e9 * self.memory_efficiency)
 
 
 # Efficiencies. memory 0.9: a device-to-device copy on an H200 here moved 4.3 of the datasheet's

@@ -28,7 +28,7 @@ from autoshard.planning.op_cost import OpCost, OpWork
 from autoshard.runtime.batching import pick_loss
 from autoshard.runtime.p2p import FORWARD
 from autoshard.runtime.schedules import splits_backward, stage_index, stage_owner
-from autoshard.runtime.stage_actions import ChunkParams, run_actions
+from autoshard.runtime.stage_actions import build_chunk, run_actions
 
 __all__ = ["ActionWork", "StepBytes", "step_bytes"]
 
@@ -154,12 +154,7 @@ def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) 
     every = [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}") for sg in graphs]
     with _grouped_mm_on_meta():
         inputs_of = _stage_inputs(every, microbatches[0])
-    chunks = []
-    for c in range(prog.virtual):
-        sg = graphs[stage_index(pp_rank, c, pp, placement)]
-        params = ChunkParams(sg.graph)
-        graph = params.tap_boundaries(sg.graph) if split and sg.index == 0 else sg.graph
-        chunks.append((sg, fx.GraphModule(rank, graph, class_name=f"Stage{sg.index}"), params))
+    chunks = [build_chunk(rank, graphs[stage_index(pp_rank, c, pp, placement)], split) for c in range(prog.virtual)]
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in rank.parameters() if p.requires_grad]
     log = getattr(rank, "collective_log", [])
     try:

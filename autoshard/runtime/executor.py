@@ -29,7 +29,7 @@ from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import Transfer
 from autoshard.runtime.rank_binding import bound_rank_program
 from autoshard.runtime.schedules import Action, splits_backward, stage_index, stage_owner
-from autoshard.runtime.stage_actions import ChunkParams, run_actions
+from autoshard.runtime.stage_actions import ChunkParams, build_chunk, run_actions
 from autoshard.runtime.trace import REDUCE, ActionRecord, ring_records
 
 __all__ = ["MeshRuntime", "ProgramView", "RankView"]
@@ -121,13 +121,7 @@ class MeshRuntime(nn.Module):
         if id(gm) not in self._chunks:
             stages = self._prog.stage_graphs(gm)
             mine = [stages[stage_index(self.pp_rank, c, self.dims.pp, self.placement)] for c in range(self.virtual)]
-            built = []
-            for sg in mine:
-                params = ChunkParams(sg.graph)
-                # a zero-bubble schedule's first stage: B stops where the batch meets the first weights
-                graph = params.tap_boundaries(sg.graph) if self.split and sg.index == 0 else sg.graph
-                built.append((sg, fx.GraphModule(self._program, graph, class_name=f"Stage{sg.index}"), params))
-            self._chunks[id(gm)] = built
+            self._chunks[id(gm)] = [build_chunk(self._program, sg, self.split) for sg in mine]
         return self._chunks[id(gm)]
 
     def stage_of(self, action: Action) -> int:

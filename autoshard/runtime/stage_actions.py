@@ -23,7 +23,7 @@ from autoshard.runtime.backward_split import WeightWork, backward_input, backwar
 from autoshard.runtime.p2p import BACKWARD, FORWARD
 from autoshard.runtime.trace import ActionRecord
 
-__all__ = ["ChunkParams", "run_actions"]
+__all__ = ["ChunkParams", "build_chunk", "run_actions"]
 
 
 _OPS = ("call_function", "call_method", "call_module")
@@ -103,6 +103,15 @@ class ChunkParams:
         may have moved them)."""
         out = [fetch_attr(gm, name) for name in names]
         return [t for t in out if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+
+
+def build_chunk(root: torch.nn.Module, sg: StageGraph, split: bool) -> tuple[StageGraph, fx.GraphModule, ChunkParams]:
+    """One chunk as run_actions takes it: stage `sg`'s graph over `root`'s tensors and what it reads;
+    in a zero-bubble schedule (`split`) the first stage's B stops where the batch meets the first
+    weights (ChunkParams.tap_boundaries)."""
+    params = ChunkParams(sg.graph)
+    graph = params.tap_boundaries(sg.graph) if split and sg.index == 0 else sg.graph
+    return sg, fx.GraphModule(root, graph, class_name=f"Stage{sg.index}"), params
 
 
 def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]], flats: list[list], out_spec,
