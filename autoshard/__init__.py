@@ -18,7 +18,9 @@ from autoshard.planning.costmodel import estimate
 from autoshard.planning.planner import ModelShape, plan
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.executor import MeshRuntime
+from autoshard.verify import Certificate, verify_model
 
 __all__ = ["autoshard", "plan", "estimate", "ModelShape", "ShardedProgram", "RankProgram", "MeshRuntime", "DistributedOptimizer",
+           "Certificate", "verify_model",
            "AutoshardError", "CaptureError", "ShardingError"]
 __version__ = "0.1.0"

@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["train"]:                  # its own command line (autoshard/train/options.py)
         from autoshard.train import main as train
         return train(argv[1:])
+    if argv[:1] == ["verify"]:                 # its own command line (autoshard/verify/command.py)
+        from autoshard.verify.command import main as verify
+        sys.exit(verify(argv[1:]))
     ap = argparse.ArgumentParser(prog="autoshard", description="Megatron-style sharding as a compiler pass.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--top", type=int, default=5)
     pl.set_defaults(run=plan_verb)
     verbs.add_parser("train", help="train a model on text, sharded (autoshard train --help)", add_help=False)
+    verbs.add_parser("verify", help="certify a split against the single-device model (autoshard verify --help)",
+                     add_help=False)
     args = ap.parse_args(argv)
     with one_line_errors(f"autoshard {args.verb}", args.debug):
         args.run(args)

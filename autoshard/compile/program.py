@@ -22,6 +22,7 @@ from autoshard.compile.rank import RankProgram
 from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.compile.stage_layout import StageLayout
+from autoshard.compile.verifier import registered_verifier
 from autoshard.compile.weights import check_state_dict, copy_into_rank, meta_like
 from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr
@@ -107,6 +108,25 @@ class ShardedProgram:
     def shared_params(self) -> dict[tuple[int, ...], list[str]]:
         """Pipeline ranks -> the parameters they all read (a tied embedding: first and last stage)."""
         return self._stages.shared_params
+
+    @property
+    def captured_graph(self) -> fx.Graph:
+        """The model's graph as captured, before any rewrite (its nodes keep their values' meta)."""
+        return self._compiler.compiled[0].captured.gm.graph
+
+    def split(self) -> dict[str, object]:
+        """This program's split as autoshard() takes it (tp, pp, ..., fuse), to compile it again."""
+        return dict(tp=self.tp, pp=self.pp, virtual=self.virtual, dp=self.dp, ep=self.dims.ep, cp=self.cp,
+                    microbatches=self.microbatches, schedule=self.schedule_name,
+                    sequence_parallel=self.options.sequence_parallel, vocab_parallel=self.options.vocab_parallel,
+                    gather_output=self.options.gather_output, recompute=self.recompute, fuse=self.fuse)
+
+    def verify(self, **options):
+        """A certificate that this split of the model equals the model (autoshard/verify/): a float64
+        copy of the model compiled with the same split, every rank run in this process against
+        another copy for outputs, gradients and one AdamW step on a batch with padding and ignored
+        labels. This program is left untouched. `options`: verify_model's (seq=...)."""
+        return registered_verifier()(self, **options)
 
     # ---- compile and pipeline stages ---------------------------------------------------------
     def _compile(self, named: dict[str, object], training: bool | None = None) -> Compiled:

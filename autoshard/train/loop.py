@@ -29,6 +29,7 @@ from autoshard.train.metrics import Reporter, StepMetrics, estimated_step_second
 from autoshard.train.options import TrainError, TrainOptions
 from autoshard.train.plot import loss_curve
 from autoshard.train.run_hardware import hardware_name, run_hardware
+from autoshard.train.verify_first import verify_first
 
 # what --plan plans for where no preset describes the machine (the CPU): said on the run's first line
 PLAN_DEFAULT = "a100-80gb"
@@ -210,6 +211,8 @@ def run(opts: TrainOptions) -> int:
         source.model.to(place.device)
     hardware = run_hardware(opts, place, source.config, max(1, opts.batch // (given["dp"] * given["microbatches"])))
     prog, split = _compile(opts, source, world, hardware)
+    if opts.verify:
+        verify_first(source, prog, rank)
     rt = prog.distributed(mesh=True)
     if source.weights is not None:
         materialize(prog, rt, seed=opts.seed)

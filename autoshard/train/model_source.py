@@ -13,7 +13,7 @@ from torch import nn
 from autoshard.factory import load_factory
 from autoshard.train.options import TrainError, TrainOptions
 
-__all__ = ["ModelSource", "build", "BYTE_VOCAB"]
+__all__ = ["ModelSource", "apply_sizes", "build", "BYTE_VOCAB"]
 
 BYTE_VOCAB = 384        # the byte tokenizer's 257 ids, rounded up to a multiple of 128 (as Megatron pads)
 # size option -> the config attribute it sets (transformers' attribute_map resolves GPT-2's n_layer etc.)
@@ -62,7 +62,7 @@ def _ffn_widths(cfg, opts: TrainOptions) -> dict[str, int]:
     return out
 
 
-def _apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
+def apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
     widths = _ffn_widths(cfg, opts)
     for attr, width in widths.items():
         setattr(cfg, attr, width)
@@ -135,7 +135,7 @@ def build(opts: TrainOptions, byte_tokenizer: bool) -> ModelSource:
         raise TrainError(f"--model {opts.model}: not a transformers model type, a folder or module:factory "
                          f"(model types include {known})")
     cfg = AutoConfig.for_model(opts.model)
-    _apply_sizes(cfg, opts, byte_tokenizer)
+    apply_sizes(cfg, opts, byte_tokenizer)
     try:
         model = AutoModelForCausalLM.from_config(cfg)
     except Exception as e:

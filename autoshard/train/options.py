@@ -58,6 +58,7 @@ class TrainOptions:
     hardware: str | None
     nproc_per_node: int | None
     halt_after: int | None
+    verify: bool
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
                         "when a GPU is visible")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                    help="activation recomputation (default: none; with --plan, the planner's choice)")
+    p.add_argument("--verify", action="store_true",
+                   help="before the first step, certify the split against the single-device model (autoshard verify, "
+                        "on rank 0, in simulation; a large model on its reduced twin) and stop if it fails")
     p.add_argument("--nproc-per-node", type=int, default=None, help="launch torchrun with this many processes")
     o = ap.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=100)

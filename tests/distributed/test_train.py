@@ -189,3 +189,10 @@ def test_train_mixtral_with_expert_parallelism_gives_the_replicated_runs_losses(
     assert max(abs(a - b) / abs(b) for a, b in zip(half, plain)) < 2e-2, (half, plain)          # bf16's rounding
     bad = _train(tmp_path / "bad", *args, "--ep", "3", nproc=2, check=False)
     assert bad.returncode != 0 and "--ep: ep=3 must divide dp=2" in bad.stdout + bad.stderr
+
+
+def test_train_verify_certifies_before_the_first_step(tmp_path):
+    """--verify: rank 0 prints a passing certificate for the compiled split, then the run trains."""
+    proc = _train(tmp_path, *LLAMA, "--tp", "2", "--steps", "1", "--verify", nproc=2)
+    assert "VERIFIED: " in proc.stdout and "split: tp=2" in proc.stdout, proc.stdout[-2000:]
+    assert proc.stdout.index("VERIFIED") < proc.stdout.index("step 1/1")

@@ -1,0 +1,159 @@
+"""The comparison itself: the program's every rank, in one process, against the single-device model.
+
+The step is cut as the runtime cuts it (runtime/batching.py's split_batch: data-parallel slices, then
+microbatches) and each piece's mean loss weighted by its share of the counted tokens (the runtime's
+own loss_tokens / loss_factors), so what is compared is the runtime's arithmetic, not a convenient
+equivalent. Every piece runs all ranks in lockstep (`prog.simulate`: tensor-parallel ranks with
+their collectives, pipeline stages in turn, expert- and context-parallel replicas); one backward of
+the weighted sum reaches every rank's shards.
+
+Then each rank's gradient shard is compared with the same slice of the model's gradient (every rank:
+rows two ranks hold must both be right), and one AdamW step is taken on each rank's shards and on
+the model, and the updated shards compared. With expert or context parallelism a rank's gradient is
+its replica's part of the batch only (the runtime sums them over the data ranks): there the
+reassembled, summed gradients are compared and the step is taken on them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autoshard.compile.rank import slice_layout
+from autoshard.runtime.batching import pick_loss, split_batch
+from autoshard.runtime import loss_tokens
+from autoshard.testing.metrics import norm_rel, scaled_errors
+from autoshard.verify.certificate import Item, group_of
+
+__all__ = ["compare_step", "STEP"]
+
+# AdamW's settings for the step compared. Adam's update lr * g / (|g| + eps) turns a rounding
+# difference dg of a gradient near eps into lr * dg / (4 eps) of weight: eps well above the gradients'
+# float noise keeps the step a check of where each shard goes and how it moves, not of that ratio.
+STEP = dict(lr=1e-3, eps=1e-4, weight_decay=0.1)
+
+
+def _pieces(prog, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The runtime's cut of the global batch: data slice d's microbatch i, for every (d, i); with
+    replicas in the simulator (ep, cp) the data slices' microbatch i together, as one call."""
+    slices = split_batch(inputs, prog.dp, "dp")
+    per_slice = [split_batch(s, prog.microbatches, "microbatches") for s in slices]
+    if prog.dims.ep > 1 or prog.cp > 1:
+        return [{k: torch.cat([mbs[i][k] for mbs in per_slice]) for k in inputs} for i in range(prog.microbatches)]
+    return [mb for mbs in per_slice for mb in mbs]
+
+
+def _floating_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
+    """Named floating outputs of a call, leaves in order; the loss included."""
+    leaves, _ = pytree.tree_flatten_with_path(out)
+    named = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            named.append((pytree.keystr(path).strip(".[]'\"") or "output", leaf))
+    return named
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.detach().abs().max().clamp_min(1e-30)
+    return ((a.detach() - b.detach()).abs().max() / scale).item()
+
+
+def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance: float) -> list[Item]:
+    """Outputs, gradients and one AdamW step of `prog` (compiled from a copy of `model`, same weights)
+    against `model` on `inputs`; `model` is trained by it (pass a copy)."""
+    items: list[Item] = []
+    pieces = _pieces(prog, inputs)
+    graphs = [prog.rank(0).graph_for((), p) for p in pieces]
+    counter = loss_tokens.loss_tokens(graphs[0][0])      # the runtime's own count and weights (module
+    factors, _ = loss_tokens.loss_factors(                # attributes: a patched runtime is the one verified)
+        counter, [g[1] for g in graphs], [None] * len(pieces), False, "mean", -100, None, None)
+    prog.train()
+    total, outs = 0.0, []
+    for piece, factor in zip(pieces, factors):
+        out = prog.simulate(**piece)
+        total = total + pick_loss(out) * factor
+        outs.append(_floating_outputs(out))
+    model.train()
+    ref_out = model(**inputs)
+    ref_loss = pick_loss(ref_out)
+    items.append(Item("output", "loss", _rel(total, ref_loss), "loss", tolerance))
+    for j, (name, ref) in enumerate(_floating_outputs(ref_out)):
+        if ref.dim() == 0:
+            continue
+        if prog.dims.ep > 1 or prog.cp > 1:        # pieces are microbatches of every slice: rows interleaved
+            continue
+        got = torch.cat([o[j][1] for o in outs])
+        items.append(Item("output", name, _rel(got, ref), name, tolerance))
+    total.backward()
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    items += _grad_items(prog, ref_grads, tolerance)
+    items += _step_items(prog, model, tolerance)
+    return items
+
+
+def _worst_by_group(kind: str, errors: dict[str, tuple[float, str]], tolerance: float) -> list[Item]:
+    groups: dict[str, tuple[float, str]] = {}
+    for name, (err, where) in errors.items():
+        g = group_of(name)
+        if g not in groups or err > groups[g][0] or err != err:
+            groups[g] = (err, where)
+    return [Item(kind, g, err, where, tolerance) for g, (err, where) in groups.items()]
+
+
+def _per_rank(prog) -> bool:
+    """Whether each rank's shards hold the whole batch's gradient (no data replicas in the simulator)."""
+    return prog.dims.ep == 1 and prog.cp == 1
+
+
+def _norm_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||got - want|| / ||want|| per name: weights after an AdamW step, whose per-element update
+    turns float noise on gradients near eps into steps of up to lr on a few elements; the norm reads
+    through them to the tensor as a whole (testing/metrics.py's norm_rel, per tensor)."""
+    return {n: float("inf") if got.get(n) is None else norm_rel({n: got[n]}, {n: w}) for n, w in want.items()}
+
+
+def _rank_errors(prog, read, want: dict[str, torch.Tensor], measure=scaled_errors) -> dict[str, tuple[float, str]]:
+    """Worst error (`measure`) over every tensor-parallel rank of `read(p)` against the slice of `want`."""
+    errors: dict[str, tuple[float, str]] = {}
+    for r, rank in enumerate(prog.ranks()):
+        got, ref = {}, {}
+        params = dict(rank.named_parameters())
+        for name, full in want.items():
+            use = prog.sharding.params.get(name)
+            ref[name] = slice_layout(full, use.dim, use.layout[r]) if use else full
+            value = read(params[name]) if name in params else None
+            got[name] = value
+        for name, err in measure(got, ref).items():
+            if name not in errors or err > errors[name][0] or err != err:
+                errors[name] = (err, f"{name} (tp rank {r})" if prog.tp > 1 else name)
+    return errors
+
+
+def _grad_items(prog, ref_grads: dict[str, torch.Tensor], tolerance: float) -> list[Item]:
+    if _per_rank(prog):
+        errors = _rank_errors(prog, lambda p: None if p.grad is None else p.grad.detach(), ref_grads)
+    else:
+        full = prog.full_grads()
+        errors = {n: (e, n) for n, e in scaled_errors({n: full.get(n) for n in ref_grads}, ref_grads).items()}
+    return _worst_by_group("gradient", errors, tolerance)
+
+
+def _step_items(prog, model: nn.Module, tolerance: float) -> list[Item]:
+    torch.optim.AdamW([p for p in model.parameters() if p.grad is not None], **STEP).step()
+    want = {n: p.detach() for n, p in model.named_parameters() if p.grad is not None}
+    if _per_rank(prog):
+        for rank in prog.ranks():
+            torch.optim.AdamW([p for p in rank.parameters() if p.grad is not None], **STEP).step()
+        errors = _rank_errors(prog, lambda p: p.detach(), want, _norm_errors)
+    else:
+        grads, weights = prog.full_grads(), prog.full_state_dict()
+        stepped = {}
+        for name in want:
+            w = nn.Parameter(weights[name].clone())
+            w.grad = grads.get(name)
+            if w.grad is not None:
+                torch.optim.AdamW([w], **STEP).step()
+            stepped[name] = w.detach()
+        errors = {n: (e, n) for n, e in _norm_errors(stepped, want).items()}
+    return _worst_by_group("weight", errors, tolerance)

@@ -1,0 +1,150 @@
+"""`verify_model`: compile a model's split and certify it against the model (compare.py), in the
+widest float type its ops take."""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from autoshard.api import autoshard
+from autoshard.errors import ShardingError
+from autoshard.verify.batch import verification_batch
+from autoshard.verify.certificate import Certificate, Fallback
+from autoshard.verify.compare import compare_step
+
+__all__ = ["Split", "verify_model", "verify_program", "TOLERANCES"]
+
+# relative tolerance -> why: all ops in float64, or some in float32 (the model's own casts)
+TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-5}
+_SPLIT_KEYS = ("tp", "pp", "virtual", "dp", "ep", "cp", "microbatches", "schedule", "sequence_parallel",
+               "vocab_parallel", "gather_output", "recompute", "fuse")
+
+
+def Split(**given) -> dict[str, object]:       # noqa: N802 (a record's constructor)
+    """A split as autoshard() takes it; unknown names refused."""
+    unknown = set(given) - set(_SPLIT_KEYS)
+    if unknown:
+        raise ValueError(f"unknown split option(s) {sorted(unknown)}; known: {', '.join(_SPLIT_KEYS)}")
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _without_dropout(model: nn.Module) -> int:
+    """Dropout probabilities set to 0 (masks are random: two runs cannot be compared with them on);
+    returns how many modules had one."""
+    found = 0
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            m.p = 0.0
+            found += 1
+    return found
+
+
+def _widest(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
+    """A float64 copy of `model` when its forward and backward run in float64, else a float32 one."""
+    wide = copy.deepcopy(model).double()
+    try:
+        out = wide(**{k: v[:1] for k, v in inputs.items()})
+        loss = out.loss if hasattr(out, "loss") else out[1] if isinstance(out, tuple) else out
+        loss.backward()
+        return wide, "float64"
+    except (RuntimeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0][:160]
+        return copy.deepcopy(model).float(), f"float32 (float64 refused by an op: {first})"
+    finally:
+        wide.zero_grad(set_to_none=True)
+
+
+def _narrow_ops(prog, dtype: torch.dtype) -> list[str]:
+    """Modules whose ops compute in a float type narrower than `dtype` (the model's own casts)."""
+    from autoshard.passes.graph_reading import module_path
+    found: list[str] = []
+    for n in prog.captured_graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype.itemsize < dtype.itemsize:
+            where = module_path(n)
+            if where not in found:
+                found.append(where)
+    return found
+
+
+def _fallbacks(prog) -> list[Fallback]:
+    out = []
+    params = dict(prog.param_shapes)
+    for f in prog.sharding.fallbacks:
+        prefixes = tuple(m.split(" (")[0] + "." for m in f.modules)
+        whole = [n for n in params if n.startswith(prefixes) and n not in prog.sharding.params]
+        size = sum(torch.Size(params[n]).numel() for n in whole) * 4      # fp32 weights
+        out.append(Fallback(tuple(f.modules), f.reason, f.by_design, int(size * (1 - 1 / prog.tp))))
+    return out
+
+
+def _rows_and_seq(split: dict, seq: int | None) -> tuple[int, int]:
+    """Rows for every data-parallel rank's microbatches (two each where it can: uneven -100 counts
+    between them), and a length every split divides: tp (sequence parallelism), 2 x cp."""
+    dp, m = split.get("dp", 1), split.get("microbatches", 1)
+    rows = max(4, 2 * dp * m) if dp * m > 1 else 4
+    rows = -(-rows // (dp * m)) * dp * m
+    step = 2 * split.get("cp", 1) * (split.get("tp", 1) if split.get("sequence_parallel") else 1)
+    seq = seq or 16
+    return rows, -(-seq // step) * step
+
+
+def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | None = None, seq: int | None = None,
+                 twin: list[str] | None = None, notes: list[str] | None = None) -> Certificate:
+    """Certify `split` (autoshard()'s tp, pp, ... as a dict) of `model` (left untouched): compile a
+    float64 (else float32) copy, run it against another copy on a batch with padding and ignored
+    labels, and return the certificate. `twin`: what was reduced, when `model` stands in for a larger
+    one (verify/twin.py)."""
+    started = time.perf_counter()
+    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 128
+    rows, seq = _rows_and_seq(split, seq)
+    batch = verification_batch(model, rows, seq, vocab)
+    model = copy.deepcopy(model)
+    dropped = _without_dropout(model)
+    wide, dtype_note = _widest(model, batch.inputs)
+    dtype = next(wide.parameters()).dtype
+    cert = Certificate(type(model).__name__, {k: split[k] for k in _SPLIT_KEYS if k in split}, dtype_note,
+                       TOLERANCES[dtype], "", batch.description, twin=list(twin or []))
+    cert.runs.append("simulation (every rank in this process)")
+    cert.notes = list(notes or [])
+    if dropped:
+        cert.notes.append(f"dropout set to 0 in {dropped} module(s) for the comparison (its masks are random); the "
+                          "dropout regions' streams are not compared here")
+    reference = copy.deepcopy(wide)
+    pieces = split.get("dp", 1) * split.get("microbatches", 1)
+    example = {k: v[: rows // pieces] for k, v in batch.inputs.items()}
+    try:
+        prog = autoshard(wide, example_kwargs=example, **split)
+    except ShardingError as e:
+        cert.refusals.append(f"the compile refused this split: {e}")
+        cert.seconds = time.perf_counter() - started
+        return cert
+    narrow = _narrow_ops(prog, dtype)
+    if narrow:
+        cert.tolerance = TOLERANCES[torch.float32]
+        cert.tolerance_reason = (f"the model computes in a narrower float type in {len(narrow)} module(s), "
+                                 f"first {narrow[0]}: float32 rounding in another summation order")
+    else:
+        cert.tolerance_reason = f"every op in {str(dtype).removeprefix('torch.')}: only summation order differs"
+    cert.fallbacks = _fallbacks(prog)
+    try:
+        cert.items = compare_step(prog, reference, batch.inputs, cert.tolerance)
+    except Exception as e:          # a program that raises is not verified; say where
+        cert.refusals.append(f"the sharded program raised {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+    cert.seconds = time.perf_counter() - started
+    return cert
+
+
+def verify_program(prog, *, seq: int | None = None) -> Certificate:
+    """`prog.verify()`: its split of its model, certified (the program itself is not run)."""
+    model = prog.model
+    if model is None or any(p.is_meta for p in model.parameters()):
+        raise ShardingError("verify: this program no longer holds its model's weights (distributed() released "
+                            "them, or the model is on the meta device); verify before distributed(), or run "
+                            "`autoshard verify` on the model")
+    if seq is None:
+        lengths = [v.shape[1] for v in prog.example_inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
+        seq = lengths[0] if lengths else None
+    return verify_model(model, prog.split(), seq=seq)

@@ -1,0 +1,275 @@
+"""Planted bugs for `autoshard verify` to catch: each a small patch of one compiler or runtime part,
+applied while the model is compiled and verified, and the model and split that exercise it.
+
+    python -m tests.harness.mutations          # the table: bug -> first failing item, and whether
+                                               # comparing losses alone would have caught it
+
+tests/simulation/test_verify_mutations.py asserts that every one fails `verify` with a message naming
+the parameter or output that differs. Each patch changes behaviour only while its `with` lasts.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+from unittest import mock
+
+import torch
+
+import autoshard.parallel.expert_parallel as expert_parallel
+import autoshard.parallel.sequence_parallel as sequence_parallel
+import autoshard.parallel.tensor_parallel as tensor_parallel
+import autoshard.parallel.vocab_parallel as vocab_parallel
+import autoshard.runtime.loss_tokens as loss_tokens
+from autoshard.compile import stage_layout, weights
+from autoshard.testing.models import build_model, build_moe
+from autoshard.verify import Certificate, verify_model
+
+__all__ = ["MUTATIONS", "Mutation", "run_mutation"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    model: str                  # testing.models' name, or "mixtral"
+    split: dict
+    patch: Callable[[], contextlib.AbstractContextManager]
+
+
+def _run_with(cls, reducer_change: Callable):
+    """Patch collective class `cls` so that its `run` sees a Reducer changed by `reducer_change`."""
+    original = cls.run
+
+    def run(red, mods, rank_args):
+        return original(dataclasses.replace(red, **reducer_change(red)), mods, rank_args)
+    return mock.patch.object(cls, "run", staticmethod(run))
+
+
+def _f_without_reduce():
+    return mock.patch.object(tensor_parallel._F, "backward", staticmethod(lambda ctx, *grads: (None, *grads)))
+
+
+def _g_without_reduce():
+    return mock.patch.object(tensor_parallel._G, "forward", staticmethod(lambda ctx, red, *xs: tuple(x.clone() for x in xs)))
+
+
+@contextlib.contextmanager
+def _f_g_swapped():
+    f, g = tensor_parallel._F, tensor_parallel._G
+    with mock.patch.object(tensor_parallel.CopyToTensorParallelRegion, "run",
+                           staticmethod(lambda red, mods, args: list(g.apply(red, *(a[0] for a in args))))), \
+         mock.patch.object(tensor_parallel.ReduceFromTensorParallelRegion, "run",
+                           staticmethod(lambda red, mods, args: list(f.apply(red, *(a[0] for a in args))))):
+        yield
+
+
+def _g_backward_reduced():
+    def backward(ctx, *grads):
+        return (None, *[g * 2 for g in grads])          # summed over tp = 2 ranks holding equal gradients
+    return mock.patch.object(tensor_parallel._G, "backward", staticmethod(backward))
+
+
+def _shared_rows_not_summed():
+    return mock.patch.object(tensor_parallel._SyncReplicas, "backward",
+                             staticmethod(lambda ctx, *grads: (None, None, None, None, *grads)))
+
+
+def _wrong_group():
+    """Collectives of the f/g pair over a group of one rank (each rank alone) instead of its tp group."""
+    return _run_with(tensor_parallel.ReduceFromTensorParallelRegion, lambda red: {"sum": lambda xs: [x.clone() for x in xs]})
+
+
+def _gather_reversed():
+    return _run_with(vocab_parallel.GatherFromTensorParallelRegion,
+                     lambda red: {"all_gather": lambda xs, d: red.all_gather(xs[::-1], d)})
+
+
+def _ce_reduced_twice():
+    return _run_with(vocab_parallel.VocabParallelCrossEntropy, lambda red: {"sum": lambda xs: red.sum(red.sum(xs))})
+
+
+def _ce_max_local():
+    return _run_with(vocab_parallel.VocabParallelCrossEntropy, lambda red: {"max": lambda xs: [x.clone() for x in xs]})
+
+
+def _ce_summed_not_averaged():
+    original = vocab_parallel.CrossEntropySpec.build
+
+    def build(self, handle):
+        return original(dataclasses.replace(self, reduction=2), handle)
+    return mock.patch.object(vocab_parallel.CrossEntropySpec, "build", build)
+
+
+def _sp_wrong_chunk():
+    def change(red):
+        return {"reduce_scatter": lambda xs, d: red.reduce_scatter(xs, d)[::-1]}
+    return _run_with(sequence_parallel.ReduceScatterToSequenceParallelRegion, change)
+
+
+def _sp_gather_grads_not_reduced():
+    def run(red, mods, rank_args):
+        m = mods[0]
+        return sequence_parallel.seq_all_gather(red, m.dim, m.outer, [a[0] for a in rank_args], not m.reduce_grads)
+    return mock.patch.object(sequence_parallel.GatherFromSequenceParallelRegion, "run", staticmethod(run))
+
+
+def _microbatch_mean():
+    """Each microbatch's mean weighted 1 / m, not by its share of the counted tokens."""
+    def factors(counter, flats, *rest):
+        return [1.0 / len(flats)] * len(flats), True
+    return mock.patch.object(loss_tokens, "loss_factors", factors)
+
+
+def _tokens_counted_with_ignored():
+    """The token count of a microbatch includes the labels of -100."""
+    original = loss_tokens.loss_tokens
+
+    def counted(gm):
+        found = original(gm)
+        if found is None:
+            return None
+        return loss_tokens.LossTokens(found.output, lambda *flat: torch.tensor(float(flat[0].numel())))
+    return mock.patch.object(loss_tokens, "loss_tokens", counted)
+
+
+def _stage_boundary_detached():
+    """Values received from the previous pipeline stage are detached: no gradient crosses back."""
+    original = stage_layout.StageLayout.stage_graphs
+
+    def stage_graphs(self, gm, cache=True):
+        stages = original(self, gm, cache=False)
+        for sg in stages[1:]:
+            received = [n for n in sg.graph.nodes if n.op == "placeholder"][-len(sg.receives):] if sg.receives else []
+            for n in received:
+                with sg.graph.inserting_after(n):
+                    cut = sg.graph.call_function(torch.Tensor.detach, (n,))
+                n.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
+            sg.graph.lint()
+        return stages
+    return mock.patch.object(stage_layout.StageLayout, "stage_graphs", stage_graphs)
+
+
+def _weights_cut_shifted():
+    """Each rank's weight shard cut from the next rank's rows."""
+    def shifted(t, dim, ranges):
+        n = t.shape[dim]
+        moved = [((a + (b - a)) % n, (b + (b - a) - 1) % n + 1) for a, b in ranges]
+        return index_sets_slice(t, dim, moved)
+    return mock.patch.object(weights, "slice_layout", shifted)
+
+
+def index_sets_slice(t, dim, ranges):
+    from autoshard.compile.rank import slice_layout
+    return slice_layout(t, dim, ranges)
+
+
+def _experts_to_wrong_owner():
+    """Each rank's tokens for expert owner 0 sent to owner 1 and back (counts swapped)."""
+    original = expert_parallel._pairs_per_owner
+    return mock.patch.object(expert_parallel, "_pairs_per_owner", lambda owner, size: original(owner, size)[::-1])
+
+
+def _embedding_partial_sums_kept():
+    """Vocabulary-parallel embedding's partial rows (zeros outside the shard) not summed: g skipped
+    only there (the first g of the program)."""
+    calls = {"n": 0}
+    original = tensor_parallel.ReduceFromTensorParallelRegion.run
+
+    def run(red, mods, rank_args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return [a[0].clone() for a in rank_args]
+        return original(red, mods, rank_args)
+    return mock.patch.object(tensor_parallel.ReduceFromTensorParallelRegion, "run", staticmethod(run))
+
+
+def _logits_gather_valid_ignored():
+    """The gathered logits keep the vocabulary's padding rows in place of the last real ones."""
+    def change(red):
+        def gather(xs, d):
+            out = red.all_gather(xs, d)
+            return [o.roll(1, d) for o in out]
+        return {"all_gather": gather}
+    return _run_with(vocab_parallel.GatherFromTensorParallelRegion, change)
+
+
+def _sp_split_reversed():
+    """Sequence parallelism's scatter keeps the other rank's tokens."""
+    return _run_with(sequence_parallel.GatherFromSequenceParallelRegion,
+                     lambda red: {"all_gather": lambda xs, d: red.all_gather(xs[::-1], d)})
+
+
+LLAMA = dict(tp=2, pp=2, microbatches=2)
+MUTATIONS = [
+    Mutation("f-missing", "f's backward does not all-reduce (column-parallel input gradients partial)", "llama", LLAMA,
+             _f_without_reduce),
+    Mutation("g-missing", "g's forward does not all-reduce (row-parallel outputs partial)", "llama", LLAMA,
+             _g_without_reduce),
+    Mutation("f-g-swapped", "f and g exchanged at every region boundary", "llama", LLAMA, _f_g_swapped),
+    Mutation("g-backward-reduced", "g's backward all-reduces too (gradients counted tp times)", "gpt2", LLAMA,
+             _g_backward_reduced),
+    Mutation("wrong-group", "g's all-reduce over a group of one rank (not the tp group)", "gpt2", dict(tp=2),
+             _wrong_group),
+    Mutation("shared-rows-not-summed", "kv < tp: the gradient of a kv head two ranks share not summed", "llama",
+             dict(tp=4), _shared_rows_not_summed),
+    Mutation("logits-gathered-reversed", "vocab-parallel logits gathered in reverse rank order", "llama", dict(tp=2),
+             _gather_reversed),
+    Mutation("logits-gather-shifted", "gathered logits shifted by one vocabulary row", "gpt2", dict(tp=2),
+             _logits_gather_valid_ignored),
+    Mutation("ce-reduced-twice", "vocab-parallel cross-entropy's sums all-reduced twice", "llama", dict(tp=2),
+             _ce_reduced_twice),
+    Mutation("ce-max-local", "vocab-parallel cross-entropy's max not reduced (each rank its own)", "gpt2", dict(tp=2),
+             _ce_max_local),
+    Mutation("ce-summed", "vocab-parallel cross-entropy's mean built as a sum", "llama", dict(tp=2),
+             _ce_summed_not_averaged),
+    Mutation("embedding-partial", "vocab-parallel embedding's partial rows not summed", "gpt2", dict(tp=2),
+             _embedding_partial_sums_kept),
+    Mutation("sp-wrong-chunk", "sequence parallelism's reduce-scatter hands each rank the other's tokens", "gpt2",
+             dict(tp=2, sequence_parallel=True), _sp_wrong_chunk),
+    Mutation("sp-gather-grads", "sequence parallelism's all-gather backward reduce flag inverted", "llama",
+             dict(tp=2, sequence_parallel=True), _sp_gather_grads_not_reduced),
+    Mutation("sp-gather-reversed", "sequence parallelism's all-gather in reverse rank order", "llama",
+             dict(tp=2, sequence_parallel=True), _sp_split_reversed),
+    Mutation("microbatch-mean", "microbatches weighted 1/m, not by their counted tokens", "llama",
+             dict(pp=2, microbatches=2), _microbatch_mean),
+    Mutation("tokens-with-ignored", "a microbatch's token count includes labels of -100", "gpt2",
+             dict(dp=2, microbatches=2), _tokens_counted_with_ignored),
+    Mutation("stage-boundary-detached", "a pipeline stage's received values detached (no gradient goes back)",
+             "llama", dict(pp=2, microbatches=2), _stage_boundary_detached),
+    Mutation("weights-cut-shifted", "each rank's weight shard cut from the next rank's rows", "llama", dict(tp=2),
+             _weights_cut_shifted),
+    Mutation("experts-wrong-owner", "expert parallelism sends each owner's tokens to the other owner", "mixtral",
+             dict(dp=2, ep=2), _experts_to_wrong_owner),
+]
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name == "mixtral":
+        return build_moe("mixtral")
+    return build_model(name, layers=2, heads=8, kv_heads=2, hidden=64)
+
+
+def run_mutation(m: Mutation) -> Certificate:
+    with m.patch():
+        return verify_model(_model(m.model), m.split)
+
+
+def table() -> str:
+    from tabulate import tabulate
+    rows = []
+    for m in MUTATIONS:
+        cert = run_mutation(m)
+        first = cert.first_failure()
+        loss = next((i for i in cert.items if i.group == "loss"), None)
+        rows.append((m.name, m.what, m.model, " ".join(f"{k}={v}" for k, v in m.split.items()),
+                     "caught" if not cert.passed else "MISSED",
+                     f"{first.kind} {first.where} ({first.error:.2g})" if first else (cert.refusals or ["-"])[0][:60],
+                     "yes" if loss is not None and not loss.holds else "no"))
+    return tabulate(rows, headers=("bug", "what", "model", "split", "verify", "first failing item", "loss alone"),
+                    tablefmt="github")
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,83 @@
+"""`autoshard verify`: certificates that pass on correct programs, fail on planted bugs (naming what
+differs), reduced twins of large configs, and the command line's exit status."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autoshard import autoshard
+from autoshard.testing.models import build_model, build_moe
+from autoshard.verify import verify_model
+from autoshard.verify.twin import twin_config
+from tests.harness.mutations import MUTATIONS, run_mutation
+
+
+@pytest.mark.parametrize("name,split", [("gpt2", dict(tp=2, pp=2, microbatches=2)),
+                                        ("llama", dict(tp=2, dp=2, sequence_parallel=True, recompute="full")),
+                                        ("mixtral", dict(tp=2, dp=2, ep=2))])
+def test_correct_programs_are_verified(name, split):
+    model = build_moe(name) if name == "mixtral" else build_model(name, layers=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cert = verify_model(model, split)
+    assert cert.passed, cert.render()
+    assert {i.kind for i in cert.items} == {"output", "gradient", "weight"}
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())     # the model is left alone
+    assert "VERIFIED" in cert.render().splitlines()[-1]
+
+
+def test_certificate_says_float64_where_the_ops_allow():
+    gpt = verify_model(build_model("nanogpt", layers=2), dict(tp=2))
+    assert gpt.passed and gpt.dtype == "float64" and gpt.tolerance == 1e-9, gpt.render()
+    moe = verify_model(build_moe("mixtral"), dict(tp=2))          # grouped_mm takes no float64
+    assert moe.passed and moe.dtype.startswith("float32"), moe.render()
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_planted_bug_fails_verify_naming_what_differs(mutation):
+    cert = run_mutation(mutation)
+    assert not cert.passed, f"{mutation.name} was not caught:\n{cert.render()}"
+    first = cert.first_failure()
+    assert first is not None, cert.refusals         # a comparison that differs, not a crash
+    assert first.where in cert.verdict()
+
+
+def test_mutation_suite_is_distinct_and_large_enough():
+    assert len({m.name for m in MUTATIONS}) == len(MUTATIONS) >= 20
+
+
+def test_prog_verify_leaves_the_program_alone():
+    model = build_model("llama", layers=2)
+    kw = {"input_ids": torch.randint(0, 128, (2, 16)), "labels": torch.randint(0, 128, (2, 16))}
+    prog = autoshard(model, tp=2, example_kwargs=kw)
+    before = {n: p.detach().clone() for n, p in prog.rank(1).named_parameters()}
+    cert = prog.verify()
+    assert cert.passed, cert.render()
+    assert cert.split["tp"] == 2 and all(torch.equal(before[n], p) for n, p in prog.rank(1).named_parameters())
+
+
+def test_twin_keeps_heads_and_layer_pattern():
+    import transformers as hf
+    cfg = hf.AutoConfig.for_model("smollm3")
+    twin, said = twin_config(cfg, stages=2, tp=2)
+    assert (twin.num_attention_heads, twin.num_key_value_heads) == (cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert twin.layer_types == cfg.layer_types[:twin.num_hidden_layers]
+    assert twin.num_hidden_layers % 2 == 0 and twin.num_hidden_layers < cfg.num_hidden_layers
+    assert twin.intermediate_size % 16 == 0 and any("layers" in s for s in said)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "autoshard.cli", "verify", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_verifies_the_twin_of_a_7b_llama_config():
+    run = _cli("--model", "llama", "--tp", "2", "--pp", "2")      # transformers' default LlamaConfig: 6.7B
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "reduced twin" in run.stdout and "6738.4M parameters" in run.stdout
+    assert run.stdout.strip().splitlines()[-1].startswith("VERIFIED")
+
+
+def test_cli_refuses_bad_input_in_one_line():
+    run = _cli("--model", "not-a-model", "--tp", "2")
+    assert run.returncode == 2 and "not a transformers model type" in run.stderr
