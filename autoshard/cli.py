@@ -4,6 +4,8 @@
     autoshard schedule --pp 4 --virtual 2 --microbatches 8 [--schedule interleaved] [--out docs/picture]
     autoshard plan (pkg.module:make_model | --hidden H --layers L --heads A --vocab V --seq S)
                    --gpus N --global-batch B [--hardware a100-80gb] [--top 5]
+    autoshard verify --model llama --tp 2 --pp 2 [--gloo]      (autoshard/verify/command.py)
+    autoshard train ...                                        (autoshard/train/options.py)
 
 `inspect` builds the model with the factory (any callable returning an nn.Module; Hugging Face and
 nanoGPT-style models need no example inputs, others take --batch/--seq token ids), compiles it, and

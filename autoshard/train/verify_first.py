@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from autoshard.train.model_source import ModelSource
 from autoshard.train.options import TrainError
-from autoshard.verify.command import VerifyError, model_to_verify
+from autoshard.verify.source import VerifyError, model_to_verify
 from autoshard.verify.run import verify_model
 
 __all__ = ["verify_first"]

@@ -12,37 +12,26 @@ values. Exit status 0 only when the certificate's every comparison holds.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from types import SimpleNamespace
+import time
 
-import torch
 from torch import nn
 
-from autoshard.factory import load_factory
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.runtime.schedules import SCHEDULES
 from autoshard.verify.certificate import Certificate
+from autoshard.verify.gloo import run_in_processes
 from autoshard.verify.run import Split, verify_model
-from autoshard.verify.twin import twin_config
+from autoshard.verify.source import SIZES, VerifyError, model_from_args
 
-__all__ = ["main", "parser", "certify", "model_to_verify", "VerifyError", "MAX_PARAMS"]
-
-MAX_PARAMS = 30_000_000     # above this a config's model is verified on its reduced twin (--full: never)
-_SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions")
-
-
-class VerifyError(Exception):
-    """A bad input to `autoshard verify`, said in one line."""
-
+__all__ = ["main", "parser", "certify"]
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard verify", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="a transformers model type, a Hugging Face folder, or "
                     "module:factory (as autoshard train takes it)")
-    for size in _SIZES:
+    for size in SIZES:
         ap.add_argument(f"--{size.replace('_', '-')}", type=int, default=None, help="config override")
     ap.add_argument("--factory-args", default=None, help="JSON keyword arguments for module:factory (its small "
                     "sizes, for a model too large to run here)")
@@ -64,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     twin = ap.add_mutually_exclusive_group()
     twin.add_argument("--twin", action="store_true", help="verify the reduced twin even of a small model")
     twin.add_argument("--full", action="store_true", help="never reduce the model (it must fit here)")
+    ap.add_argument("--gloo", action="store_true", help="also run the split in real processes (torchrun, gloo): "
+                    "the runtime's schedule, transfers, gradient reductions and an AdamW step on each rank's shards")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
     return ap
@@ -76,84 +67,33 @@ def _split(args) -> dict[str, object]:
                  recompute=args.recompute, fuse=args.fuse)
 
 
-def _config(args):
-    """The Hugging Face config `--model` names (a model type with the size options, or a folder's), or
-    None for module:factory."""
-    if ":" in args.model and not os.path.isdir(args.model):
-        return None
-    from transformers import AutoConfig
-    if os.path.isdir(args.model):
-        given = [f"--{s.replace('_', '-')}" for s in _SIZES if getattr(args, s) is not None]
-        if given:
-            raise VerifyError(f"--model {args.model} is a folder: its config fixes the sizes (drop {', '.join(given)})")
-        return AutoConfig.from_pretrained(args.model)
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    if args.model not in CONFIG_MAPPING:
-        raise VerifyError(f"--model {args.model}: not a transformers model type, a folder or module:factory")
-    from autoshard.train.model_source import apply_sizes
-    cfg = AutoConfig.for_model(args.model)
-    apply_sizes(cfg, SimpleNamespace(**{s: getattr(args, s) for s in _SIZES}), False)
-    return cfg
-
-
-def _parameters_of(cfg) -> int:
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-
-
-def model_to_verify(cfg, model: nn.Module | None, split: dict, *, twin: bool = False, full: bool = False,
-                    seed: int = 0, given: str = "--model") -> tuple[nn.Module, list[str]]:
-    """The model to verify, and what its twin reduced (empty: the model itself): from a Hugging Face
-    `cfg` (built with random weights; its reduced twin above MAX_PARAMS or with `twin`), else
-    `model` itself, which must be small enough to run here."""
-    if cfg is None:
-        count = sum(p.numel() for p in model.parameters())
-        on_meta = any(p.is_meta for p in model.parameters())
-        if (on_meta or count > MAX_PARAMS) and not full:
-            raise VerifyError(f"{given} has {count / 1e6:.1f}M parameters{' on meta' if on_meta else ''}: "
-                              f"give the factory its own small sizes (--factory-args: its reduced twin), or --full")
-        return model, []
-    from transformers import AutoModelForCausalLM
-    count = _parameters_of(cfg)
-    said: list[str] = []
-    if twin or (count > MAX_PARAMS and not full):
-        stages = split.get("pp", 1) * split.get("virtual", 1)
-        cfg, said = twin_config(cfg, stages=stages, tp=split.get("tp", 1))
-        said.insert(0, f"the model has {count / 1e6:.1f}M parameters; its twin {_parameters_of(cfg) / 1e6:.2f}M")
-    torch.manual_seed(seed)
-    try:
-        return AutoModelForCausalLM.from_config(cfg), said
-    except Exception as e:
-        raise VerifyError(f"{given} does not build from its config: {e}") from None
-
-
-def _build(args, split: dict) -> tuple[nn.Module, list[str]]:
-    cfg = _config(args)
-    model, said = None, []
-    if cfg is None:
-        factory = load_factory(args.model, "autoshard verify")
-        kwargs = json.loads(args.factory_args) if args.factory_args else {}
-        torch.manual_seed(args.seed)
-        model = factory(**kwargs)
-        if not isinstance(model, nn.Module):
-            raise VerifyError(f"--model {args.model} returned a {type(model).__name__}, not an nn.Module")
-        said = [f"the factory called with {kwargs} (its own small sizes)"] if kwargs else []
-    model, reduced = model_to_verify(cfg, model, split, twin=args.twin, full=args.full, seed=args.seed)
-    return model, said + reduced
-
-
 def certify(args) -> Certificate:
     """Build the model `args` name, pick or take the split, and verify it."""
+    if args.plan and ((args.tp, args.pp, args.virtual, args.dp, args.ep, args.cp) != (1,) * 6 or args.microbatches):
+        raise VerifyError("--plan verifies the split the planner chooses; give none of --tp --pp --virtual --dp --ep "
+                          "--cp --microbatches with it")
     split = _split(args)
-    model, twin = _build(args, split)
+    model, twin = model_from_args(args, split)
     notes = []
     if args.precision in ("bf16", "fp16"):
         notes.append(f"--precision {args.precision}: the rewrite does not depend on the dtype; the program was "
                      f"compared in the widest float type, the {args.precision} arithmetic itself is not")
     if args.plan:
         split = _planned(model, args)
-    return verify_model(model, split, seq=args.seq, twin=twin, notes=notes)
+    cert = verify_model(model, split, seq=args.seq, twin=twin, notes=notes)
+    if args.gloo and not cert.refusals:
+        model_args = {k: getattr(args, k) for k in ("model", *SIZES, "factory_args", "twin", "full", "seed")}
+        spec = {"model_args": model_args, "split": split, "seq": args.seq, "tolerance": cert.tolerance,
+                "dtype": "float64" if cert.dtype == "float64" else "float32"}
+        world = split.get("tp", 1) * split.get("pp", 1) * split.get("dp", 1) * split.get("cp", 1)
+        started = time.perf_counter()
+        items, refused = run_in_processes(spec, world)
+        cert.seconds += time.perf_counter() - started
+        cert.items += items
+        cert.runs.append(f"gloo, {world} processes (the runtime: schedule, transfers, gradient reductions)")
+        if refused:
+            cert.refusals.append(refused)
+    return cert
 
 
 def _planned(model: nn.Module, args) -> dict[str, object]:

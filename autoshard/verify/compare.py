@@ -80,9 +80,10 @@ def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolera
     for j, (name, ref) in enumerate(_floating_outputs(ref_out)):
         if ref.dim() == 0:
             continue
-        if prog.dims.ep > 1 or prog.cp > 1:        # pieces are microbatches of every slice: rows interleaved
-            continue
         got = torch.cat([o[j][1] for o in outs])
+        if not _per_rank(prog):     # piece i holds microbatch i of every data slice: back to slice-major rows
+            m, dp = prog.microbatches, prog.dp
+            got = got.view(m, dp, -1, *got.shape[1:]).transpose(0, 1).reshape(got.shape)   # [m, dp, r, ...] -> [B, ...]
         items.append(Item("output", name, _rel(got, ref), name, tolerance))
     total.backward()
     ref_loss.backward()

@@ -14,7 +14,7 @@ from autoshard.verify.batch import verification_batch
 from autoshard.verify.certificate import Certificate, Fallback
 from autoshard.verify.compare import compare_step
 
-__all__ = ["Split", "verify_model", "verify_program", "TOLERANCES"]
+__all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "without_dropout", "TOLERANCES"]
 
 # relative tolerance -> why: all ops in float64, or some in float32 (the model's own casts)
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-5}
@@ -30,7 +30,7 @@ def Split(**given) -> dict[str, object]:       # noqa: N802 (a record's construc
     return {k: v for k, v in given.items() if v is not None}
 
 
-def _without_dropout(model: nn.Module) -> int:
+def without_dropout(model: nn.Module) -> int:
     """Dropout probabilities set to 0 (masks are random: two runs cannot be compared with them on);
     returns how many modules had one."""
     found = 0
@@ -80,7 +80,7 @@ def _fallbacks(prog) -> list[Fallback]:
     return out
 
 
-def _rows_and_seq(split: dict, seq: int | None) -> tuple[int, int]:
+def rows_and_seq(split: dict, seq: int | None) -> tuple[int, int]:
     """Rows for every data-parallel rank's microbatches (two each where it can: uneven -100 counts
     between them), and a length every split divides: tp (sequence parallelism), 2 x cp."""
     dp, m = split.get("dp", 1), split.get("microbatches", 1)
@@ -99,10 +99,10 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     one (verify/twin.py)."""
     started = time.perf_counter()
     vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 128
-    rows, seq = _rows_and_seq(split, seq)
+    rows, seq = rows_and_seq(split, seq)
     batch = verification_batch(model, rows, seq, vocab)
     model = copy.deepcopy(model)
-    dropped = _without_dropout(model)
+    dropped = without_dropout(model)
     wide, dtype_note = _widest(model, batch.inputs)
     dtype = next(wide.parameters()).dtype
     cert = Certificate(type(model).__name__, {k: split[k] for k in _SPLIT_KEYS if k in split}, dtype_note,

@@ -156,11 +156,23 @@ def _weights_cut_shifted():
     def shifted(t, dim, ranges):
         n = t.shape[dim]
         moved = [((a + (b - a)) % n, (b + (b - a) - 1) % n + 1) for a, b in ranges]
-        return index_sets_slice(t, dim, moved)
+        return _slice(t, dim, moved)
     return mock.patch.object(weights, "slice_layout", shifted)
 
 
-def index_sets_slice(t, dim, ranges):
+def _kv_head_swapped():
+    """kv < tp: the ranks sharing a kv head cut the other kv head's weights (a rank holding rows that
+    more than 1/tp of the ranks hold gets the next such block)."""
+    def cut(t, dim, ranges):
+        n, held = t.shape[dim], sum(b - a for a, b in ranges)
+        tp = 4                                  # the split this bug runs at
+        if held * tp > n and held < n:         # rows shared by several ranks: a kv head at kv < tp
+            ranges = [((a + held) % n, (a + held) % n + (b - a)) for a, b in ranges]
+        return _slice(t, dim, ranges)
+    return mock.patch.object(weights, "slice_layout", cut)
+
+
+def _slice(t, dim, ranges):
     from autoshard.compile.rank import slice_layout
     return slice_layout(t, dim, ranges)
 
@@ -214,6 +226,8 @@ MUTATIONS = [
              _wrong_group),
     Mutation("shared-rows-not-summed", "kv < tp: the gradient of a kv head two ranks share not summed", "llama",
              dict(tp=4), _shared_rows_not_summed),
+    Mutation("kv-head-swapped", "kv < tp: ranks sharing a kv head hold the other kv head's weights", "llama",
+             dict(tp=4), _kv_head_swapped),
     Mutation("logits-gathered-reversed", "vocab-parallel logits gathered in reverse rank order", "llama", dict(tp=2),
              _gather_reversed),
     Mutation("logits-gather-shifted", "gathered logits shifted by one vocabulary row", "gpt2", dict(tp=2),
@@ -267,8 +281,26 @@ def table() -> str:
                      "caught" if not cert.passed else "MISSED",
                      f"{first.kind} {first.where} ({first.error:.2g})" if first else (cert.refusals or ["-"])[0][:60],
                      "yes" if loss is not None and not loss.holds else "no"))
+    rows += _gloo_rows()
     return tabulate(rows, headers=("bug", "what", "model", "split", "verify", "first failing item", "loss alone"),
                     tablefmt="github")
+
+
+def _gloo_rows() -> list[tuple]:
+    """The runtime's bugs, caught by `verify --gloo` (tests/harness/verify_gloo_mutations.py)."""
+    import tempfile
+
+    from tests.harness.verify_gloo_mutations import GLOO_MUTATIONS, launch_all
+    out = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, rows in launch_all(folder).items():
+            what, changes, split, _ = GLOO_MUTATIONS[name]
+            bad = [r for r in rows if r[2] > 1e-5]
+            loss = next(r for r in rows if r[1] == "loss (gloo)")
+            out.append((name, what, changes["model"], " ".join(f"{k}={v}" for k, v in split.items()) + " --gloo",
+                        "caught" if bad else "MISSED", f"{bad[0][0]} {bad[0][3]} ({bad[0][2]:.2g})" if bad else "-",
+                        "yes" if loss[2] > 1e-5 else "no"))
+    return out
 
 
 if __name__ == "__main__":

@@ -81,3 +81,12 @@ def test_cli_verifies_the_twin_of_a_7b_llama_config():
 def test_cli_refuses_bad_input_in_one_line():
     run = _cli("--model", "not-a-model", "--tp", "2")
     assert run.returncode == 2 and "not a transformers model type" in run.stderr
+
+
+def test_cli_verifies_the_planners_split_and_refuses_plan_with_a_split():
+    small = ["--model", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "128",
+             "--max-positions", "64"]
+    run = _cli(*small, "--plan", "--world-size", "2")
+    assert run.returncode == 0 and "split: tp=" in run.stdout, run.stdout + run.stderr
+    refused = _cli(*small, "--plan", "--world-size", "2", "--tp", "2")
+    assert refused.returncode == 2 and "--plan verifies the split the planner chooses" in refused.stderr
