@@ -35,9 +35,11 @@ def parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{size.replace('_', '-')}", type=int, default=None, help="config override")
     ap.add_argument("--factory-args", default=None, help="JSON keyword arguments for module:factory (its small "
                     "sizes, for a model too large to run here)")
-    for flag, default in (("--tp", 1), ("--pp", 1), ("--virtual", 1), ("--dp", 1), ("--ep", 1), ("--cp", 1),
-                          ("--microbatches", None)):
+    for flag, default in (("--tp", 1), ("--pp", 1), ("--dp", 1), ("--ep", 1), ("--cp", 1)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--virtual", type=int, default=None, help="pipeline chunks per rank (default 1; 2 for the V "
+                    "schedules zbv and v-half)")
+    ap.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank (default 2 x pp)")
     ap.add_argument("--schedule", choices=SCHEDULES, default=None)
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None)
@@ -55,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
     twin.add_argument("--full", action="store_true", help="never reduce the model (it must fit here)")
     ap.add_argument("--gloo", action="store_true", help="also run the split in real processes (torchrun, gloo): "
                     "the runtime's schedule, transfers, gradient reductions and an AdamW step on each rank's shards")
+    ap.add_argument("--distributed-optimizer", action="store_true", help="with --gloo: step with the runtime's "
+                    "DistributedOptimizer (AdamW's state sharded over data-parallel ranks), as autoshard train does")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
     return ap
@@ -69,9 +73,11 @@ def _split(args) -> dict[str, object]:
 
 def certify(args) -> Certificate:
     """Build the model `args` name, pick or take the split, and verify it."""
-    if args.plan and ((args.tp, args.pp, args.virtual, args.dp, args.ep, args.cp) != (1,) * 6 or args.microbatches):
+    if args.plan and ((args.tp, args.pp, args.dp, args.ep, args.cp) != (1,) * 5 or args.microbatches or args.virtual):
         raise VerifyError("--plan verifies the split the planner chooses; give none of --tp --pp --virtual --dp --ep "
                           "--cp --microbatches with it")
+    if args.distributed_optimizer and not args.gloo:
+        raise VerifyError("--distributed-optimizer is the runtime's: give --gloo with it")
     split = _split(args)
     model, twin = model_from_args(args, split)
     notes = []
@@ -84,13 +90,15 @@ def certify(args) -> Certificate:
     if args.gloo and not cert.refusals:
         model_args = {k: getattr(args, k) for k in ("model", *SIZES, "factory_args", "twin", "full", "seed")}
         spec = {"model_args": model_args, "split": split, "seq": args.seq, "tolerance": cert.tolerance,
-                "dtype": "float64" if cert.dtype == "float64" else "float32"}
+                "dtype": "float64" if cert.dtype == "float64" else "float32",
+                "distributed_optimizer": args.distributed_optimizer}
         world = split.get("tp", 1) * split.get("pp", 1) * split.get("dp", 1) * split.get("cp", 1)
         started = time.perf_counter()
         items, refused = run_in_processes(spec, world)
         cert.seconds += time.perf_counter() - started
         cert.items += items
-        cert.runs.append(f"gloo, {world} processes (the runtime: schedule, transfers, gradient reductions)")
+        cert.runs.append(f"gloo, {world} processes (the runtime: schedule, transfers, gradient reductions"
+                         + (", the distributed optimizer)" if args.distributed_optimizer else ")"))
         if refused:
             cert.refusals.append(refused)
     return cert

@@ -6,7 +6,9 @@ reductions over data-parallel, tied-weight and expert groups, the loss's token c
 data-parallel ranks) runs only in real processes. Here every rank of the split is a process under
 torchrun, rebuilds the same seeded model (the same command-line arguments), compiles the split,
 and runs one `MeshRuntime.train_step` on the same global batch, then one AdamW step on its own
-shards; it compares the step's loss, its reduced gradient shards and its updated shards with the
+shards (or, with `distributed_optimizer`, the runtime's DistributedOptimizer: AdamW's state and the
+gradient reduce-scattered over data-parallel ranks, the updated pieces all-gathered; then gradients
+are not compared, only what the step made of them); it compares the step's loss, its reduced gradient shards and its updated shards with the
 same slices of the single-device model's, computed in every process (the models are small).
 Rank 0 gathers every rank's worst errors into the items the certificate prints.
 """
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from autoshard.api import autoshard
 from autoshard.compile.rank import slice_layout
+from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.batching import pick_loss
 from autoshard.testing.launch import init_gloo, leave, torchrun
 from autoshard.testing.metrics import norm_rel, scaled_errors
@@ -90,6 +93,9 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
     prog = autoshard(model, example_kwargs={k: v[: rows // pieces] for k, v in batch.items()}, **split)
     rt = prog.distributed(mesh=True)
     rt.train()
+    sharded = bool(spec.get("distributed_optimizer"))
+    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=True, **STEP) if sharded
+                 else torch.optim.AdamW(rt.parameters(), **STEP))
     loss = rt.train_step(**batch)
     reference.train()
     ref_loss = pick_loss(reference(**batch))
@@ -97,9 +103,9 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
     ref = dict(reference.named_parameters())
     mine = dict(rt.named_parameters())
     here = f"gloo rank {rank}"
-    grads = scaled_errors({n: p.grad for n, p in mine.items()},
-                          {n: local_slice(prog, rt, n, ref[n].grad) for n in mine})
-    torch.optim.AdamW(rt.parameters(), **STEP).step()
+    grads = {} if sharded else scaled_errors({n: p.grad for n, p in mine.items()},      # sharded: no .grad,
+                                             {n: local_slice(prog, rt, n, ref[n].grad) for n in mine})   # owned ranges only
+    optimizer.step()
     torch.optim.AdamW(reference.parameters(), **STEP).step()
     weights = {n: norm_rel({n: p.detach()}, {n: local_slice(prog, rt, n, ref[n].detach())}) for n, p in mine.items()}
     loss_err = ((loss.detach() - ref_loss.detach()).abs() / ref_loss.detach().abs()).item()

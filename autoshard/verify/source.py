@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autoshard.factory import load_factory
+from autoshard.runtime.schedules import schedule_spec
 from autoshard.verify.twin import twin_config
 
 __all__ = ["VerifyError", "MAX_PARAMS", "SIZES", "model_to_verify", "model_from_args"]
@@ -66,7 +67,8 @@ def model_to_verify(cfg, model: nn.Module | None, split: dict, *, twin: bool = F
     count = _parameters_of(cfg)
     said: list[str] = []
     if twin or (count > MAX_PARAMS and not full):
-        stages = split.get("pp", 1) * split.get("virtual", 1)
+        chunks = split.get("virtual") or (schedule_spec(split["schedule"]).chunks if split.get("schedule") else 1)
+        stages = split.get("pp", 1) * (chunks or 1)
         cfg, said = twin_config(cfg, stages=stages, tp=split.get("tp", 1))
         said.insert(0, f"the model has {count / 1e6:.1f}M parameters; its twin {_parameters_of(cfg) / 1e6:.2f}M")
     torch.manual_seed(seed)

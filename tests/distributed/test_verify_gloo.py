@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from tests.harness.verify_gloo_mutations import launch_all
+from tests.harness.verify_gloo_mutations import CONTROLS, launch_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "128",
@@ -20,7 +20,10 @@ def test_verify_gloo_certifies_tp2_pp2_in_four_processes():
     assert run.stdout.strip().splitlines()[-1].startswith("VERIFIED")
 
 
-def test_runtime_bugs_fail_the_gloo_run(tmp_path):
+def test_runtime_bugs_fail_the_gloo_run_and_the_same_runs_without_them_pass(tmp_path):
     for name, rows in launch_all(str(tmp_path)).items():
         worst = max(rows, key=lambda r: r[2])
-        assert worst[2] > 1e-5, f"{name} was not caught: {rows}"
+        if name in CONTROLS:
+            assert worst[2] <= 1e-5, f"{name} (no bug) failed: {worst}"
+        else:
+            assert worst[2] > 1e-5, f"{name} was not caught: {rows}"

@@ -294,10 +294,13 @@ def _gloo_rows() -> list[tuple]:
     out = []
     with tempfile.TemporaryDirectory() as folder:
         for name, rows in launch_all(folder).items():
+            if name not in GLOO_MUTATIONS:           # the controls: no bug planted
+                continue
             what, changes, split, _ = GLOO_MUTATIONS[name]
             bad = [r for r in rows if r[2] > 1e-5]
             loss = next(r for r in rows if r[1] == "loss (gloo)")
-            out.append((name, what, changes["model"], " ".join(f"{k}={v}" for k, v in split.items()) + " --gloo",
+            out.append((name, what, changes["model"], " ".join(f"{k}={v}" for k, v in split.items()) + " --gloo"
+                        + (" --distributed-optimizer" if name.endswith("+do") else ""),
                         "caught" if bad else "MISSED", f"{bad[0][0]} {bad[0][3]} ({bad[0][2]:.2g})" if bad else "-",
                         "yes" if loss[2] > 1e-5 else "no"))
     return out

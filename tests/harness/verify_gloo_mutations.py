@@ -11,6 +11,7 @@ tolerance) and asserts each bug makes some item differ.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 import autoshard.runtime.loss_tokens as loss_tokens
 from autoshard.runtime.executor import MeshRuntime
+from autoshard.runtime.flat_params import FlatParams
 from autoshard.runtime.grad_buffer import GradBuffer
 from autoshard.runtime.p2p import Transfer
 from autoshard.testing.launch import init_gloo, leave, torchrun
@@ -62,7 +64,12 @@ def _token_count_not_summed():
     return mock.patch.object(MeshRuntime, "_loss_scales", scales)
 
 
-# name -> (what it plants, model arguments' changes, split of 2 processes, patch)
+def _pieces_not_published():
+    return mock.patch.object(FlatParams, "publish", lambda self: None)
+
+
+# name -> (what it plants, model arguments' changes, split of 2 processes, patch); a "+do" name steps
+# with the distributed optimizer
 GLOO_MUTATIONS = {
     "tied-not-summed": ("a tied embedding's gradient not summed over its pipeline stages",
                         dict(model="gpt2"), dict(pp=2, microbatches=2), _tied_not_summed),
@@ -72,7 +79,12 @@ GLOO_MUTATIONS = {
                                  dict(pp=2, microbatches=2), _backward_transfer_zeroed),
     "token-count-not-summed": ("each data-parallel rank's token count not summed over the group",
                                dict(model="llama"), dict(dp=2, microbatches=2), _token_count_not_summed),
+    "pieces-not-published+do": ("the distributed optimizer's updated pieces not all-gathered", dict(model="llama"),
+                                dict(dp=2), _pieces_not_published),
 }
+# the same runs without a bug: they must pass, or the bugs' failures would mean nothing
+CONTROLS = {"control-pp2": (dict(model="gpt2"), dict(pp=2, microbatches=2)),
+            "control-dp2+do": (dict(model="llama"), dict(dp=2, microbatches=2))}
 
 
 SMALL_LLAMA = dict(model="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=None, vocab=128, max_positions=64,
@@ -80,7 +92,7 @@ SMALL_LLAMA = dict(model="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=
 
 
 def launch_all(folder: str, tolerance: float = 1e-5) -> dict[str, list]:
-    """One launch of every bug above (2 processes); each bug's rows (kind, group, error, where)."""
+    """One launch of every bug and control above (2 processes); each one's rows (kind, group, error, where)."""
     spec = {"model_args": SMALL_LLAMA, "seq": None, "tolerance": tolerance, "dtype": "float64",
             "result": os.path.join(folder, "items")}
     path = os.path.join(folder, "spec.json")
@@ -89,7 +101,7 @@ def launch_all(folder: str, tolerance: float = 1e-5) -> dict[str, list]:
     proc = torchrun("tests.harness.verify_gloo_mutations", ["--spec", path], 2, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = {}
-    for name in GLOO_MUTATIONS:
+    for name in [*GLOO_MUTATIONS, *CONTROLS]:
         with open(f"{spec['result']}.{name}") as f:
             out[name] = json.load(f)
     return out
@@ -103,9 +115,11 @@ def main() -> None:
         spec = json.load(f)
     init_gloo()
     torch.set_num_threads(1)
-    for name, (_, model_changes, split, patch) in GLOO_MUTATIONS.items():
+    runs = [(name, changes, split, patch) for name, (_, changes, split, patch) in GLOO_MUTATIONS.items()]
+    runs += [(name, changes, split, contextlib.nullcontext) for name, (changes, split) in CONTROLS.items()]
+    for name, model_changes, split, patch in runs:
         one = {**spec, "model_args": {**spec["model_args"], **model_changes}, "split": split,
-               "result": f"{spec['result']}.{name}"}
+               "distributed_optimizer": name.endswith("+do"), "result": f"{spec['result']}.{name}"}
         with patch():
             gather_and_write(worker(one), one["result"])
         dist.barrier()

@@ -81,6 +81,16 @@ def test_cli_verifies_the_twin_of_a_7b_llama_config():
 def test_cli_refuses_bad_input_in_one_line():
     run = _cli("--model", "not-a-model", "--tp", "2")
     assert run.returncode == 2 and "not a transformers model type" in run.stderr
+    run = _cli("--model", "llama", "--dp", "2", "--distributed-optimizer")
+    assert run.returncode == 2 and "give --gloo with it" in run.stderr
+
+
+def test_cli_verifies_a_v_schedule_on_the_twin_with_a_stage_per_layer():
+    """Regression: --virtual defaulted to 1, which the V schedules refuse (they run 2 chunks per
+    rank), and the twin then had one layer per rank, not per stage."""
+    run = _cli("--model", "llama", "--pp", "2", "--schedule", "zbv")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "layers 32 -> 4 (>= one per stage of 4)" in run.stdout
 
 
 def test_cli_verifies_the_planners_split_and_refuses_plan_with_a_split():
