@@ -32,7 +32,8 @@ from autoshard.testing.metrics import norm_rel, scaled_errors
 from autoshard.verify.batch import verification_batch
 from autoshard.verify.certificate import Item, group_of
 from autoshard.verify.compare import STEP
-from autoshard.verify.run import rows_and_seq, without_dropout
+from autoshard.verify.dropout import without_dropout
+from autoshard.verify.run import rows_and_seq
 from autoshard.verify.source import model_from_args
 
 __all__ = ["run_in_processes", "worker", "local_slice"]

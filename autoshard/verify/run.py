@@ -13,8 +13,9 @@ from autoshard.errors import ShardingError
 from autoshard.verify.batch import verification_batch
 from autoshard.verify.certificate import Certificate, Fallback
 from autoshard.verify.compare import compare_step
+from autoshard.verify.dropout import dropout_items, without_dropout
 
-__all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "without_dropout", "TOLERANCES"]
+__all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "TOLERANCES"]
 
 # relative tolerance -> why: all ops in float64, or some in float32 (the model's own casts)
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-5}
@@ -28,17 +29,6 @@ def Split(**given) -> dict[str, object]:       # noqa: N802 (a record's construc
     if unknown:
         raise ValueError(f"unknown split option(s) {sorted(unknown)}; known: {', '.join(_SPLIT_KEYS)}")
     return {k: v for k, v in given.items() if v is not None}
-
-
-def without_dropout(model: nn.Module) -> int:
-    """Dropout probabilities set to 0 (masks are random: two runs cannot be compared with them on);
-    returns how many modules had one."""
-    found = 0
-    for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            m.p = 0.0
-            found += 1
-    return found
 
 
 def _widest(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
@@ -101,6 +91,7 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 128
     rows, seq = rows_and_seq(split, seq)
     batch = verification_batch(model, rows, seq, vocab)
+    original = model
     model = copy.deepcopy(model)
     dropped = without_dropout(model)
     wide, dtype_note = _widest(model, batch.inputs)
@@ -110,8 +101,8 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     cert.runs.append("simulation (every rank in this process)")
     cert.notes = list(notes or [])
     if dropped:
-        cert.notes.append(f"dropout set to 0 in {dropped} module(s) for the comparison (its masks are random); the "
-                          "dropout regions' streams are not compared here")
+        cert.notes.append(f"dropout set to 0 in {dropped} module(s) for the comparison (its masks are random); its "
+                          "regions are checked on their own (the dropout items)")
     reference = copy.deepcopy(wide)
     pieces = split.get("dp", 1) * split.get("microbatches", 1)
     example = {k: v[: rows // pieces] for k, v in batch.inputs.items()}
@@ -131,6 +122,8 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     cert.fallbacks = _fallbacks(prog)
     try:
         cert.items = compare_step(prog, reference, batch.inputs, cert.tolerance)
+        cert.items += dropout_items(original, split, example,
+                                    lambda m, ex: autoshard(m, example_kwargs=ex, **split))
     except Exception as e:          # a program that raises is not verified; say where
         cert.refusals.append(f"the sharded program raised {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
     cert.seconds = time.perf_counter() - started

@@ -18,6 +18,7 @@ from unittest import mock
 import torch
 
 import autoshard.parallel.expert_parallel as expert_parallel
+import autoshard.parallel.rng as rng
 import autoshard.parallel.sequence_parallel as sequence_parallel
 import autoshard.parallel.tensor_parallel as tensor_parallel
 import autoshard.parallel.vocab_parallel as vocab_parallel
@@ -33,7 +34,7 @@ __all__ = ["MUTATIONS", "Mutation", "run_mutation"]
 class Mutation:
     name: str
     what: str
-    model: str                  # testing.models' name, or "mixtral"
+    model: str                  # testing.models' name, "mixtral", or "nanogpt-dropout"
     split: dict
     patch: Callable[[], contextlib.AbstractContextManager]
 
@@ -172,6 +173,35 @@ def _kv_head_swapped():
     return mock.patch.object(weights, "slice_layout", cut)
 
 
+def _tp_stream_shared():
+    """Every tensor-parallel rank seeded alike inside tensor-parallel regions."""
+    original = rng.RNGTracker.manual_seed
+
+    def manual_seed(self, seed):
+        original(self, seed)
+        self.seeds["tensor_parallel"] -= self.rank
+    return mock.patch.object(rng.RNGTracker, "manual_seed", manual_seed)
+
+
+def _replicated_stream_per_rank():
+    """Each rank seeded apart outside tensor-parallel regions too."""
+    original = rng.RNGTracker.manual_seed
+
+    def manual_seed(self, seed):
+        original(self, seed)
+        self.seeds["replicated"] += 7 * self.rank
+    return mock.patch.object(rng.RNGTracker, "manual_seed", manual_seed)
+
+
+def _dropout_region_mislabeled():
+    """Every random op run with the replicated stream (the rewrite's region label lost)."""
+    original = rng.RandomOpSpec.build
+
+    def build(self, tracker):
+        return original(dataclasses.replace(self, region="replicated"), tracker)
+    return mock.patch.object(rng.RandomOpSpec, "build", build)
+
+
 def _slice(t, dim, ranges):
     from autoshard.compile.rank import slice_layout
     return slice_layout(t, dim, ranges)
@@ -254,6 +284,12 @@ MUTATIONS = [
              "llama", dict(pp=2, microbatches=2), _stage_boundary_detached),
     Mutation("weights-cut-shifted", "each rank's weight shard cut from the next rank's rows", "llama", dict(tp=2),
              _weights_cut_shifted),
+    Mutation("dropout-tp-stream-shared", "a dropout region's stream reused across tensor-parallel ranks",
+             "nanogpt-dropout", dict(tp=2), _tp_stream_shared),
+    Mutation("dropout-replicated-per-rank", "replicated dropout drawn per rank (the replicas drift apart)",
+             "nanogpt-dropout", dict(tp=2), _replicated_stream_per_rank),
+    Mutation("dropout-region-mislabeled", "dropout inside a tensor-parallel region run on the replicated stream",
+             "nanogpt-dropout", dict(tp=2), _dropout_region_mislabeled),
     Mutation("experts-wrong-owner", "expert parallelism sends each owner's tokens to the other owner", "mixtral",
              dict(dp=2, ep=2), _experts_to_wrong_owner),
 ]
@@ -262,6 +298,8 @@ MUTATIONS = [
 def _model(name: str) -> torch.nn.Module:
     if name == "mixtral":
         return build_moe("mixtral")
+    if name == "nanogpt-dropout":            # attention written out: its dropout's masks are visible
+        return build_model("nanogpt-manual", layers=2, heads=8, hidden=64, dropout=0.1)
     return build_model(name, layers=2, heads=8, kv_heads=2, hidden=64)
 
 

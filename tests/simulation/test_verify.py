@@ -26,6 +26,15 @@ def test_correct_programs_are_verified(name, split):
     assert "VERIFIED" in cert.render().splitlines()[-1]
 
 
+@pytest.mark.parametrize("name", ["nanogpt-manual", "llama"])
+def test_dropout_is_off_for_the_comparison_and_its_regions_checked(name):
+    """Regression: GPT-2's default config (dropout 0.1) failed every comparison, and Llama's attention
+    dropout (a float attribute passed to SDPA, no Dropout module) was left on."""
+    cert = verify_model(build_model(name, layers=2, dropout=0.1), dict(tp=2))
+    assert cert.passed, cert.render()
+    assert [i.kind for i in cert.items].count("dropout") == 2 and any("dropout set to 0" in n for n in cert.notes)
+
+
 def test_certificate_says_float64_where_the_ops_allow():
     gpt = verify_model(build_model("nanogpt", layers=2), dict(tp=2))
     assert gpt.passed and gpt.dtype == "float64" and gpt.tolerance == 1e-9, gpt.render()
