@@ -95,6 +95,9 @@ class Certificate:
         if self.twin:
             lines.append("  reduced twin (the model is too large to run here):")
             lines += [f"    {t}" for t in self.twin]
+            lines.append("    proves: the passes' rank programs are right for this graph structure and split (the "
+                         "full-size programs are the same passes' outputs at other sizes); does not prove what "
+                         "depends on sizes alone: memory, speed, a size the split divides at one size and not another")
         rows = [(i.kind, i.group, f"{i.error:.2e}", "ok" if i.holds else "DIFFERS", i.where) for i in self.items]
         lines.append(tabulate(rows, headers=("compared", "output / parameter group", "worst rel. error", "", "where")))
         if self.fallbacks:
