@@ -11,12 +11,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Item", "Fallback", "Certificate", "group_of"]
+__all__ = ["Item", "Fallback", "Certificate", "group_of", "worst_by_group"]
 
 
 def group_of(name: str) -> str:
     """The parameter group of `name`: its layer numbers replaced by `*`."""
     return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def worst_by_group(errors: dict[str, tuple[float, str]]) -> dict[str, tuple[float, str]]:
+    """Parameter name -> (error, where) folded to group -> the worst (a NaN counts as the worst)."""
+    groups: dict[str, tuple[float, str]] = {}
+    for name, (err, where) in errors.items():
+        g = group_of(name)
+        if g not in groups or err > groups[g][0] or err != err:
+            groups[g] = (err, where)
+    return groups
 
 
 def _bytes(n: int) -> str:

@@ -22,8 +22,8 @@ from torch import nn
 from autoshard.compile.rank import slice_layout
 from autoshard.runtime.batching import pick_loss, split_batch
 from autoshard.runtime import loss_tokens
-from autoshard.testing.metrics import norm_rel, scaled_errors
-from autoshard.verify.certificate import Item, group_of
+from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
+from autoshard.verify.certificate import Item, worst_by_group
 
 __all__ = ["compare_step", "STEP"]
 
@@ -53,11 +53,6 @@ def _floating_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.detach().abs().max().clamp_min(1e-30)
-    return ((a.detach() - b.detach()).abs().max() / scale).item()
-
-
 def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance: float) -> list[Item]:
     """Outputs, gradients and one AdamW step of `prog` (compiled from a copy of `model`, same weights)
     against `model` on `inputs`; `model` is trained by it (pass a copy)."""
@@ -76,7 +71,7 @@ def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolera
     model.train()
     ref_out = model(**inputs)
     ref_loss = pick_loss(ref_out)
-    items.append(Item("output", "loss", _rel(total, ref_loss), "loss", tolerance))
+    items.append(Item("output", "loss", max_rel(total, ref_loss), "loss", tolerance))
     for j, (name, ref) in enumerate(_floating_outputs(ref_out)):
         if ref.dim() == 0:
             continue
@@ -84,7 +79,7 @@ def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolera
         if not _per_rank(prog):     # piece i holds microbatch i of every data slice: back to slice-major rows
             m, dp = prog.microbatches, prog.dp
             got = got.view(m, dp, -1, *got.shape[1:]).transpose(0, 1).reshape(got.shape)   # [m, dp, r, ...] -> [B, ...]
-        items.append(Item("output", name, _rel(got, ref), name, tolerance))
+        items.append(Item("output", name, max_rel(got, ref), name, tolerance))
     total.backward()
     ref_loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -94,12 +89,7 @@ def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolera
 
 
 def _worst_by_group(kind: str, errors: dict[str, tuple[float, str]], tolerance: float) -> list[Item]:
-    groups: dict[str, tuple[float, str]] = {}
-    for name, (err, where) in errors.items():
-        g = group_of(name)
-        if g not in groups or err > groups[g][0] or err != err:
-            groups[g] = (err, where)
-    return [Item(kind, g, err, where, tolerance) for g, (err, where) in groups.items()]
+    return [Item(kind, g, err, where, tolerance) for g, (err, where) in worst_by_group(errors).items()]
 
 
 def _per_rank(prog) -> bool:

@@ -16,9 +16,11 @@ import copy
 from unittest import mock
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.parallel.rng import RegionRandomOp
+from autoshard.testing.metrics import max_rel
 from autoshard.verify.certificate import Item
 
 __all__ = ["dropout_settings", "without_dropout", "dropout_items"]
@@ -76,9 +78,8 @@ def dropout_items(model: nn.Module, split: dict, piece: dict[str, torch.Tensor],
         return out
     with mock.patch.object(RegionRandomOp, "forward", recorded):
         outs = prog.simulate_all(**piece)
-    lead = [t for t in _leaves(outs[0])]
-    drift = max((((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                 for other in outs[1:] for a, b in zip(_leaves(other), lead)), default=0.0)
+    lead = _leaves(outs[0])
+    drift = max((max_rel(a, b) for other in outs[1:] for a, b in zip(_leaves(other), lead)), default=0.0)
     ranks = sorted(calls)
     replicated_bad, repeated, first_bad, first_repeated = 0, 0, "", ""
     for column in zip(*(calls[r] for r in ranks)):
@@ -104,5 +105,4 @@ def dropout_items(model: nn.Module, split: dict, piece: dict[str, torch.Tensor],
 
 
 def _leaves(out: object) -> list[torch.Tensor]:
-    import torch.utils._pytree as pytree
     return [t.detach() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]

@@ -28,9 +28,9 @@ from autoshard.compile.rank import slice_layout
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.batching import pick_loss
 from autoshard.testing.launch import init_gloo, leave, torchrun
-from autoshard.testing.metrics import norm_rel, scaled_errors
+from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.verify.batch import verification_batch
-from autoshard.verify.certificate import Item, group_of
+from autoshard.verify.certificate import Item, worst_by_group
 from autoshard.verify.compare import STEP
 from autoshard.verify.dropout import without_dropout
 from autoshard.verify.run import rows_and_seq
@@ -72,11 +72,7 @@ def local_slice(prog, rt, name: str, full: torch.Tensor) -> torch.Tensor:
 
 
 def _worst(kind: str, errors: dict[str, float], where_of) -> list[tuple[str, str, float, str]]:
-    groups: dict[str, tuple[float, str]] = {}
-    for name, err in errors.items():
-        g = group_of(name)
-        if g not in groups or err > groups[g][0] or err != err:
-            groups[g] = (err, where_of(name))
+    groups = worst_by_group({name: (err, where_of(name)) for name, err in errors.items()})
     return [(kind, g, err, where) for g, (err, where) in groups.items()]
 
 
@@ -109,7 +105,7 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
     optimizer.step()
     torch.optim.AdamW(reference.parameters(), **STEP).step()
     weights = {n: norm_rel({n: p.detach()}, {n: local_slice(prog, rt, n, ref[n].detach())}) for n, p in mine.items()}
-    loss_err = ((loss.detach() - ref_loss.detach()).abs() / ref_loss.detach().abs()).item()
+    loss_err = max_rel(loss, ref_loss)
     return ([("output", "loss (gloo)", loss_err, f"loss ({here})")]
             + _worst("gradient", grads, lambda n: f"{n} ({here})")
             + _worst("weight", weights, lambda n: f"{n} ({here})"))

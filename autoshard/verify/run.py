@@ -10,6 +10,8 @@ from torch import nn
 
 from autoshard.api import autoshard
 from autoshard.errors import ShardingError
+from autoshard.passes.graph_reading import module_path
+from autoshard.runtime.batching import pick_loss
 from autoshard.verify.batch import verification_batch
 from autoshard.verify.certificate import Certificate, Fallback
 from autoshard.verify.compare import compare_step
@@ -35,9 +37,7 @@ def _widest(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[nn.Modul
     """A float64 copy of `model` when its forward and backward run in float64, else a float32 one."""
     wide = copy.deepcopy(model).double()
     try:
-        out = wide(**{k: v[:1] for k, v in inputs.items()})
-        loss = out.loss if hasattr(out, "loss") else out[1] if isinstance(out, tuple) else out
-        loss.backward()
+        pick_loss(wide(**{k: v[:1] for k, v in inputs.items()})).backward()
         return wide, "float64"
     except (RuntimeError, NotImplementedError) as e:
         first = str(e).strip().splitlines()[0][:160]
@@ -48,7 +48,6 @@ def _widest(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[nn.Modul
 
 def _narrow_ops(prog, dtype: torch.dtype) -> list[str]:
     """Modules whose ops compute in a float type narrower than `dtype` (the model's own casts)."""
-    from autoshard.passes.graph_reading import module_path
     found: list[str] = []
     for n in prog.captured_graph.nodes:
         val = n.meta.get("val")
