@@ -17,14 +17,18 @@ import time
 
 from torch import nn
 
+from autoshard.api import autoshard
 from autoshard.passes.recompute import RECOMPUTE_MODES
+from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import SCHEDULES
+from autoshard.verify.batch import verification_batch
 from autoshard.verify.certificate import Certificate
 from autoshard.verify.gloo import run_in_processes
 from autoshard.verify.run import Split, verify_model
 from autoshard.verify.source import SIZES, VerifyError, model_from_args
 
 __all__ = ["main", "parser", "certify"]
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard verify", description=__doc__.splitlines()[0],
@@ -92,7 +96,7 @@ def certify(args) -> Certificate:
         spec = {"model_args": model_args, "split": split, "seq": args.seq, "tolerance": cert.tolerance,
                 "dtype": "float64" if cert.dtype == "float64" else "float32",
                 "distributed_optimizer": args.distributed_optimizer}
-        world = split.get("tp", 1) * split.get("pp", 1) * split.get("dp", 1) * split.get("cp", 1)
+        world = ParallelDims(*(split.get(k, 1) for k in ("tp", "pp", "dp", "ep", "cp"))).world_size
         started = time.perf_counter()
         items, refused = run_in_processes(spec, world)
         cert.seconds += time.perf_counter() - started
@@ -108,13 +112,9 @@ def _planned(model: nn.Module, args) -> dict[str, object]:
     """The split autoshard(world_size=...) picks for this model at the verified length."""
     if not args.world_size:
         raise VerifyError("--plan needs --world-size N (the processes the run will have)")
-    from autoshard.api import autoshard
-    from autoshard.verify.batch import verification_batch
     batch = verification_batch(model, args.world_size, args.seq or 16, getattr(model.config, "vocab_size", 128))
     prog = autoshard(model, world_size=args.world_size, global_batch=args.world_size, example_kwargs=batch.inputs)
-    return Split(tp=prog.tp, pp=prog.pp, virtual=prog.virtual, dp=prog.dp, ep=prog.dims.ep,
-                 microbatches=prog.microbatches, schedule=prog.schedule_name, recompute=prog.recompute,
-                 fuse=prog.fuse)
+    return prog.split()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from autoshard.runtime import loss_tokens
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.verify.certificate import Item, worst_by_group
 
-__all__ = ["compare_step", "STEP"]
+__all__ = ["compare_step", "tp_slice", "STEP"]
 
 # AdamW's settings for the step compared. Adam's update lr * g / (|g| + eps) turns a rounding
 # difference dg of a gradient near eps into lr * dg / (4 eps) of weight: eps well above the gradients'
@@ -92,6 +92,12 @@ def _worst_by_group(kind: str, errors: dict[str, tuple[float, str]], tolerance: 
     return [Item(kind, g, err, where, tolerance) for g, (err, where) in worst_by_group(errors).items()]
 
 
+def tp_slice(prog, name: str, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """Tensor-parallel rank `tp_rank`'s part of the model's tensor `full` (parameter `name`)."""
+    use = prog.sharding.params.get(name)
+    return slice_layout(full, use.dim, use.layout[tp_rank]) if use else full
+
+
 def _per_rank(prog) -> bool:
     """Whether each rank's shards hold the whole batch's gradient (no data replicas in the simulator)."""
     return prog.dims.ep == 1 and prog.cp == 1
@@ -111,10 +117,8 @@ def _rank_errors(prog, read, want: dict[str, torch.Tensor], measure=scaled_error
         got, ref = {}, {}
         params = dict(rank.named_parameters())
         for name, full in want.items():
-            use = prog.sharding.params.get(name)
-            ref[name] = slice_layout(full, use.dim, use.layout[r]) if use else full
-            value = read(params[name]) if name in params else None
-            got[name] = value
+            ref[name] = tp_slice(prog, name, full, r)
+            got[name] = read(params[name]) if name in params else None
         for name, err in measure(got, ref).items():
             if name not in errors or err > errors[name][0] or err != err:
                 errors[name] = (err, f"{name} (tp rank {r})" if prog.tp > 1 else name)

@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 
 from autoshard.api import autoshard
-from autoshard.compile.rank import slice_layout
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.batching import pick_loss
 from autoshard.testing.launch import init_gloo, leave, torchrun
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.verify.batch import verification_batch
 from autoshard.verify.certificate import Item, worst_by_group
-from autoshard.verify.compare import STEP
+from autoshard.verify.compare import STEP, tp_slice
 from autoshard.verify.dropout import without_dropout
 from autoshard.verify.run import rows_and_seq
 from autoshard.verify.source import model_from_args
@@ -63,8 +62,7 @@ def run_in_processes(spec: dict, world: int, *, target: str = "autoshard.verify.
 def local_slice(prog, rt, name: str, full: torch.Tensor) -> torch.Tensor:
     """This process's part of the model's tensor `full` (parameter `name`): its tensor-parallel
     slice, and at ep > 1 its experts' rows."""
-    use = prog.sharding.params.get(name)
-    t = slice_layout(full, use.dim, use.layout[rt.tp_rank]) if use else full
+    t = tp_slice(prog, name, full, rt.tp_rank)
     group = rt.expert_group
     if group is not None and name in rt.expert_params:
         t = t.narrow(0, group.rank * group.per_rank, group.per_rank)
