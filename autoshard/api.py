@@ -34,7 +34,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               ep: int | None = None, cp: int | None = None, cp_attention: str = "auto", virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
               example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
-              fuse: bool | None = None, recompute: str | None = None,
+              fuse: bool = False, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
               hardware: str | Hardware = "a100-80gb", distributed_optimizer: bool | None = False) -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
@@ -70,7 +70,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     softmax and bias+dropout+residual subgraphs of every rank graph by autoshard.kernels' fused ops
     (CuPy kernels on CUDA, exact torch code elsewhere; passes/fusion/rules.py lists the patterns);
     a fused training dropout draws its own masks (same p, same RNG regions, not torch's masks);
-    default: on when the model's parameters are on a CUDA device.
+    default: off, on GPUs too (on an H200 each fused op cost the host 200-470 us a call and a 406M
+    Llama's step took 1.50x as long: benchmarks/RESULTS.md, "the first GPU session").
     recompute: "none" (default), "selective" or "full" activation recomputation (Korthikanti et al.
     2022): "full" keeps only each repeated layer's inputs and runs the layer again in backward;
     "selective" does that for the attention core only (scores, softmax, dropout, probabilities x
@@ -135,7 +136,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp: int | None, dp: int | None,
              ep: int | None, cp: int | None, virtual: int | None, microbatches: int | None, schedule: str | None,
              recompute: str | None, cp_attention: str, vocab_parallel: bool, gather_output: bool,
-             sequence_parallel: bool, fuse: bool | None, hardware: str | Hardware) -> ShardedProgram:
+             sequence_parallel: bool, fuse: bool, hardware: str | Hardware) -> ShardedProgram:
     """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
     if virtual is None and schedule is not None:
@@ -150,8 +151,6 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     if sequence_parallel and not vocab_parallel:
         raise ShardingError("sequence_parallel=True needs vocab_parallel=True: the sequence is split "
                             "where the vocabulary-parallel embedding's partial sums are reduced")
-    if fuse is None:                 # fused kernels pay off on GPUs; on CPU they are the torch ops
-        fuse = any(p.is_cuda for p in model.parameters())
     options = ShardOptions(vocab_parallel=vocab_parallel, gather_output=gather_output,
                            sequence_parallel=sequence_parallel)
     named = normalize_inputs(model, args, kwargs)

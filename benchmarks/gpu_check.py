@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +90,39 @@ def _describe_machine(out: Path) -> None:
     (out / "machine.txt").write_text(text)
 
 
+def _run_stage(stage: Stage, env: dict[str, str], log, timeout: float | None) -> int:
+    """Run one stage, its output to the terminal and `log`; its exit status (-9 when stopped at `timeout`)."""
+    proc = subprocess.Popen([sys.executable, *stage.command], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    stopped = threading.Event()
+
+    def stop() -> None:                     # the whole process group: torchrun's workers too
+        stopped.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, stop) if timeout else None
+    if timer:
+        timer.start()
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        log.write(line)
+    rc = proc.wait()
+    if timer:
+        timer.cancel()
+    if stopped.is_set():
+        note = f"gpu-check: stage {stage.name} stopped after its {timeout:.0f} s (--timeout)\n"
+        print(note, end="", flush=True)
+        log.write(note)
+    return rc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stages", nargs="*", help="stages to run (default: all)")
     ap.add_argument("--list", action="store_true", help="print the stages and their commands, run nothing")
+    ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                    help="each stage's limit: a stage still running then is stopped and counts as failed "
+                         "(a device call has minutes: one slow stage must not take the others' time)")
     args = ap.parse_args()
     gpu = has_gpu()
     run, skipped = plan(args.stages, gpu)
@@ -107,12 +138,7 @@ def main() -> int:
     for s in run:
         print(f"== gpu-check {s.name}: python {' '.join(s.command)}", flush=True)
         with open(out / f"{s.name}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, *s.command], cwd=ROOT, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for line in proc.stdout:
-                print(line, end="", flush=True)
-                log.write(line)
-            if proc.wait() != 0:
+            if _run_stage(s, env, log, args.timeout) != 0:
                 failed.append(s.name)
     if any(s.name.startswith("bench-") for s in run):
         shutil.copy(ROOT / "benchmarks" / "RESULTS.md", out / "RESULTS.md")

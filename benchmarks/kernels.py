@@ -94,7 +94,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer) -> float:
 
 
 # ---- one case -----------------------------------------------------------------------------------
-def _passes(case: KernelCase, fn: Callable, inputs: dict, grad_out: torch.Tensor) -> dict[str, Callable[[], object]]:
+def passes_of(case: KernelCase, fn: Callable, inputs: dict, grad_out: torch.Tensor) -> dict[str, Callable[[], object]]:
     """Forward alone (no grad) and forward + backward of `fn` on `inputs`."""
     leaves = [inputs[k] for k in case.grads]
 
@@ -124,7 +124,7 @@ def bench_case(case: KernelCase, shape, dtype, device, timer, compile_: bool, re
     variants = {"fused": case.fused, "eager": case.eager}
     if compile_:
         variants["compiled"] = torch.compile(case.eager, dynamic=False)
-    passes = {name: _passes(case, fn, inputs, grad_out) for name, fn in variants.items()}
+    passes = {name: passes_of(case, fn, inputs, grad_out) for name, fn in variants.items()}
     rows = []
     for pass_name, nbytes in (("fwd", case.fwd_bytes(inputs)),
                               ("fwd+bwd", case.fwd_bytes(inputs) + case.bwd_bytes(inputs))):

@@ -1,12 +1,12 @@
 """Single-device training-step time and model FLOP utilization of a ~1.3B GPT (tp=1).
 
-    .venv/bin/python benchmarks/mfu.py [--batch 8] [--steps 10] [--append]      # on a CUDA GPU
+    .venv/bin/python benchmarks/mfu.py [--batch 8] [--steps 10] [--fused] [--append]   # on a CUDA GPU
     .venv/bin/python benchmarks/mfu.py --quick                                   # tiny, CPU or GPU
 
 The model is autoshard's nanoGPT at GPT-3 XL's shape (24 layers, hidden 2048, 16 heads, sequence
 2048, vocabulary 50304: 1.31B parameters), built on the device, compiled by `autoshard(model, tp=1)`
 and trained with fused AdamW under bf16 autocast (fp32 weights), next to the plain model in the
-same run (alternating steps). In the same run the device's bf16 matrix-multiply rate is measured
+same run (alternating steps; with --fused also the program compiled with fuse=True). In the same run the device's bf16 matrix-multiply rate is measured
 (8192^3 products on random data, rotating over three operand sets, median). MFU counts the model's
 FLOPs as Megatron does without recomputation (`flops_no_recompute` in autoshard/planning/cost_formulas.py)
 and divides the achieved rate by that measured matmul rate. Target (issue 6): >= 50%.
@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--append", action="store_true")
+    ap.add_argument("--fused", action="store_true",
+                    help="also time the program compiled with fuse=True (the fused ops, the GPU default of "
+                         "`autoshard train`) beside the unfused one")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -62,8 +65,9 @@ def main() -> None:
     gen = torch.Generator(device="cpu").manual_seed(1)
     batches = [tuple(torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen).to(device)
                      for _ in range(2)) for _ in range(3)]
-    ours = autoshard(model, tp=1, example_inputs=batches[0]).rank(0)
-    programs = {"autoshard": ours, "plain": model}
+    programs = {"autoshard": autoshard(model, tp=1, example_inputs=batches[0]).rank(0), "plain": model}
+    if args.fused:
+        programs["autoshard fused"] = autoshard(model, tp=1, fuse=True, example_inputs=batches[0]).rank(0)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=cuda) for name, m in programs.items()}
 
     def step(name: str, i: int) -> None:
@@ -76,7 +80,8 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in programs}
     for i in range(args.warmup + args.steps):
-        for name in (("autoshard", "plain") if i % 2 == 0 else ("plain", "autoshard")):
+        order = list(programs)
+        for name in order[i % len(order):] + order[:i % len(order)]:     # each program first in turn
             t = median_seconds(lambda name=name: step(name, i), device, 1)
             if i >= args.warmup:
                 times[name].append(t)
@@ -89,13 +94,16 @@ def main() -> None:
         rows.append([name, f"{1e3 * sec:.1f}", f"{flops / sec / 1e12:.1f}", f"{100 * flops / sec / 1e12 / peak:.1f}"])
     table = tabulate(rows, headers=["program", "step ms", "model TFLOP/s", "MFU % of measured matmul"],
                      tablefmt="github")
-    ratio = statistics.median(times["autoshard"]) / statistics.median(times["plain"])
+    ratios = {name: statistics.median(times[name]) / statistics.median(times["plain"])
+              for name in programs if name != "plain"}
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     summary = (f"{device_name}; measured {'bf16' if cuda else 'fp32'} matmul {peak:.1f} TFLOP/s; "
                f"model {params / 1e9:.2f}B parameters, batch {batch} x {cfg.block_size}, "
-               f"{flops / 1e12:.1f} TFLOP per step; autoshard / plain step time {ratio:.3f}")
+               f"{flops / 1e12:.1f} TFLOP per step; step time against plain: "
+               + ", ".join(f"{name} {r:.3f}" for name, r in ratios.items()))
     report(table, summary, append=args.append and not args.quick, title="Single-device MFU",
-           command=".venv/bin/python benchmarks/mfu.py " + ("--quick" if args.quick else f"--batch {batch}"),
+           command=".venv/bin/python benchmarks/mfu.py " + ("--quick" if args.quick else f"--batch {batch}")
+           + (" --fused" if args.fused else ""),
            what=f"{args.steps} alternating steps after {args.warmup} warm-up, median")
 
 

@@ -1,6 +1,8 @@
 """Where `autoshard train` runs each rank, and the defaults that follow: on GPUs each process takes
 the GPU of its local rank, NCCL carries the collectives, the model computes in bf16 (fp32 main
-weights in the optimizer) with the fused CUDA kernels; on the CPU, gloo, fp32, the torch ops.
+weights in the optimizer); on the CPU, gloo, fp32. The fused ops are off by default everywhere
+(`--fuse` turns them on): measured on an H200, a 406M Llama's step took 1.50x as long with them
+(benchmarks/RESULTS.md, "The first GPU session").
 
     place = placement(opts, os.environ, cuda_devices=torch.cuda.device_count())
 
@@ -39,14 +41,14 @@ def placement(opts: TrainOptions, env: Mapping[str, str], cuda_devices: int) -> 
     if want == "auto":
         want = "cuda" if cuda_devices > 0 else "cpu"
     if want == "cpu":
-        return Placement("cpu", "gloo", opts.precision or "fp32", bool(opts.fuse))
+        return Placement("cpu", "gloo", opts.precision or "fp32", opts.fuse)
     local_rank, local_world = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1"))
     if cuda_devices == 0:
         raise TrainError("--device cuda: no CUDA GPU is visible here (torch.cuda.device_count() is 0)")
     if local_world > cuda_devices:
         raise TrainError(f"{local_world} processes on this node but {cuda_devices} GPU(s) visible: each rank "
                          f"needs a GPU of its own (--nproc-per-node {cuda_devices} or fewer, or --device cpu)")
-    return Placement(f"cuda:{local_rank}", "nccl", opts.precision or "bf16", True if opts.fuse is None else opts.fuse)
+    return Placement(f"cuda:{local_rank}", "nccl", opts.precision or "bf16", opts.fuse)
 
 
 def move_runtime(rt: nn.Module, device: str) -> None:

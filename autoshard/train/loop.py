@@ -108,8 +108,10 @@ def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) 
                          f"has {source.vocab} (--vocab)")
 
 
-def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | None):
-    example = torch.zeros((2, opts.seq_len), dtype=torch.long)     # 2: a size 1 would be specialized
+def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | None, device: str):
+    """The compiled program and its split. The example batch is made on `device`, where the model
+    was put for capture: torch.export refuses an embedding whose weight and ids sit on two devices."""
+    example = torch.zeros((2, opts.seq_len), dtype=torch.long, device=device)  # 2: a size 1 would be specialized
     if opts.plan:       # planned at --seq-len tokens: the example's
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=hardware or PLAN_DEFAULT,
                          sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
@@ -124,7 +126,7 @@ def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | 
         return prog, split
     split = split_of(opts, world)
     micro_batch = opts.batch // (split["dp"] * split["microbatches"])
-    example = torch.zeros((micro_batch, opts.seq_len), dtype=torch.long)
+    example = torch.zeros((micro_batch, opts.seq_len), dtype=torch.long, device=device)
     prog = autoshard(source.model, **split, sequence_parallel=opts.sequence_parallel, fuse=opts.fuse,
                      recompute=opts.recompute or "none",
                      example_kwargs={source.input_name: example, source.label_name: example})
@@ -207,10 +209,12 @@ def run(opts: TrainOptions) -> int:
     _check_fit(opts, source, tokenizer)
     if opts.precision != "fp32":        # compiled as cast (Megatron's way); fp32 main weights in the optimizer
         source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
-    if source.weights is None:          # captured on its device (a folder's model stays on meta: loaded below)
-        source.model.to(place.device)
+    # captured on its device; a folder's model stays on meta (its example on the CPU), loaded and moved below
+    capture_device = place.device if source.weights is None else "cpu"
+    if source.weights is None:
+        source.model.to(capture_device)
     hardware = run_hardware(opts, place, source.config, max(1, opts.batch // (given["dp"] * given["microbatches"])))
-    prog, split = _compile(opts, source, world, hardware)
+    prog, split = _compile(opts, source, world, hardware, capture_device)
     if opts.verify:
         verify_first(source, prog, rank)
     rt = prog.distributed(mesh=True)

@@ -37,7 +37,7 @@ class TrainOptions:
     microbatches: int | None
     plan: bool
     sequence_parallel: bool
-    fuse: bool | None
+    fuse: bool
     recompute: str | None
     distributed_optimizer: bool
     precision: str | None
@@ -97,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank and step (default: 2 x pp)")
     p.add_argument("--plan", action="store_true", help="let the planner choose tp, pp, dp, virtual and microbatches")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
-                   help="fused ops (CUDA kernels on a GPU; default: on with --device cuda, off on the CPU)")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=False,
+                   help="fused ops (CUDA kernels on a GPU; default: off, on GPUs too: on an H200 they made a "
+                        "406M Llama's step 1.50x slower, benchmarks/RESULTS.md)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="where each rank runs: cuda (the GPU of its local rank, NCCL), cpu (gloo); auto: cuda "
                         "when a GPU is visible")

@@ -35,9 +35,16 @@ def test_self_check_cost_benchmark_checks_every_op():
     assert ("checks on" in out and "FAIL" not in out) or (compiler() is None and "nothing to measure" in out)
 
 
-def test_mfu_benchmark_runs_both_programs():
-    out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1")
-    assert "| autoshard" in out and "| plain" in out and "autoshard / plain step time" in out
+def test_mfu_benchmark_runs_every_program():
+    out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1", "--fused")
+    assert "| autoshard " in out and "| plain" in out and "| autoshard fused" in out, out
+    assert "step time against plain: autoshard " in out and ", autoshard fused " in out, out
+
+
+def test_launch_overhead_benchmark_times_every_op():
+    out = _run("launch_overhead.py", "--calls", "3")
+    from autoshard.testing.kernel_cases import CASES
+    assert all(f"| {name} " in out for name in CASES) and "Most host time per fused call" in out, out
 
 
 def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):

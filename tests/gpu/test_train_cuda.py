@@ -1,6 +1,7 @@
-"""`autoshard train` on a GPU: each process on its own GPU with NCCL, bf16 and fused kernels by
-default, CUDA memory in metrics.csv; a folder's model (loaded on the CPU) moved to the GPU. Skipped
-without a GPU (tests/unit/test_train_device.py checks the choices on the CPU)."""
+"""`autoshard train` on a GPU: each process on its own GPU with NCCL and bf16 by default, CUDA
+memory in metrics.csv; a folder's model (loaded on the CPU) moved to the GPU and trained with the
+fused kernels (--fuse). Skipped without a GPU (tests/unit/test_train_device.py checks the choices
+on the CPU)."""
 import csv
 import math
 import os
@@ -26,13 +27,13 @@ def _train(out, *args, model=LLAMA) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_train_on_one_gpu_defaults_to_bf16_fused_nccl_and_reports_memory(tmp_path):
+def test_train_on_one_gpu_defaults_to_bf16_nccl_and_reports_memory(tmp_path):
     out = _train(tmp_path, "--nproc-per-node", "1", "--export", str(tmp_path / "hf")).stdout
     assert "bf16 with fp32 main weights" in out and "GiB peak" in out, out
     with open(tmp_path / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 6 and all(math.isfinite(float(r["loss"])) and float(r["cuda_peak_gib"]) > 0 for r in rows)
-    _train(tmp_path / "again", "--nproc-per-node", "1", model=["--model", str(tmp_path / "hf")])    # loaded, moved
+    _train(tmp_path / "again", "--nproc-per-node", "1", "--fuse", model=["--model", str(tmp_path / "hf")])  # loaded, moved
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -36,3 +36,19 @@ def test_without_a_gpu_only_the_cpu_stages_run():
     assert [s.name for s in run] == ["cpu", "train"] and skipped == []
     with pytest.raises(SystemExit, match="unknown stage"):
         mod.plan(["check"], gpu=True)
+
+
+def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path):
+    """--timeout: a stage that hangs (here a child process that sleeps, as a torchrun worker might)
+    is killed, group and all, and counts as failed; a quick one runs to its end."""
+    mod = _module()
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    hang = mod.Stage("hang", False, ("-c", f"print('started', flush=True); {child}"), ())
+    with open(tmp_path / "hang.log", "w") as log:
+        assert mod._run_stage(hang, dict(os.environ), log, timeout=1.0) != 0
+    text = (tmp_path / "hang.log").read_text()
+    assert "started" in text and "stage hang stopped after its 1 s" in text, text
+    quick = mod.Stage("quick", False, ("-c", "print('done')"), ())
+    with open(tmp_path / "quick.log", "w") as log:
+        assert mod._run_stage(quick, dict(os.environ), log, timeout=30.0) == 0
+    assert "stopped" not in (tmp_path / "quick.log").read_text()

@@ -1,5 +1,5 @@
 """Where `autoshard train` puts each rank (autoshard/train/device.py), decided without a GPU: the
-device of the local rank, the backend, bf16 and fused kernels by default on GPUs, what was given
+device of the local rank, the backend, bf16 by default on GPUs (fused kernels only with --fuse), what was given
 kept, too few GPUs named; a runtime moved to another device entirely (tested on the meta device)."""
 import pytest
 import torch
@@ -20,12 +20,12 @@ def test_auto_takes_the_gpus_when_there_are_any(tmp_path):
     opts = _opts(tmp_path)
     assert placement(opts, {}, cuda_devices=0) == Placement("cpu", "gloo", "fp32", False)
     env = {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}
-    assert placement(opts, env, cuda_devices=8) == Placement("cuda:3", "nccl", "bf16", True)
+    assert placement(opts, env, cuda_devices=8) == Placement("cuda:3", "nccl", "bf16", False)    # fused: --fuse
 
 
 def test_what_is_given_is_kept(tmp_path):
-    opts = _opts(tmp_path, "--precision", "fp32", "--no-fuse")
-    assert placement(opts, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2) == Placement("cuda:1", "nccl", "fp32", False)
+    opts = _opts(tmp_path, "--precision", "fp32", "--fuse")
+    assert placement(opts, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2) == Placement("cuda:1", "nccl", "fp32", True)
     cpu = _opts(tmp_path, "--device", "cpu", "--precision", "bf16", "--fuse")
     assert placement(cpu, {}, cuda_devices=8) == Placement("cpu", "gloo", "bf16", True)
 
@@ -67,3 +67,24 @@ def test_the_estimate_is_for_the_hardware_this_runs_on(tmp_path):
     assert preset_for_gpu("NVIDIA H200", 139.8) == "h200"
     assert preset_for_gpu("Tesla V100-SXM2-32GB", 31.7) == "v100-32gb"
     assert preset_for_gpu("NVIDIA GeForce RTX 4090", 23.6) is None
+
+
+@pytest.mark.parametrize("plan", [False, True])
+def test_the_example_batch_is_made_where_the_model_was_put(tmp_path, monkeypatch, plan):
+    """Regression (the first GPU run, 2026-11-27): the model was moved to cuda:0 for capture but
+    its example batch was made on the CPU, and torch.export refused the embedding ("found two
+    different devices cuda:0, cpu"). The meta device stands in for the GPU here."""
+    import types
+
+    from autoshard.train import loop
+    seen = []
+
+    def record(model, **kw):
+        seen.extend(t.device.type for t in kw["example_kwargs"].values())
+        raise StopIteration                          # the split does not matter here
+    monkeypatch.setattr(loop, "autoshard", record)
+    opts = _opts(tmp_path, "--seq-len", "16", "--batch", "2", *(["--plan"] if plan else []))
+    source = types.SimpleNamespace(model=None, input_name="input_ids", label_name="labels")
+    with pytest.raises(StopIteration):
+        loop._compile(opts, source, 1, None, "meta")
+    assert seen == ["meta", "meta"]

@@ -1,0 +1,88 @@
+"""Host time per call of each fused op against the same function as eager torch ops, on inputs so
+small that the device finishes each kernel long before the host issues the next: what a fused op
+costs the CPU (custom-op dispatch, the first-use check's lookup, DLPack exchange, CuPy's launch).
+
+    python benchmarks/launch_overhead.py [--calls 2000] [--append]      # on a CUDA GPU
+    python benchmarks/launch_overhead.py --calls 50                      # CPU: checks the script
+
+Why it exists: on the first GPU session (2026-11-27, H200) `autoshard train` on a 406M Llama ran
+1.50x slower with the fused ops than without, though each fused kernel alone beat eager torch at
+transformer sizes (benchmarks/kernels.py). A step whose host time exceeds its device time is
+bound by the host: this measures each op's share of it. Time: the host clock over `--calls`
+back-to-back calls between two synchronizations, median of 5 rounds, per call.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import report  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from autoshard.testing.kernel_cases import CASES, make_inputs  # noqa: E402
+
+
+def _kernel_bench():
+    """benchmarks/kernels.py as a module (the repository's top-level kernels/ package owns the name)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def per_call_us(fn, device: torch.device, calls: int, rounds: int = 5) -> float:
+    for _ in range(3):
+        fn()                                        # warm-up: the build, the first-use check
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t) / calls)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--append", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" and device.type == "cuda" else torch.float32
+    bench = _kernel_bench()
+    rows = []
+    for name, case in CASES.items():
+        inputs = make_inputs(case, bench.QUICK_SHAPES[len(case.bench[0])], dtype, device, seed=0)
+        with torch.no_grad():
+            grad_out = torch.randn_like(case.fused(**inputs))
+        fused = bench.passes_of(case, case.fused, inputs, grad_out)
+        eager = bench.passes_of(case, case.eager, inputs, grad_out)
+        for pass_name in ("fwd", "fwd+bwd"):
+            f_us = per_call_us(fused[pass_name], device, args.calls)
+            e_us = per_call_us(eager[pass_name], device, args.calls)
+            rows.append([name, pass_name, f_us, e_us, f_us / e_us])
+    table = tabulate(rows, floatfmt=".1f", tablefmt="github",
+                     headers=["op", "pass", "fused host us/call", "eager host us/call", "fused / eager"])
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (torch implementations)"
+    worst = max(rows, key=lambda r: r[2])
+    summary = (f"{where}, {dtype}; {args.calls} calls per round. Most host time per fused call: "
+               f"{worst[0]} {worst[1]} {worst[2]:.0f} us ({worst[4]:.2f}x eager's)")
+    report(table, summary, append=args.append and device.type == "cuda", title="Fused ops' host time per call",
+           command=f"python benchmarks/launch_overhead.py --calls {args.calls} --dtype {args.dtype}",
+           what="median of 5 rounds, tiny inputs: the host's cost, not the kernels'")
+
+
+if __name__ == "__main__":
+    main()
