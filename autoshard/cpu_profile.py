@@ -2,7 +2,7 @@
 predict autoshard's own CPU gloo runs (one thread per rank, as torchrun sets it).
 
     from autoshard.cpu_profile import measure_cpu
-    hw = measure_cpu(hidden=256, heads=8, seq=128, microbatch=2)      # 1-2 minutes on 2 cores, then cached
+    hw = measure_cpu(hidden=256, heads=8, seq=128, microbatch=2)      # about a minute on 2 cores, then cached
     autoshard.plan(model, gpus=2, global_batch=8, hardware=hw)
 
 What is measured, each on the shapes given (fp32, denormals flushed as the runs do):
@@ -17,24 +17,29 @@ What is measured, each on the shapes given (fp32, denormals flushed as the runs 
   tiny layer's time over its ops, counted on meta tensors by planning/op_cost.py) and the rate of
   the non-matmul ops' bytes (the layer at the given shapes less its matmuls and op overhead);
 - gloo: all-reduce latency and bandwidth between 2 processes on this machine, fitted through a
-  layer's activation message and a larger one, each measured between rounds of GEMM work, as
+  layer's activation message and a larger one, and the start-up of a reduce-scatter, an all-gather
+  and a send of that message, each measured between halves of a tensor-parallel layer's GEMMs, as
   collectives run in a step.
+
+Robustness: a layer's time is the median over 7 alternating rounds of the 2- and 4-layer steps,
+each GEMM the median of 15 runs, each collective the median over 5 fresh process pairs of medians
+of 9 rounds. Measured twice, the profiles moved 13 step predictions by at most about 10%
+(benchmarks/profile_stability.py; RESULTS.md).
 """
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import sys
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
 from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
+from autoshard.cpu_profile_collectives import gloo_costs, link_and_startups
 from autoshard.planning.hardware import Hardware
 from autoshard.planning.op_cost import OpWork
 
@@ -66,14 +71,14 @@ def _gemm_rate(x: LayerShape) -> float:
         m, n, k, batch = shape(x)
         xs, w, dy = torch.randn(batch, m, k), torch.randn(batch, n, k), torch.randn(batch, m, n)
         for a, b in ((xs, w.transpose(1, 2)), (dy, w), (dy.transpose(1, 2), xs)):
-            seconds += _timed(lambda: torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0]))
+            seconds += _timed(lambda: torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0]), repeat=15)
         flops += 3 * 2 * batch * m * n * k
     return flops / seconds
 
 
-def _layer_seconds(x: LayerShape, layers: int, *, dropout: float = 0.1, with_optimizer: bool = False) -> float:
-    """Median seconds of a step (forward and backward, and AdamW if asked) of an autoshard-compiled
-    GPT of `layers` layers with x's shapes (vocabulary 64)."""
+def _layer_step(x: LayerShape, layers: int, *, dropout: float = 0.1, with_optimizer: bool = False):
+    """One step (forward and backward, and AdamW if asked) of an autoshard-compiled GPT of `layers`
+    layers with x's shapes (vocabulary 64), as a function to time."""
     from autoshard import autoshard
     from autoshard.models import GPT, GPTConfig
     torch.manual_seed(0)
@@ -87,14 +92,22 @@ def _layer_seconds(x: LayerShape, layers: int, *, dropout: float = 0.1, with_opt
         if with_optimizer:
             opt.step()
             opt.zero_grad()
-    return _timed(step, repeat=9)
+    return step
 
 
-def _per_layer(x: LayerShape, **kw) -> tuple[float, float]:
-    """(one layer's seconds, the rest's): a 4-layer step against a 2-layer one."""
-    two, four = _layer_seconds(x, 2, **kw), _layer_seconds(x, 4, **kw)
-    layer = max(0.0, (four - two) / 2)
-    return layer, max(0.0, two - 2 * layer)
+def _per_layer(x: LayerShape, rounds: int = 7, **kw) -> tuple[float, float]:
+    """(one layer's seconds, the rest's): a 4-layer step against a 2-layer one, timed in `rounds`
+    alternating rounds, the median of each round's difference. One pair of medians moved the
+    element-wise remainder by 2x between two measurements of the same machine (RESULTS.md): the
+    layer is a difference of two noisy times, and what is left of it after the matmuls a smaller one."""
+    two, four = _layer_step(x, 2, **kw), _layer_step(x, 4, **kw)
+    layers, rests = [], []
+    for _ in range(rounds):
+        t2, t4 = _timed(two), _timed(four)
+        layer = max(0.0, (t4 - t2) / 2)
+        layers.append(layer)
+        rests.append(max(0.0, t2 - 2 * layer))
+    return statistics.median(layers), statistics.median(rests)
 
 
 def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple[float, str | None, float]:
@@ -117,7 +130,7 @@ def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple
 
 
 def _layer_work(x: LayerShape) -> OpWork:
-    """One layer's aten ops, forward and backward, of the GPT `_layer_seconds` times, counted on meta
+    """One layer's aten ops, forward and backward, of the GPT `_layer_step` times, counted on meta
     tensors (planning/op_cost.py): a 4-layer step's less a 2-layer one's, halved."""
     from autoshard import autoshard
     from autoshard.models import GPT, GPTConfig
@@ -162,39 +175,6 @@ def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
     return max((seconds(8, n // 8) - 8 * per_tensor) / n, 0.0), per_tensor
 
 
-def _gloo_worker(rank: int, port: int, message: int, out) -> None:
-    """Each collective's cost under load: rounds of a little GEMM work and one all-reduce, timed
-    against the same rounds without it. The ranks' gloo threads share the cores with the compute,
-    which makes a collective in a training step cost several times its idle ping (RESULTS.md)."""
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    # measured from a rank of a torchrun job (autoshard train --hardware cpu): this pair's store is its
-    # own, not the job's agent store that torchrun's environment points to
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    a, b = torch.randn(256, 256), torch.randn(256, 768)
-
-    def rounds(buf: torch.Tensor | None, n: int = 30) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            for _ in range(3):
-                a @ b
-            if buf is not None:
-                dist.all_reduce(buf)
-        return (time.perf_counter() - t0) / n
-    small, big = torch.ones(message), torch.ones(max(2**20, 8 * message))      # a layer's message, and a big one
-    costs = []
-    for buf in (small, big):
-        rounds(buf, 3)
-        # a call's cost on this machine ranges over 3x from one round of 30 to the next: the median of 9
-        costs.append(statistics.median([rounds(buf) - rounds(None) for _ in range(9)]))
-    if rank == 0:
-        out.put((costs[0], costs[1], small.numel() * 4, big.numel() * 4))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def _local_worker(x: LayerShape, out) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -230,17 +210,10 @@ def _spawned(target, args: tuple, n: int) -> tuple:
     return got
 
 
-def _floored(value: float, floor: float, what: str, notes: list[str]) -> float:
-    if value < floor:
-        notes.append(f"{what} measured {value * 1e6:.3g} us, under its floor of {floor * 1e6:.3g} us; the floor is used")
-        return floor
-    return value
-
-
 def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gib: float | None = None,
                 name: str = "cpu", cache: bool = True) -> Hardware:
     """The profile of this machine for a model of these shapes (see the module docstring); measured
-    in spawned processes, one thread each, in one to two minutes on 2 cores. With `cache`, a profile
+    in spawned processes, one thread each, in 30-60 s on 2 cores. With `cache`, a profile
     measured before on this machine for these arguments is read back instead
     (autoshard/cpu_profile_cache.py), and a new one stored. Warns when the machine was busy as it
     started (load average over half the cores) or a value fell under its floor, and again each
@@ -261,16 +234,8 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
     gemm, elementwise, note, layer, step, adam, adam_tensor, op_overhead, op_bytes, op_note = \
         _spawned(_local_worker, (x,), 1)
     notes += [n for n in (note, op_note) if n]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    small, bulk, small_bytes, nbytes = _spawned(_gloo_worker, (port, microbatch * seq * hidden), 2)
-    small = _floored(small, 1e-6, "a small all-reduce", notes)
-    bulk = _floored(bulk, small + 1e-6, "a large all-reduce (beyond the small one's)", notes)
-    # latency + bytes / link through the two sizes measured (a ring all-reduce of 2 ranks moves the
-    # buffer through each link once)
-    link = (nbytes - small_bytes) / (bulk - small)
-    lat = _floored(small - small_bytes / link, 1e-6, "gloo's latency", notes)
+    costs, small_bytes, nbytes = gloo_costs(x, _spawned)
+    link, lat, startup = link_and_startups(costs, small_bytes, nbytes, notes)
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     hw = Hardware(name, peak_tflops=gemm / 1e12, hbm_gb_s=elementwise / 1e9, memory_gib=memory_gib,
@@ -278,7 +243,7 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
                   latency_us=lat * 1e6, layer_overhead_s=layer, step_overhead_s=step,
                   cores=os.cpu_count() or 1, optimizer_s_per_param=adam,
                   optimizer_s_per_tensor=adam_tensor, op_overhead_s=op_overhead, op_bytes_gb_s=op_bytes / 1e9,
-                  **CPU_DEFAULTS)
+                  startup_us=startup, **CPU_DEFAULTS)
     seconds = time.perf_counter() - t0
     where = f"; stored in {save_profile(key, hw, seconds, notes)}" if cache else ""
     print(f"autoshard: measured the {name} profile in {seconds:.0f} s{where}", file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
 """Measured `cpu` profiles kept on disk, one per machine and shape, so a profile is measured once
-(autoshard/cpu_profile.py's measure_cpu takes one to two minutes on 2 cores).
+(autoshard/cpu_profile.py's measure_cpu takes 30-60 s on 2 cores).
 
 A profile is keyed by what it depends on: the host name, the processor's model, the core count,
 torch's version and the shapes and options it was measured for. It is a JSON file in
@@ -35,7 +35,7 @@ def _processor() -> str:
     return "unknown"
 
 
-_FIELDS = 2        # the profile's fields changed (2: op_overhead_s, op_bytes_gb_s): measured again
+_FIELDS = 3        # the profile's fields changed (2: op_overhead_s, op_bytes_gb_s; 3: startup_us): measured again
 
 
 def profile_key(**shape) -> dict:
@@ -61,6 +61,7 @@ def load_profile(key: dict) -> tuple[Hardware, float, list[str]] | None:
             return None
         fields = dict(stored["hardware"])
         fields["tile"] = tuple(fields["tile"])
+        fields["startup_us"] = tuple((kind, float(us)) for kind, us in fields.get("startup_us", ()))
         return Hardware(**fields), float(stored["seconds"]), list(stored.get("notes", []))
     except (OSError, ValueError, KeyError, TypeError):
         return None

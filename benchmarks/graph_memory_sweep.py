@@ -47,13 +47,14 @@ def world_of(args: list[str]) -> int:
     return sizes["tp"] * sizes["pp"] * sizes["dp"]
 
 
-def _profile(model: str):
+def profile_of(model: str, cache: bool = True):
+    """The `cpu` profile at the family's shapes (stored and read back unless `cache` is False)."""
     from autoshard.cpu_profile import measure_cpu
     m = SWEEP_MODELS[model].model()
     cfg = m.config
     hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
     heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
-    return measure_cpu(hidden=hidden, heads=heads, seq=SWEEP_MODELS[model].seq, microbatch=MICRO)
+    return measure_cpu(hidden=hidden, heads=heads, seq=SWEEP_MODELS[model].seq, microbatch=MICRO, cache=cache)
 
 
 def graph_seconds(model: str, argv: list[str], hw) -> float:
@@ -79,7 +80,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     for model, flags in configs:
         if model not in profiles:
-            profiles[model] = _profile(model)
+            profiles[model] = profile_of(model)
         argv = ["--model", model, *flags.split()]
         ranks = run_worker(argv, world_of(argv))
         step = max(r["step_s"] for r in ranks)

@@ -10,12 +10,13 @@ Per action (F, B or W of one stage and microbatch), from planning/op_cost.py's c
     compute     max(matmul FLOPs / the GEMM rate, their bytes / the memory rate)
                 + the other ops' bytes / the op-bytes rate + ops x the per-op overhead
     collectives each one its group's alpha-beta time (collective_timing.py): an all-reduce, an
-                all-gather or reduce-scatter as half an all-reduce of the larger side; an all-to-all
-                as n - 1 messages, a ring step's send as one
+                all-gather or reduce-scatter as its own start-up and half an all-reduce's bytes
+                of the larger side; an all-to-all as n - 1 messages, a ring step's send as one
     sends       to the next or previous stage: one message
 
-A message costs half the profile's latency: `latency_us` is a two-rank all-reduce's start-up cost,
-two message steps.
+Start-up costs per kind are the profile's (`Hardware.startup_seconds`): measured per kind on the
+`cpu` profile (gloo's reduce-scatter costs about an all-reduce, its all-gather and a message about
+half), else a message and an all-gather or reduce-scatter half a two-rank all-reduce's.
 
 On a machine whose ranks share cores (the `cpu` profile's `cores`) compute is stretched by ranks /
 cores. The schedule is run with those costs per stage (runtime/schedules.check) and its makespan
@@ -60,9 +61,8 @@ def work_seconds(work: OpWork, hw: Hardware) -> float:
 
 
 def _message_seconds(nbytes: float, link_gb_s: float, hw: Hardware) -> float:
-    """One message between two ranks: half the start-up cost of an all-reduce of two ranks, which
-    is two message steps (reduce-scatter, all-gather): what `latency_us` is fitted to on the CPU."""
-    return hw.latency_us * 1e-6 / 2 + nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
+    """One message between two ranks: a send's start-up and its bytes over the link."""
+    return hw.startup_seconds("send") + nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
 
 
 def _collective_seconds(kind: str, nbytes: int, size: int, hw: Hardware) -> float:
@@ -70,7 +70,8 @@ def _collective_seconds(kind: str, nbytes: int, size: int, hw: Hardware) -> floa
     if kind == "all_reduce":
         return allreduce_seconds(nbytes, size, link, hw)
     if kind in ("all_gather", "reduce_scatter"):      # the larger side, half an all-reduce's traffic
-        return allreduce_seconds(nbytes * (size if kind == "all_gather" else 1), size, link, hw) / 2
+        larger = nbytes * (size if kind == "all_gather" else 1)
+        return hw.startup_seconds(kind) + (size - 1) / size * larger / (link * 1e9 * hw.network_efficiency)
     if kind == "all_to_all":                          # n - 1 message steps, (n - 1) / n of the rows leave
         return (size - 1) * _message_seconds(nbytes / size, link, hw)
     return _message_seconds(nbytes, link, hw)         # a ring step's send

@@ -45,6 +45,10 @@ class Hardware:
     optimizer_s_per_tensor: float = 0.0  # and its fixed cost per parameter tensor (GPT: 12 per layer)
     op_overhead_s: float = 0.0          # per aten op, forward or backward (planning/graph_time.py; 0: none)
     op_bytes_gb_s: float = 0.0          # what non-matmul aten ops move per second (0: hbm_gb_s's rate)
+    # Start-up cost of each collective of two ranks where measured (the `cpu` profile: gloo's
+    # reduce-scatter costs about an all-reduce, its all-gather and a send about half): ((kind, us), ...)
+    # for "all_reduce", "reduce_scatter", "all_gather" and "send"; a kind not listed: startup_seconds' rule.
+    startup_us: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         for name in ("peak_tflops", "hbm_gb_s", "memory_gib", "nvlink_gb_s", "network_gb_s"):
@@ -53,6 +57,15 @@ class Hardware:
         for name in ("matmul_efficiency", "memory_efficiency", "network_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+
+    def startup_seconds(self, kind: str) -> float:
+        """Start-up cost of one collective of `kind` between two ranks: as measured (`startup_us`),
+        else `latency_us` for an all-reduce and half of it for the rest (a two-rank all-reduce is
+        two message steps, a reduce-scatter's and an all-gather's)."""
+        measured = dict(self.startup_us)
+        if kind in measured:
+            return measured[kind] * 1e-6
+        return self.latency_us * 1e-6 * (1.0 if kind == "all_reduce" else 0.5)
 
     def optimizer_seconds(self, params: float, tensors: int) -> float:
         """AdamW's step over `params` elements in `tensors` tensors: as measured (the `cpu` profile),

@@ -68,6 +68,8 @@ def test_measured_cpu_profile_plans_our_runs():
     for name in ("peak_tflops", "hbm_gb_s", "network_gb_s", "latency_us", "optimizer_s_per_param"):
         assert getattr(hw, name) > 0, (name, hw)
     assert hw.activation_bytes == 4 and hw.tile == (1, 1) and hw.cores >= 1
+    assert [kind for kind, _ in hw.startup_us] == ["all_reduce", "reduce_scatter", "all_gather", "send"]
+    assert all(us >= 1.0 for _, us in hw.startup_us)
     found = plan(ModelShape(hidden=64, layers=4, heads=4, vocab=128, seq=32), gpus=2, global_batch=8, hardware=hw)
     assert found and {e.recompute for e in found} == {"none", "selective", "full"}
     assert found[0].recompute == "none"                   # it fits: recomputing costs time for nothing

@@ -75,3 +75,16 @@ def test_a_message_costs_half_a_two_rank_all_reduces_start_up():
     assert _collective_seconds("all_to_all", 8, 2, hw) == pytest.approx(1e-3)
     assert _collective_seconds("send", 8, 2, hw) == pytest.approx(1e-3)
     assert _collective_seconds("all_gather", 8, 2, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("reduce_scatter", 8, 2, hw) == pytest.approx(1e-3)
+
+
+def test_a_measured_start_up_per_kind_replaces_the_rule():
+    """The cpu profile measures each kind (gloo's reduce-scatter costs about an all-reduce): a kind
+    it lists is charged its own start-up, an all-to-all as n - 1 sends."""
+    from autoshard.planning.graph_time import _collective_seconds
+    hw = dataclasses.replace(get_hardware("a100-80gb"), latency_us=2000.0, nvlink_gb_s=1e6, network_gb_s=1e6,
+                             startup_us=(("reduce_scatter", 1900.0), ("send", 600.0)))
+    assert _collective_seconds("reduce_scatter", 8, 2, hw) == pytest.approx(1.9e-3)
+    assert _collective_seconds("all_gather", 8, 2, hw) == pytest.approx(1e-3)           # not listed: the rule
+    assert _collective_seconds("send", 8, 2, hw) == pytest.approx(0.6e-3)
+    assert _collective_seconds("all_to_all", 8, 4, hw) == pytest.approx(3 * 0.6e-3)
