@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from autoshard.planning.gemm_timing import GEMMS, LayerShape
 
-__all__ = ["PAIRS", "gloo_costs", "link_and_startups", "floored"]
+__all__ = ["PAIRS", "gloo_costs", "link_and_startups"]
 
 PAIRS = 5               # fresh process pairs measuring the collectives (their median)
 
@@ -82,7 +82,7 @@ def _gloo_worker(rank: int, port: int, x: LayerShape, out) -> None:
     dist.destroy_process_group()
 
 
-def floored(value: float, floor: float, what: str, notes: list[str]) -> float:
+def _floored(value: float, floor: float, what: str, notes: list[str]) -> float:
     if value < floor:
         notes.append(f"{what} measured {value * 1e6:.3g} us, under its floor of {floor * 1e6:.3g} us; the floor is used")
         return floor
@@ -112,12 +112,12 @@ def link_and_startups(costs: dict[str, float], small_bytes: int, nbytes: int, no
     cost = start-up + bytes over the link, as planning/graph_time.py charges each kind (a ring of 2
     ranks moves an all-reduce's buffer through each link once, a reduce-scatter's or all-gather's
     larger side half of it, a send its message)."""
-    small = floored(costs["all_reduce"], 1e-6, "a small all-reduce", notes)
-    bulk = floored(costs["all_reduce_big"], small + 1e-6, "a large all-reduce (beyond the small one's)", notes)
+    small = _floored(costs["all_reduce"], 1e-6, "a small all-reduce", notes)
+    bulk = _floored(costs["all_reduce_big"], small + 1e-6, "a large all-reduce (beyond the small one's)", notes)
     link = (nbytes - small_bytes) / (bulk - small)
-    lat = floored(small - small_bytes / link, 1e-6, "gloo's latency", notes)
+    lat = _floored(small - small_bytes / link, 1e-6, "gloo's latency", notes)
     moved = {"reduce_scatter": small_bytes / 2, "all_gather": small_bytes / 2, "send": small_bytes}
     startup = [("all_reduce", lat * 1e6)]
     for kind, nbytes_moved in moved.items():
-        startup.append((kind, 1e6 * floored(costs[kind] - nbytes_moved / link, 1e-6, f"a {kind}'s start-up", notes)))
+        startup.append((kind, 1e6 * _floored(costs[kind] - nbytes_moved / link, 1e-6, f"a {kind}'s start-up", notes)))
     return link, lat, tuple(startup)
