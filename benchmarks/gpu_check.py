@@ -1,13 +1,17 @@
 """The one command a machine with a GPU runs to accept a build: `./run gpu-check [STAGE ...]`.
 
-Stages, in order (each a command; a device call may run 10 minutes, so name a few at a time there):
+Stages, in order (each a command; a device call may run 10 minutes, so name a few at a time there,
+with --timeout; the first GPU session ran kernels, fused, train and bench-mfu in 229 s, bench-kernels
+in under 95 s):
 
     cpu            the CUDA sources on the CPU executor: kernels, slots, the fusion fuzz (no GPU needed)
     kernels        every kernel against float64 on CUDA, forward and backward, and the fusion fuzz on CUDA
     fused          fused rank programs against unfused ones on CUDA (simulation: all ranks on one GPU)
     train          `autoshard train` on one GPU (bf16, fused, NCCL), and its exported folder trained again
     bench-kernels  benchmarks/kernels.py: each kernel's bandwidth against the copy rate (RESULTS.md)
-    bench-mfu      benchmarks/mfu.py: a 1.3B GPT's step time and model FLOP utilization (RESULTS.md)
+    bench-mfu      benchmarks/mfu.py --fused: a 1.3B GPT's step time and model FLOP utilization, fused
+                   and unfused beside the plain model (RESULTS.md)
+    bench-launch   benchmarks/launch_overhead.py: each fused op's host time per call against eager's
 
 Without a GPU the stages that need one are skipped, and the command says which. Logs go to $OUT
 (the device tool brings that folder back) or ./gpu_out, with RESULTS.md copied there after the
@@ -50,7 +54,9 @@ STAGES = (
           ("tests/simulation/test_fuse.py",)),
     Stage("train", True, _pytest("tests/gpu/test_train_cuda.py"), ("tests/gpu/test_train_cuda.py",)),
     Stage("bench-kernels", True, ("benchmarks/kernels.py", "--append"), ("benchmarks/kernels.py",)),
-    Stage("bench-mfu", True, ("benchmarks/mfu.py", "--append"), ("benchmarks/mfu.py",)),
+    Stage("bench-mfu", True, ("benchmarks/mfu.py", "--fused", "--append"), ("benchmarks/mfu.py",)),
+    Stage("bench-launch", True, ("benchmarks/launch_overhead.py", "--calls", "500", "--append"),
+          ("benchmarks/launch_overhead.py",)),
 )
 
 
