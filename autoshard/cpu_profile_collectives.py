@@ -9,8 +9,8 @@ those costs as planning/graph_time.py charges them.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -35,7 +35,7 @@ def _half_layers(x: LayerShape) -> list[list[tuple[torch.Tensor, torch.Tensor]]]
     return halves
 
 
-def _gloo_worker(rank: int, port: int, x: LayerShape, out) -> None:
+def _gloo_worker(rank: int, store: str, x: LayerShape, out) -> None:
     """Each collective's cost where a step pays it: rounds of half a tensor-parallel layer's GEMMs
     (x's shapes) and one collective of a layer's activation (x.b * x.s * x.h values), timed against
     the same rounds without it. The ranks' gloo threads share the cores with the compute, which
@@ -48,7 +48,9 @@ def _gloo_worker(rank: int, port: int, x: LayerShape, out) -> None:
     # measured from a rank of a torchrun job (autoshard train --hardware cpu): this pair's store is its
     # own, not the job's agent store that torchrun's environment points to
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # a file store: a port chosen here and bound by the children can be taken in between by another
+    # process of the machine (a test suite's launches: "EADDRINUSE"), a file in a fresh folder cannot
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     halves = _half_layers(x)
     message = 2 * ((x.b * x.s * x.h + 1) // 2)                  # even: a reduce-scatter halves it
     small, big, half = torch.ones(message), torch.ones(max(2**20, 8 * message)), torch.ones(message // 2)
@@ -89,18 +91,15 @@ def _floored(value: float, floor: float, what: str, notes: list[str]) -> float:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gloo_costs(x: LayerShape, spawned, pairs: int = PAIRS) -> tuple[dict[str, float], int, int]:
     """Each collective's cost (s) measured by `pairs` fresh pairs of processes, the median per kind,
     with the two message sizes (bytes). Where the OS puts a pair's gloo threads differs from one
     launch to the next, and with it a collective's cost: one pair measured a GPT-2 layer's all-reduce
     at 0.55 ms start-up, the next at 1.39 (RESULTS.md), as the training runs' own steps vary."""
-    measured = [spawned(_gloo_worker, (_free_port(), x), 2) for _ in range(pairs)]
+    measured = []
+    for _ in range(pairs):
+        with tempfile.TemporaryDirectory(prefix="autoshard-gloo-") as folder:
+            measured.append(spawned(_gloo_worker, (os.path.join(folder, "store"), x), 2))
     costs = {kind: statistics.median(m[0][kind] for m in measured) for kind in measured[0][0]}
     return costs, measured[0][1], measured[0][2]
 

@@ -118,8 +118,8 @@ def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
     monkeypatch.setattr(collectives.dist, "init_process_group", init)
     monkeypatch.setattr(collectives.torch, "set_flush_denormal", lambda on: True)    # this process's mode stays
     with pytest.raises(Stop):
-        collectives._gloo_worker(0, 12345, LayerShape(1, 8, 16, 2, 1), None)
-    assert seen == {"agent_store": None, "init_method": "tcp://127.0.0.1:12345"}
+        collectives._gloo_worker(0, "/tmp/x/store", LayerShape(1, 8, 16, 2, 1), None)
+    assert seen == {"agent_store": None, "init_method": "file:///tmp/x/store"}
 
 
 def test_the_op_rates_are_read_on_the_ops_counted(monkeypatch):
@@ -166,3 +166,17 @@ def test_the_collectives_are_the_median_of_several_pairs(monkeypatch):
     costs, small_bytes, _ = collectives.gloo_costs(LayerShape(2, 32, 64, 4, 1), lambda target, args, n: next(results),
                                                    pairs=3)
     assert costs["all_reduce"] == 2e-3 and costs["all_gather"] == 1e-3 and small_bytes == 4 * 2 * 32 * 64
+
+
+def test_each_pair_meets_through_a_file_of_its_own(monkeypatch):
+    """Regression (CI, 2026-11-27): a pair met on a TCP port picked free beforehand; with five pairs
+    per profile, another process of the suite took one in between (EADDRINUSE). Each pair now meets
+    through a store file in a fresh folder, gone after it."""
+    stores = []
+
+    def spawned(target, args, n):
+        stores.append(args[0])
+        assert not collectives.os.path.exists(args[0]) and collectives.os.path.isdir(collectives.os.path.dirname(args[0]))
+        return _gloo(1e-3, 3e-3)
+    collectives.gloo_costs(LayerShape(2, 32, 64, 4, 1), spawned, pairs=3)
+    assert len(set(stores)) == 3 and not any(collectives.os.path.exists(collectives.os.path.dirname(p)) for p in stores)
