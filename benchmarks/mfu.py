@@ -6,8 +6,9 @@
 The model is autoshard's nanoGPT at GPT-3 XL's shape (24 layers, hidden 2048, 16 heads, sequence
 2048, vocabulary 50304: 1.31B parameters), built on the device, compiled by `autoshard(model, tp=1)`
 and trained with fused AdamW under bf16 autocast (fp32 weights), next to the plain model in the
-same run (alternating steps; with --fused also the program compiled with fuse=True). In the same run the device's bf16 matrix-multiply rate is measured
-(8192^3 products on random data, rotating over three operand sets, median). MFU counts the model's
+same run (alternating steps; with --fused also the program compiled with fuse=True). In the same
+run the device's bf16 matrix-multiply rate is measured (8192^3 products on random data, rotating
+over three operand sets, median). MFU counts the model's
 FLOPs as Megatron does without recomputation (`flops_no_recompute` in autoshard/planning/cost_formulas.py)
 and divides the achieved rate by that measured matmul rate. Target (issue 6): >= 50%.
 On the CPU everything runs in fp32; the numbers check the script, they measure nothing useful.
@@ -48,8 +49,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--append", action="store_true")
     ap.add_argument("--fused", action="store_true",
-                    help="also time the program compiled with fuse=True (the fused ops, the GPU default of "
-                         "`autoshard train`) beside the unfused one")
+                    help="also time the program compiled with fuse=True (the fused ops, opt-in since the "
+                         "first GPU run: `autoshard train --fuse`) beside the unfused one")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"

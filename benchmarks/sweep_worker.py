@@ -43,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedule", default=None, help="a pipeline schedule (runtime/schedules.py); default 1F1B / interleaved")
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--micro", type=int, default=MICRO, help="sequences per microbatch")
-    ap.add_argument("--steps", type=int, default=9, help="timed steps (their median: a step of these runs varies by 10-20%% from one to the next)")
+    ap.add_argument("--steps", type=int, default=9,
+                    help="timed steps (their median: a step of these runs varies by 10-20%% from one to the next)")
     return ap
 
 
