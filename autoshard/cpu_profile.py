@@ -7,6 +7,8 @@ predict autoshard's own CPU gloo runs (one thread per rank, as torchrun sets it)
 
 What is measured, each on the shapes given (fp32, denormals flushed as the runs do):
 - GEMM rate: the layer's GEMMs (gemm_timing.GEMMS), forward and both backward products;
+- attention rate: the CPU's fused attention kernel (SDPA's, causal) forward and backward on the
+  layer's heads, FLOPs as torch's counter counts them;
 - fixed costs: a tiny GPT's step (forward, backward, AdamW) with 2 and 4 layers through
   autoshard: half the difference is one layer's dispatch cost, the rest the step's;
 - element-wise rate: the same GPT at the given shapes, one layer's forward and backward less its
@@ -15,16 +17,19 @@ What is measured, each on the shapes given (fp32, denormals flushed as the runs 
 - AdamW seconds per parameter (a few million) and per parameter tensor (64 tiny ones);
 - for step times read off a program's ops (planning/graph_time.py): the seconds per aten op (the
   tiny layer's time over its ops, counted on meta tensors by planning/op_cost.py) and the rate of
-  the non-matmul ops' bytes (the layer at the given shapes less its matmuls and op overhead);
+  the non-matmul ops' bytes (the layer at the given shapes less its matmuls, attention kernels
+  and op overhead);
 - gloo: all-reduce latency and bandwidth between 2 processes on this machine, fitted through a
   layer's activation message and a larger one, and the start-up of a reduce-scatter, an all-gather
   and a send of that message, each measured between halves of a tensor-parallel layer's GEMMs, as
   collectives run in a step.
 
-Robustness: a layer's time is the median over 7 alternating rounds of the 2- and 4-layer steps,
-each GEMM the median of 15 runs, each collective the median over 5 fresh process pairs of medians
-of 9 rounds. Measured twice, the profiles moved 13 step predictions by at most about 10%
-(benchmarks/profile_stability.py; RESULTS.md).
+Robustness: the GEMMs, the attention kernel, the tiny layer and the layer are timed back to back
+in 7 rounds (autoshard/cpu_profile_rounds.py), each rate derived within one round and the median
+over rounds taken: the machine's speed shifts for seconds at a time, and a remainder derived
+across two speeds is off by twice the shift. Each collective is the median over 5 fresh process
+pairs of medians of 9 rounds. benchmarks/profile_stability.py measures the profile twice and
+compares 13 step predictions (RESULTS.md).
 """
 from __future__ import annotations
 
@@ -40,128 +45,70 @@ import torch.multiprocessing as mp
 from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
 from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
 from autoshard.cpu_profile_collectives import gloo_costs, link_and_startups
+from autoshard.cpu_profile_rounds import Round, layer_work, measure_rounds, per_layer, timed
 from autoshard.planning.hardware import Hardware
-from autoshard.planning.op_cost import OpWork
 
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
 
 _REST_FLOOR = 0.05      # the element-wise remainder's floor, as a fraction of the layer's time
 _BUSY = 0.5             # load average per core above which the machine counts as busy
+_SPREAD = 0.25          # the GEMM rate's spread over the rounds above which the machine counts as unsteady
 
 CPU_DEFAULTS = dict(sms=1, tile=(1, 1), matmul_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
                     activation_bytes=4, mask_bytes=4, weight_bytes=4, grad_bytes=4, reduce_bytes=4,
                     gemm_traffic=False)
 
 
-def _timed(fn, repeat: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _gemm_rate(x: LayerShape) -> float:
-    """FLOP/s of the layer's GEMMs, forward and backward, in the layouts a linear layer uses: y = x W^T
-    (W stored [out, in]), dx = dy W, dW = dy^T x."""
-    flops, seconds = 0.0, 0.0
-    for _, shape, _ in GEMMS:
-        m, n, k, batch = shape(x)
-        xs, w, dy = torch.randn(batch, m, k), torch.randn(batch, n, k), torch.randn(batch, m, n)
-        for a, b in ((xs, w.transpose(1, 2)), (dy, w), (dy.transpose(1, 2), xs)):
-            seconds += _timed(lambda: torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0]), repeat=15)
-        flops += 3 * 2 * batch * m * n * k
-    return flops / seconds
-
-
-def _layer_step(x: LayerShape, layers: int, *, dropout: float = 0.1, with_optimizer: bool = False):
-    """One step (forward and backward, and AdamW if asked) of an autoshard-compiled GPT of `layers`
-    layers with x's shapes (vocabulary 64), as a function to time."""
-    from autoshard import autoshard
-    from autoshard.models import GPT, GPTConfig
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=layers, n_head=x.a, n_embd=x.h, vocab_size=64, block_size=x.s, dropout=dropout))
-    ids = torch.randint(0, 64, (x.b, x.s))
-    rank = autoshard(model, example_inputs=(ids, ids)).rank(0)
-    opt = torch.optim.AdamW(rank.parameters())
-
-    def step():
-        rank(ids, ids)[1].backward()
-        if with_optimizer:
-            opt.step()
-            opt.zero_grad()
-    return step
-
-
-def _per_layer(x: LayerShape, rounds: int = 7, **kw) -> tuple[float, float]:
-    """(one layer's seconds, the rest's): a 4-layer step against a 2-layer one, timed in `rounds`
-    alternating rounds, the median of each round's difference. One pair of medians moved the
-    element-wise remainder by 2x between two measurements of the same machine (RESULTS.md): the
-    layer is a difference of two noisy times, and what is left of it after the matmuls a smaller one."""
-    two, four = _layer_step(x, 2, **kw), _layer_step(x, 4, **kw)
-    layers, rests = [], []
-    for _ in range(rounds):
-        t2, t4 = _timed(two), _timed(four)
-        layer = max(0.0, (t4 - t2) / 2)
-        layers.append(layer)
-        rests.append(max(0.0, t2 - 2 * layer))
-    return statistics.median(layers), statistics.median(rests)
-
-
-def _elementwise_rate(x: LayerShape, gemm_rate: float, dispatch: float) -> tuple[float, str | None, float]:
-    """Bytes per second: ELEMENTWISE's bytes for one layer (fp32) / the layer's measured time less its
-    GEMMs (at the measured rate) and its dispatch cost. Unfused on the CPU, a layer moves more than
-    the table's fused kernels count (copies for the attention's batched products, separate bias,
-    scale and mask ops): the rate is an effective one, for these shapes. With it, a note when the
-    remainder fell under its floor, and the layer's seconds."""
-    layer, _ = _per_layer(x)
-    flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
-    rest = layer - flops / gemm_rate - dispatch
+def _median_rest(rounds: list[Round], rest_of, what: str) -> tuple[float, float, str | None]:
+    """(the median over rounds of `rest_of(round)`, what is left of a layer after its terms: floored
+    at 5% of the median layer, 1 us at least; the median layer; a note when the floor was used)."""
+    layer = statistics.median(r.layer for r in rounds)
+    rest = statistics.median(rest_of(r) for r in rounds)
     floor = max(_REST_FLOOR * layer, 1e-6)     # a layer measured at 0 (4 layers no slower than 2) too
-    note = None
-    if rest < floor:        # the remainder is lost in the noise of its three terms: say so
-        note = (f"element-wise rate: the layer's {layer * 1e3:.3g} ms less its GEMMs and dispatch left "
-                f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer (1 us at least); "
-                "the floor is used")
-        rest = floor
+    if rest >= floor:
+        return rest, layer, None
+    note = (f"{what}: the layer's {layer * 1e3:.3g} ms less its terms left {rest * 1e3:.3g} ms, under the "
+            f"floor of {_REST_FLOOR:.0%} of the layer (1 us at least); the floor is used")
+    return floor, layer, note
+
+
+def _speed_note(rounds: list[Round]) -> str | None:
+    """A note when the machine's speed moved across the rounds: the GEMM rate's fastest round over
+    its slowest more than 1 + _SPREAD. A shared machine does this without any load of its own (a
+    single-threaded GEMM here ran 68 to 145 GFLOP/s from one second to the next, 2026-11-27); the
+    medians hold against a few slow rounds, not against a machine that is slow for the whole
+    measurement, which another measurement then disagrees with."""
+    rates = [r.gemm_rate for r in rounds]
+    if max(rates) <= (1 + _SPREAD) * min(rates):
+        return None
+    return (f"the machine's speed moved during the measurement (the GEMM rate {min(rates) / 1e9:.0f} to "
+            f"{max(rates) / 1e9:.0f} GFLOP/s over {len(rates)} rounds)")
+
+
+def _elementwise_rate(x: LayerShape, rounds: list[Round]) -> tuple[float, str | None, float]:
+    """Bytes per second: ELEMENTWISE's bytes for one layer (fp32) / what is left of the layer's time
+    after its GEMMs (at the round's rate) and its dispatch (the round's tiny layer). Unfused on the
+    CPU, a layer moves more than the table's fused kernels count (copies for the attention's
+    batched products, separate bias, scale and mask ops): the rate is an effective one, for these
+    shapes. With it, a note when the remainder fell under its floor, and the layer's seconds."""
+    flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
+    rest, layer, note = _median_rest(rounds, lambda r: r.layer - flops / r.gemm_rate - r.tiny_layer,
+                                     "element-wise rate")
     return sum(layer_elementwise_bytes(x, activation_bytes=4)) / rest, note, layer
 
 
-def _layer_work(x: LayerShape) -> OpWork:
-    """One layer's aten ops, forward and backward, of the GPT `_layer_step` times, counted on meta
-    tensors (planning/op_cost.py): a 4-layer step's less a 2-layer one's, halved."""
-    from autoshard import autoshard
-    from autoshard.models import GPT, GPTConfig
-    from autoshard.planning.graph_memory import walk
-    works = []
-    for layers in (2, 4):
-        with torch.device("meta"):
-            model = GPT(GPTConfig(n_layer=layers, n_head=x.a, n_embd=x.h, vocab_size=64, block_size=x.s, dropout=0.1))
-        ids = torch.zeros(x.b, x.s, dtype=torch.long)
-        total = OpWork()
-        for a in walk(autoshard(model, example_inputs=(ids, ids)), device="cpu").step.actions:
-            total = total.add(a.work)
-        works.append(total)
-    two, four = works
-    return OpWork(*((getattr(four, f) - getattr(two, f)) / 2 for f in ("matmul_flops", "matmul_bytes", "other_bytes", "ops")))
+def _op_rates(x: LayerShape, tiny: LayerShape, rounds: list[Round]) -> tuple[float, float, str | None]:
+    """(seconds per aten op, bytes per second of the non-matmul ops) for planning/graph_time.py: the
+    tiny layer's time over its op count; what is left of the layer at x after its matmuls, attention
+    kernels and ops' overhead (each at its round's rates), over the bytes its other ops move. With
+    a note when that remainder fell under its floor."""
+    tiny_ops, work = layer_work(tiny).ops, layer_work(x)
 
-
-def _op_rates(x: LayerShape, tiny: LayerShape, layer: float, tiny_layer: float, gemm_rate: float
-              ) -> tuple[float, float, str | None]:
-    """(seconds per aten op, bytes per second of the non-matmul ops) for planning/graph_time.py: a
-    tiny layer's time over its op count; the layer's time at x less its matmuls and ops' overhead,
-    over the bytes its other ops move. With a note when that remainder fell under its floor."""
-    per_op = tiny_layer / _layer_work(tiny).ops
-    work = _layer_work(x)
-    rest = layer - work.matmul_flops / gemm_rate - work.ops * per_op
-    floor, note = max(_REST_FLOOR * layer, 1e-6), None
-    if rest < floor:
-        note = (f"op-bytes rate: the layer's {layer * 1e3:.3g} ms less its matmuls and op overhead left "
-                f"{rest * 1e3:.3g} ms, under the floor of {_REST_FLOOR:.0%} of the layer; the floor is used")
-        rest = floor
-    return per_op, work.other_bytes / rest, note
+    def rest_of(r: Round) -> float:
+        return (r.layer - work.matmul_flops / r.gemm_rate - work.attention_flops / r.attention_rate
+                - work.ops * r.tiny_layer / tiny_ops)
+    rest, _, note = _median_rest(rounds, rest_of, "op-bytes rate")
+    return statistics.median(r.tiny_layer for r in rounds) / tiny_ops, work.other_bytes / rest, note
 
 
 def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
@@ -170,7 +117,7 @@ def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
         params = [torch.nn.Parameter(torch.randn(size)) for _ in range(count)]
         for p in params:
             p.grad = torch.randn_like(p)
-        return _timed(torch.optim.AdamW(params).step)
+        return timed(torch.optim.AdamW(params).step)
     per_tensor = seconds(small, 16) / small
     return max((seconds(8, n // 8) - 8 * per_tensor) / n, 0.0), per_tensor
 
@@ -179,12 +126,14 @@ def _local_worker(x: LayerShape, out) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     tiny = LayerShape(1, 8, 16, 2, 1)
-    dispatch, step = _per_layer(tiny, with_optimizer=True)
-    gemm = _gemm_rate(x)
-    dispatch_fb, _ = _per_layer(tiny)        # forward and backward only
-    elementwise, note, layer = _elementwise_rate(x, gemm, dispatch_fb)
-    op_overhead, op_bytes, op_note = _op_rates(x, tiny, layer, dispatch_fb, gemm)
-    out.put((gemm, elementwise, note, dispatch, step, *_adam_costs(), op_overhead, op_bytes, op_note))
+    dispatch, step = per_layer(tiny, with_optimizer=True)
+    rounds = measure_rounds(x, tiny)
+    gemm = statistics.median(r.gemm_rate for r in rounds)
+    attention = statistics.median(r.attention_rate for r in rounds)
+    elementwise, note, layer = _elementwise_rate(x, rounds)
+    op_overhead, op_bytes, op_note = _op_rates(x, tiny, rounds)
+    notes = "; ".join(n for n in (note, op_note, _speed_note(rounds)) if n) or None
+    out.put((gemm, attention, elementwise, notes, dispatch, step, *_adam_costs(), op_overhead, op_bytes))
 
 
 def _spawned(target, args: tuple, n: int) -> tuple:
@@ -231,9 +180,9 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
         notes.append(f"the machine was busy as the measurement started (load average {load:.1f} on {cores} cores)")
     t0 = time.perf_counter()
     x = LayerShape(microbatch, seq, hidden, heads, 1)
-    gemm, elementwise, note, layer, step, adam, adam_tensor, op_overhead, op_bytes, op_note = \
+    gemm, attention, elementwise, note, layer, step, adam, adam_tensor, op_overhead, op_bytes = \
         _spawned(_local_worker, (x,), 1)
-    notes += [n for n in (note, op_note) if n]
+    notes += [note] if note else []
     costs, small_bytes, nbytes = gloo_costs(x, _spawned)
     link, lat, startup = link_and_startups(costs, small_bytes, nbytes, notes)
     if memory_gib is None:
@@ -243,7 +192,7 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
                   latency_us=lat * 1e6, layer_overhead_s=layer, step_overhead_s=step,
                   cores=os.cpu_count() or 1, optimizer_s_per_param=adam,
                   optimizer_s_per_tensor=adam_tensor, op_overhead_s=op_overhead, op_bytes_gb_s=op_bytes / 1e9,
-                  startup_us=startup, **CPU_DEFAULTS)
+                  startup_us=startup, attention_tflops=attention / 1e12, **CPU_DEFAULTS)
     seconds = time.perf_counter() - t0
     where = f"; stored in {save_profile(key, hw, seconds, notes)}" if cache else ""
     print(f"autoshard: measured the {name} profile in {seconds:.0f} s{where}", file=sys.stderr, flush=True)

@@ -35,7 +35,8 @@ def _processor() -> str:
     return "unknown"
 
 
-_FIELDS = 3        # the profile's fields changed (2: op_overhead_s, op_bytes_gb_s; 3: startup_us): measured again
+# the profile's fields changed (2: op_overhead_s, op_bytes_gb_s; 3: startup_us; 4: attention_tflops): measured again
+_FIELDS = 4
 
 
 def profile_key(**shape) -> dict:

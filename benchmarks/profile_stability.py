@@ -20,7 +20,7 @@ from benchmarks.sweep_common import append_results, sweep_options  # noqa: E402
 
 def _values(hw) -> str:
     startup = ", ".join(f"{kind} {us:.0f}" for kind, us in hw.startup_us)
-    return (f"GEMM {hw.peak_tflops * 1e3:.1f} GFLOP/s, per op {hw.op_overhead_s * 1e6:.2f} us, op bytes "
+    return (f"GEMM {hw.peak_tflops * 1e3:.1f} GFLOP/s, attention {hw.attention_tflops * 1e3:.1f} GFLOP/s, per op {hw.op_overhead_s * 1e6:.2f} us, op bytes "
             f"{hw.op_bytes_gb_s:.2f} GB/s, gloo {hw.nvlink_gb_s:.2f} GB/s, start-up us: {startup}")
 
 

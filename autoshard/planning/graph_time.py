@@ -7,7 +7,8 @@ schedule, and the step's end added.
 
 Per action (F, B or W of one stage and microbatch), from planning/op_cost.py's count of its ops:
 
-    compute     max(matmul FLOPs / the GEMM rate, their bytes / the memory rate)
+    compute     max(matmul FLOPs / the GEMM rate + attention FLOPs / the attention rate,
+                    their bytes / the memory rate)
                 + the other ops' bytes / the op-bytes rate + ops x the per-op overhead
     collectives each one its group's alpha-beta time (collective_timing.py): an all-reduce, an
                 all-gather or reduce-scatter as its own start-up and half an all-reduce's bytes
@@ -24,9 +25,10 @@ taken; then the gradients' reduction over the data-parallel ranks (after backwar
 parameter tied across stages summed first), the optimizer's step on the rank's (or, distributed,
 its 1/dp of the) parameters, and the profile's fixed cost per step.
 
-Rates: the profile's GEMM rate (`peak_tflops` x `matmul_efficiency`) and memory rate; the per-op
-overhead and op-bytes rate where the profile measured them (`op_overhead_s`, `op_bytes_gb_s`:
-autoshard/cpu_profile.py, on the same counts), else no overhead and the memory rate.
+Rates: the profile's GEMM rate (`peak_tflops` x `matmul_efficiency`) and memory rate; the fused
+attention kernels' rate, the per-op overhead and the op-bytes rate where the profile measured them
+(`attention_tflops`, `op_overhead_s`, `op_bytes_gb_s`: autoshard/cpu_profile.py, on the same
+counts), else the GEMM rate, no overhead and the memory rate.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def work_seconds(work: OpWork, hw: Hardware) -> float:
     gemm_rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
     memory_rate = hw.hbm_gb_s * 1e9 * hw.memory_efficiency
     op_rate = hw.op_bytes_gb_s * 1e9 if hw.op_bytes_gb_s else memory_rate
-    matmul = work.matmul_flops / gemm_rate
+    attention_rate = hw.attention_tflops * 1e12 if hw.attention_tflops else gemm_rate
+    matmul = work.matmul_flops / gemm_rate + work.attention_flops / attention_rate
     if hw.gemm_traffic:
         matmul = max(matmul, work.matmul_bytes / memory_rate)
     return matmul + work.other_bytes / op_rate + work.ops * hw.op_overhead_s

@@ -45,6 +45,7 @@ class Hardware:
     optimizer_s_per_tensor: float = 0.0  # and its fixed cost per parameter tensor (GPT: 12 per layer)
     op_overhead_s: float = 0.0          # per aten op, forward or backward (planning/graph_time.py; 0: none)
     op_bytes_gb_s: float = 0.0          # what non-matmul aten ops move per second (0: hbm_gb_s's rate)
+    attention_tflops: float = 0.0       # a fused attention kernel's (SDPA's) rate as measured (0: the GEMM rate)
     # Start-up cost of each collective of two ranks where measured (the `cpu` profile: gloo's
     # reduce-scatter costs about an all-reduce, its all-gather and a send about half): ((kind, us), ...)
     # for "all_reduce", "reduce_scatter", "all_gather" and "send"; a kind not listed: startup_seconds' rule.

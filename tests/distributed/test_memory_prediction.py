@@ -65,7 +65,7 @@ def test_measured_cpu_profile_plans_our_runs():
     threads = torch.get_num_threads()
     hw = measure_cpu(hidden=64, heads=4, seq=32, microbatch=2)
     assert torch.get_num_threads() == threads
-    for name in ("peak_tflops", "hbm_gb_s", "network_gb_s", "latency_us", "optimizer_s_per_param"):
+    for name in ("peak_tflops", "attention_tflops", "hbm_gb_s", "network_gb_s", "latency_us", "optimizer_s_per_param"):
         assert getattr(hw, name) > 0, (name, hw)
     assert hw.activation_bytes == 4 and hw.tile == (1, 1) and hw.cores >= 1
     assert [kind for kind, _ in hw.startup_us] == ["all_reduce", "reduce_scatter", "all_gather", "send"]

@@ -45,7 +45,7 @@ class _Fake:
     def __call__(self, target, args, n):
         self.calls += 1
         if target is cpu_profile._local_worker:
-            return 5e10, 3e9, None, 1e-4, 2e-3, 1e-9, 1e-6, 3e-6, 8e9, None
+            return 5e10, 4e10, 3e9, None, 1e-4, 2e-3, 1e-9, 1e-6, 3e-6, 8e9
         return self.gloo
 
 
@@ -86,20 +86,46 @@ def test_a_value_under_its_floor_or_a_busy_machine_is_said_each_time(tmp_path, m
         _measure(cache=False)
 
 
-def test_the_element_wise_remainder_has_a_floor_and_says_so(monkeypatch):
+def test_the_element_wise_remainder_has_a_floor_and_says_so():
     """The element-wise rate is the layer's time less its GEMMs and dispatch: a remainder under 5% of
     the layer is noise, floored there, and noted."""
+    from autoshard.cpu_profile_rounds import Round
     from autoshard.planning.gemm_timing import LayerShape
     x = LayerShape(2, 32, 64, 4, 1)
-    monkeypatch.setattr(cpu_profile, "_per_layer", lambda x: (1e-3, 0.0))
-    rate, note, _ = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.5e-3)
+    rate, note, _ = cpu_profile._elementwise_rate(x, [Round(1e30, 1e30, 0.5e-3, 1e-3)])
     assert note is None
-    rate_floored, note, _ = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=0.999e-3)
+    rate_floored, note, _ = cpu_profile._elementwise_rate(x, [Round(1e30, 1e30, 0.999e-3, 1e-3)])
     assert "under the floor of 5% of the layer" in note and rate_floored == pytest.approx(rate * 0.5 / 0.05)
     # a busy machine measured 4 layers no slower than 2: the layer at 0 (before: division by zero)
-    monkeypatch.setattr(cpu_profile, "_per_layer", lambda x: (0.0, 1e-3))
-    rate_zero, note, _ = cpu_profile._elementwise_rate(x, gemm_rate=1e30, dispatch=1e-4)
+    rate_zero, note, _ = cpu_profile._elementwise_rate(x, [Round(1e30, 1e30, 1e-4, 0.0)])
     assert "layer's 0 ms" in note and 0 < rate_zero < float("inf")
+
+
+def test_each_rate_is_derived_within_its_round(monkeypatch):
+    """Regression: the GEMM rate, the tiny layer and the layer were timed one after another, each
+    over many runs, and this machine's speed shifts for seconds at a time (one process's Llama
+    steps: 44 ms, then 60, then 50). A layer timed slow less GEMMs and dispatch timed fast left a
+    remainder of 3 ms where it is 1 ms at either speed (2 ms slow). Now each round times all
+    four back to back and the remainder is derived within the round: on a machine that halves its
+    speed midway, the remainder is one of the two speeds', not the mix."""
+    import itertools
+
+    import autoshard.cpu_profile_rounds as rounds_mod
+    from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
+    tiny, x = LayerShape(1, 8, 16, 2, 1), LayerShape(2, 32, 64, 4, 1)
+    flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
+    calls = itertools.count()
+
+    def slowdown() -> float:                       # the machine halves its speed after 10 timings
+        return 1.0 if next(calls) < 10 else 2.0
+    monkeypatch.setattr(rounds_mod, "_layer_step", lambda shape, layers: shape)
+    monkeypatch.setattr(rounds_mod, "_gemm_rate", lambda shape, repeat: flops / (1e-3 * slowdown()))
+    monkeypatch.setattr(rounds_mod, "_attention_rate", lambda shape, repeat: 1e12)
+    monkeypatch.setattr(rounds_mod, "_one_layer", lambda two, four: ((1e-3 if two is tiny else 3e-3) * slowdown(), 0.0))
+    rounds = rounds_mod.measure_rounds(x, tiny)
+    rate, note, _ = cpu_profile._elementwise_rate(x, rounds)
+    rest = sum(layer_elementwise_bytes(x, activation_bytes=4)) / rate
+    assert note is None and rest in (pytest.approx(1e-3), pytest.approx(2e-3))
 
 
 def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
@@ -122,20 +148,29 @@ def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
     assert seen == {"agent_store": None, "init_method": "file:///tmp/x/store"}
 
 
+def test_a_machine_whose_speed_moves_across_the_rounds_is_said():
+    from autoshard.cpu_profile_rounds import Round
+    steady = [Round(1.0e11, 5e10, 1e-3, 3e-3), Round(1.2e11, 5e10, 1e-3, 3e-3)]
+    assert cpu_profile._speed_note(steady) is None
+    note = cpu_profile._speed_note(steady + [Round(0.7e11, 5e10, 1e-3, 3e-3)])
+    assert "speed moved" in note and "70 to 120 GFLOP/s over 3 rounds" in note
+
+
 def test_the_op_rates_are_read_on_the_ops_counted(monkeypatch):
     """For step times read off a program's ops: seconds per aten op from the tiny layer's time over
-    its op count, the other ops' bytes rate from what is left of the layer; a remainder under 5% of
-    the layer is floored and noted."""
+    its op count, the other ops' bytes rate from what is left of the layer after its matmuls,
+    attention kernels and ops; a remainder under 5% of the layer is floored and noted."""
+    from autoshard.cpu_profile_rounds import Round
     from autoshard.planning.gemm_timing import LayerShape
     from autoshard.planning.op_cost import OpWork
     tiny, x = LayerShape(1, 8, 16, 2, 1), LayerShape(2, 32, 64, 4, 1)
-    works = {tiny: OpWork(0.0, 0.0, 0.0, 100), x: OpWork(1e9, 0.0, 4e6, 100)}
-    monkeypatch.setattr(cpu_profile, "_layer_work", works.__getitem__)
-    per_op, rate, note = cpu_profile._op_rates(x, tiny, layer=3e-3, tiny_layer=1e-4, gemm_rate=1e12)
+    works = {tiny: OpWork(0.0, 0.0, 0.0, 100), x: OpWork(1e9, 0.0, 4e6, 100, attention_flops=2e8)}
+    monkeypatch.setattr(cpu_profile, "layer_work", works.__getitem__)
+    per_op, rate, note = cpu_profile._op_rates(x, tiny, [Round(1e12, 4e11, 1e-4, 3e-3)])
     assert per_op == pytest.approx(1e-6) and note is None
-    assert rate == pytest.approx(4e6 / (3e-3 - 1e-3 - 1e-4))
-    _, floored, note = cpu_profile._op_rates(x, tiny, layer=1.1e-3, tiny_layer=1e-4, gemm_rate=1e12)
-    assert "op-bytes rate" in note and floored == pytest.approx(4e6 / (0.05 * 1.1e-3))
+    assert rate == pytest.approx(4e6 / (3e-3 - 1e-3 - 0.5e-3 - 1e-4))
+    _, floored, note = cpu_profile._op_rates(x, tiny, [Round(1e12, 4e11, 1e-4, 1.6e-3)])
+    assert "op-bytes rate" in note and floored == pytest.approx(4e6 / (0.05 * 1.6e-3))
 
 
 def test_each_collective_kind_gets_its_own_start_up(tmp_path, monkeypatch):

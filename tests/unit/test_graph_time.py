@@ -88,3 +88,39 @@ def test_a_measured_start_up_per_kind_replaces_the_rule():
     assert _collective_seconds("all_gather", 8, 2, hw) == pytest.approx(1e-3)           # not listed: the rule
     assert _collective_seconds("send", 8, 2, hw) == pytest.approx(0.6e-3)
     assert _collective_seconds("all_to_all", 8, 4, hw) == pytest.approx(3 * 0.6e-3)
+
+
+def test_the_cpu_attention_kernel_counts_its_flops_apart():
+    """Regression: torch's FLOP table lacks the kernel a CPU run calls for SDPA, so a CPU Llama's
+    attention was timed as the few bytes of q, k and v. It is counted now, as attention, forward
+    and backward (torch's own formulas), and timed at the profile's attention rate."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    q, k, v = (torch.empty(2, 6, 96, 32, device="meta") for _ in range(3))
+    with OpCost() as cost:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(out, q, k, v, out, lse, 0.0, True)
+    work = cost.take()
+    want = sdpa_flop_count(q.shape, k.shape, v.shape) + sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)
+    assert work.attention_flops == want and work.matmul_flops == 0 and work.other_bytes == 0
+    hw = dataclasses.replace(get_hardware("a100-80gb"), attention_tflops=1.0, gemm_traffic=False)
+    assert work_seconds(OpWork(attention_flops=1e12), hw) == pytest.approx(1.0)
+    plain = dataclasses.replace(hw, attention_tflops=0.0)            # unmeasured: the GEMM rate
+    assert work_seconds(OpWork(attention_flops=312e12 * 0.7), plain) == pytest.approx(1.0)
+
+
+def test_transformers_expert_loop_counts_its_products_and_dispatches():
+    """Regression: a Mixtral's experts run transformers' `grouped_mm_fallback`, a Python loop of one
+    `torch.mm` per expert opaque to the dispatcher: it was timed as its operands' bytes. Its FLOPs
+    (every expert's rows together) and its loop's dispatches are counted now."""
+    pytest.importorskip("transformers.integrations.moe")
+    rows, hidden, out, experts = 384, 128, 512, 4
+    x = torch.empty(rows, hidden, device="meta")
+    w = torch.empty(experts, hidden, out, device="meta")
+    offs = torch.empty(experts, dtype=torch.int32, device="meta")
+    with OpCost() as cost:
+        y = torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+    forward = cost.take()
+    assert forward.matmul_flops == 2 * rows * hidden * out and forward.ops == 1 + 4 * experts + 1
+    with OpCost() as cost:
+        torch.ops.transformers.grouped_mm_fallback_backward(x, w, offs, y)
+    assert cost.take().matmul_flops == 4 * rows * hidden * out
