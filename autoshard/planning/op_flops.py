@@ -58,14 +58,17 @@ def _experts(input, weight, *args) -> int:
     return weight.shape[0]
 
 
+def _no_inner(*args, **kwargs) -> int:
+    return 0                                     # a kernel: no dispatches of its own
+
+
 # name -> (kind, FLOPs, inner dispatches). transformers' fallback loop, per expert: forward slices
 # its rows, selects its weight, slices the output and multiplies (4); backward slices and
 # transposes for two products (10); both also allocate their zeroed results.
 EXTRA_FLOPS: dict[str, tuple[str, Callable[..., int], Callable[..., int]]] = {
-    "aten._scaled_dot_product_flash_attention_for_cpu": ("attention", _cpu_flash, lambda *a, **k: 0),
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("attention", _cpu_flash_backward,
-                                                                  lambda *a, **k: 0),
-    "aten._grouped_mm": ("matmul", _grouped, lambda *a, **k: 0),
+    "aten._scaled_dot_product_flash_attention_for_cpu": ("attention", _cpu_flash, _no_inner),
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("attention", _cpu_flash_backward, _no_inner),
+    "aten._grouped_mm": ("matmul", _grouped, _no_inner),
     "transformers.grouped_mm_fallback": ("matmul", _grouped, lambda *a, **k: 4 * _experts(*a) + 1),
     "transformers.grouped_mm_fallback_backward": ("matmul", _grouped_backward,
                                                   lambda *a, **k: 10 * _experts(*a) + 2),

@@ -124,3 +124,13 @@ def test_transformers_expert_loop_counts_its_products_and_dispatches():
     with OpCost() as cost:
         torch.ops.transformers.grouped_mm_fallback_backward(x, w, offs, y)
     assert cost.take().matmul_flops == 4 * rows * hidden * out
+
+
+def test_torchs_grouped_product_counts_every_groups_rows():
+    a = torch.empty(384, 128, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(4, 128, 512, dtype=torch.bfloat16, device="meta")
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+    with OpCost() as cost:
+        torch._grouped_mm(a, b, offs)
+    work = cost.take()
+    assert work.matmul_flops == 2 * 384 * 128 * 512 and work.ops == 1
