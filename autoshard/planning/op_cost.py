@@ -7,8 +7,9 @@ kernel, grouped expert products), bytes read and written by the others, and how 
     cost.take()                         # -> OpWork since the last take
 
 Per op: a matmul-like op (one the FLOP tables know) adds its FLOPs (an attention kernel's apart)
-and its operands' and result's bytes, and the dispatches an opaque one makes inside itself; a view (its result shares an input's storage, and it is not in place) adds nothing but its
-dispatch; any other op adds the bytes of its tensor inputs and outputs, each storage once.
+and its operands' and result's bytes, and the dispatches an opaque one makes inside itself; a view
+(its result shares an input's storage, and it is not in place) adds nothing but its dispatch; any
+other op adds the bytes of its tensor inputs and outputs, each storage once.
 planning/graph_time.py turns the work into seconds on a hardware profile.
 """
 from __future__ import annotations

@@ -211,7 +211,8 @@ def test_each_pair_meets_through_a_file_of_its_own(monkeypatch):
 
     def spawned(target, args, n):
         stores.append(args[0])
-        assert not collectives.os.path.exists(args[0]) and collectives.os.path.isdir(collectives.os.path.dirname(args[0]))
+        path = collectives.os.path
+        assert not path.exists(args[0]) and path.isdir(path.dirname(args[0]))
         return _gloo(1e-3, 3e-3)
     collectives.gloo_costs(LayerShape(2, 32, 64, 4, 1), spawned, pairs=3)
     assert len(set(stores)) == 3 and not any(collectives.os.path.exists(collectives.os.path.dirname(p)) for p in stores)
