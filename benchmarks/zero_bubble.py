@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from autoshard import autoshard  # noqa: E402
 from autoshard.planning.schedule_choice import StageTimes, choose_schedule, stage_times  # noqa: E402
 from autoshard.runtime.schedules import make_schedule, overlapped_bubble  # noqa: E402
+from self_launch import run_workers  # noqa: E402
 
 # One thread per process; glibc keeps freed memory for reuse instead of unmapping large tensors and
 # faulting fresh pages in for the next (profiled at m = 8: by default the split schedules' backward
@@ -54,6 +54,13 @@ from autoshard.runtime.schedules import make_schedule, overlapped_bubble  # noqa
 ALLOCATOR = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(32 * 2 ** 20),
              "MALLOC_TRIM_THRESHOLD_": str(8 * 2 ** 30), "MALLOC_TOP_PAD_": str(256 * 2 ** 20)}
 OURS = ("1f1b", "zb-h1", "zbv", "v-half")
+AT_NEED = ", receives at need"      # --receive-at-need: the same schedule, each receive posted by its action
+
+
+def _ours(args: argparse.Namespace) -> tuple[str, ...]:
+    """Our programs: every schedule, and with --receive-at-need three of them again without
+    receiving ahead."""
+    return OURS + (tuple(n + AT_NEED for n in ("1f1b", "zb-h1", "zbv")) if args.receive_at_need else ())
 THEIRS = ("torch zbv", "torch interleaved-zb")
 
 
@@ -92,10 +99,12 @@ def build(args: argparse.Namespace) -> Stack:
 
 
 class Ours:
-    def __init__(self, schedule: str, args: argparse.Namespace, m: int):
+    def __init__(self, name: str, args: argparse.Namespace, m: int):
         example = torch.zeros(args.micro_size, args.seq, args.hidden)
+        schedule = name.removesuffix(AT_NEED)
         self.runtime = autoshard(build(args), pp=2, microbatches=m, schedule=schedule,
                                  example_inputs=(example,)).distributed()
+        self.runtime.transfer.ahead = not name.endswith(AT_NEED)     # runtime/p2p.py's receiving ahead
 
     def parameters(self):
         return self.runtime.parameters()
@@ -162,21 +171,22 @@ def worker(args: argparse.Namespace) -> None:
         batch = m * args.micro_size
         gen = torch.Generator().manual_seed(1)
         xs = [torch.randn(batch, args.seq, args.hidden, generator=gen) for _ in range(2)]
-        programs = {name: Ours(name, args, m) for name in OURS}
+        ours = _ours(args)
+        programs = {name: Ours(name, args, m) for name in ours}
         programs.update({name: Theirs(name, args, m) for name in THEIRS})
         opts = {name: torch.optim.SGD(p.parameters(), lr=1e-3) for name, p in programs.items()}
         first = {name: _timed(p, opts[name], xs[0])[1] for name, p in programs.items()}
         agree = max(abs(v - first["1f1b"]) / abs(first["1f1b"]) for v in first.values())
         names = list(programs)
         wall = {n: [] for n in names}
-        idle = {n: [] for n in OURS}
+        idle = {n: [] for n in ours}
         for r in range(args.warmup + args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 seconds = _timed(programs[name], opts[name], xs[r % 2])[0]
-                step_idle = programs[name].idle() if name in OURS else None
+                step_idle = programs[name].idle() if name in ours else None
                 if r >= args.warmup:
                     wall[name].append(seconds)
-                    if name in OURS:
+                    if name in ours:
                         idle[name].append(step_idle)
         fbw = stage_times(programs["zb-h1"].runtime.records) if rank == 1 else None
         gathered: list = [None] * 2
@@ -185,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
         out[m] = {"loss_agree": agree, "wall": {n: statistics.median(v) for n, v in wall.items()},
                   "ratios": {n: statistics.median(a / b for a, b in zip(wall[n], wall["1f1b"])) for n in names},
                   "vs_torch": {f"{n}/{t}": statistics.median(a / b for a, b in zip(wall[n], wall[t]))
-                               for n in OURS for t in THEIRS},
+                               for n in ours for t in THEIRS},
                   "idle": [g["idle"] for g in gathered], "fbw": gathered[1]["fbw"]}
     if rank == 0:
         print(json.dumps(out), flush=True)
@@ -207,9 +217,10 @@ def _tables(out: dict, args: argparse.Namespace) -> str:
         lines += [f"**m = {m}** (losses agree to {r['loss_agree']:.1e}; wall ms per step, median of {args.rounds} "
                   f"rounds; ratio: median of per-round ratios to autoshard 1F1B)", "",
                   "| program | wall ms | / 1F1B | idle ms rank 0 | idle ms rank 1 |", "| --- | --- | --- | --- | --- |"]
-        for n in OURS + THEIRS:
-            idle = [f"{1e3 * r['idle'][k][n]:.1f}" if n in OURS else "-" for k in (0, 1)]
-            lines.append(f"| {'autoshard ' + n if n in OURS else n} | {1e3 * r['wall'][n]:.1f} | "
+        ours = _ours(args)
+        for n in ours + THEIRS:
+            idle = [f"{1e3 * r['idle'][k][n]:.1f}" if n in ours else "-" for k in (0, 1)]
+            lines.append(f"| {'autoshard ' + n if n in ours else n} | {1e3 * r['wall'][n]:.1f} | "
                          f"{r['ratios'][n]:.3f} | {idle[0]} | {idle[1]} |")
         ratio_idle = max(r["idle"][k]["zb-h1"] / r["idle"][k]["1f1b"] for k in (0, 1))
         lines += ["", f"ZB-H1 idle / 1F1B idle, the worse rank: {ratio_idle:.2f}; best autoshard zero-bubble "
@@ -244,6 +255,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-size", type=int, default=4)
+    ap.add_argument("--receive-at-need", action="store_true",
+                    help="also run 1F1B, ZB-H1 and ZBV with each receive posted by its own action")
     ap.add_argument("--append", action="store_true")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
@@ -251,13 +264,7 @@ def main() -> None:
         return worker(args)
     if args.layers % 4:
         sys.exit(f"zero_bubble: {args.layers} layers do not split into 4 stages")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "--worker",
-           *sys.argv[1:]]
-    proc = subprocess.run([c for c in cmd if c != "--append"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **ALLOCATOR})
-    if proc.returncode:
-        sys.exit(f"zero_bubble: the workers failed:\n{proc.stderr[-3000:]}")
-    out = {int(k): v for k, v in json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("{"))).items()}
+    out = {int(k): v for k, v in run_workers(__file__, sys.argv[1:], env=ALLOCATOR).items()}
     table = _tables(out, args)
     print(table)
     if args.append:

@@ -29,7 +29,7 @@ from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import Transfer
 from autoshard.runtime.rank_binding import bound_rank_program
 from autoshard.runtime.schedules import Action, splits_backward, stage_index, stage_owner
-from autoshard.runtime.stage_actions import ChunkParams, build_chunk, run_actions
+from autoshard.runtime.stage_actions import ChunkParams, build_chunk, receive_order, run_actions
 from autoshard.runtime.trace import REDUCE, ActionRecord, ring_records
 
 __all__ = ["MeshRuntime", "ProgramView", "RankView"]
@@ -109,6 +109,7 @@ class MeshRuntime(nn.Module):
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
         self.expert_params &= {name for name, _ in self.named_parameters()}     # those of this rank's stages
         self.transfer = Transfer(self.n_stages, self.device, rank)
+        self.transfer.ahead = dist.is_initialized() and dist.get_backend() == "gloo"    # runtime/p2p.py
 
     def train(self, mode: bool = True) -> "MeshRuntime":
         """Training or evaluation mode, for this runtime and its rank program's graphs."""
@@ -201,6 +202,7 @@ class MeshRuntime(nn.Module):
         averaged_over = 1 if per_token else self.dims.data
         grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin)
         ring: list[RingStep] = []
+        self.transfer.expect(receive_order(self))
         with recording(ring) if self.dims.cp > 1 else contextlib.nullcontext():
             losses = run_actions(self, chunks, flats, out_spec, loss_of, scales)
         self.transfer.wait_sends()

@@ -12,13 +12,25 @@ schedules keep (both sides walk microbatches in the same order).
 When both stages live on this rank (the turn of a V schedule: stage pp - 1 feeds stage pp on rank
 pp - 1) nothing is sent: the tensors are copied into a local mailbox the receive reads from (a copy,
 so a later stage writing into its input in place cannot change what the earlier one saved).
+
+Receiving ahead (`ahead`, on gloo): gloo moves a message only once its receive is posted (a 64 MiB
+message sent early still took its 45 ms transfer after a late receive), so a receive posted when its
+action starts waits for the whole transfer. Given the step's receives in the order the rank's
+actions take them (`expect`), the next receive is posted as soon as the one before it is complete
+and its shapes are known (a forward's once its stage's microbatch 0 arrived, a backward's once its
+stage sent a forward this step), and its message can arrive while the rank computes. One receive
+ahead at most: one more buffer. Measured on 2 busy cores (benchmarks/receive_ahead.py): a 0.5 MiB
+message's mean wait about halves; an 8 MiB one's does not move (its copies need a core, and neither
+is free). Not on NCCL, where a posted receive holds up the sends queued behind it on the same stream.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transfer", "FORWARD", "BACKWARD"]
+__all__ = ["Transfer", "Receive", "FORWARD", "BACKWARD"]
 
 FORWARD, BACKWARD = 0, 1
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
@@ -37,6 +49,16 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor([t.dim(), _DTYPES.index(t.dtype), *sizes], dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class Receive:
+    """One receive of a step: `stage`'s inputs (FORWARD) or its outputs' gradients (BACKWARD) of
+    `microbatch`, from global rank `src`."""
+    direction: int
+    stage: int
+    microbatch: int
+    src: int
+
+
 class Transfer:
     """Sends and receives of one pipeline rank; keeps in-flight sends alive until `wait_sends`."""
 
@@ -48,10 +70,17 @@ class Transfer:
         self.bytes_sent = self.messages_sent = 0
         self._local: dict[tuple[int, int, int], list[torch.Tensor]] = {}   # (stage, microbatch, direction)
         self._me = rank           # this process's global rank: a transfer to it stays local
+        self.ahead = False        # receive ahead (see the module doc): the runtime turns it on for gloo
+        self._plan: list[Receive] = []                # this step's receives still to come, in order
+        self._posted: dict[Receive, tuple[list, list[torch.Tensor]]] = {}   # posted ahead: works, buffers
+        self._grad_shapes: dict[int, list[tuple[list[int], torch.dtype]]] = {}   # stage -> its sent floats
+        self.received_ahead = 0   # receives whose message was posted before its action asked for it
 
     def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
         """Post sends of `tensors` (outputs of `stage` going forward, or gradients of `stage`'s
         inputs going back) to global rank `dst`; returns at once."""
+        if direction == FORWARD:   # what the gradients coming back will be (only floats go back)
+            self._grad_shapes[stage] = [(list(t.shape), t.dtype) for t in tensors if t.is_floating_point()]
         if dst == self._me:
             self._local[(stage, microbatch, direction)] = [t.detach().clone() for t in tensors]
             return
@@ -68,6 +97,8 @@ class Transfer:
         self.messages_sent += len(ops)
         if ops:
             self._works += dist.batch_isend_irecv(ops)
+        if direction == FORWARD:
+            self._post_next()      # the gradients of what just went forward may be the next receive
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive the `count` activations `stage` takes from global rank `src`."""
@@ -81,18 +112,58 @@ class Transfer:
         elif stage not in self._shapes:
             raise RuntimeError(f"stage {stage} received microbatch {microbatch} before microbatch 0; "
                                f"the schedule must run each stage's microbatches in order")
-        out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._shapes[stage]]
-        self._wait([dist.P2POp(dist.irecv, t, src, tag=_tag(stage - 1, microbatch, self.n_stages, FORWARD, 2 * i + 1))
-                    for i, t in enumerate(out)])
-        return out
+        return self._take(Receive(FORWARD, stage, microbatch, src))
 
     def recv_backward(self, like: list[torch.Tensor], src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive gradients for `stage`'s outputs `like` (same shapes) from global rank `src`."""
         if src == self._me:
             return self._local.pop((stage + 1, microbatch, BACKWARD))
-        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        self._wait([dist.P2POp(dist.irecv, t, src, tag=_tag(stage + 1, microbatch, self.n_stages, BACKWARD, 2 * i + 1))
-                    for i, t in enumerate(out)])
+        out = self._take(Receive(BACKWARD, stage, microbatch, src), [(list(t.shape), t.dtype) for t in like])
+        if [(o.shape, o.dtype) for o in out] != [(t.shape, t.dtype) for t in like]:
+            raise RuntimeError(f"stage {stage}'s gradients of microbatch {microbatch} were received ahead as "
+                               f"{[(tuple(o.shape), o.dtype) for o in out]}, but its outputs are "
+                               f"{[(tuple(t.shape), t.dtype) for t in like]}")
+        return out
+
+    def expect(self, receives: list[Receive]) -> None:
+        """This step's receives from other ranks, in the order the actions take them (see the module
+        doc); forgets the shapes of the step before, which may differ."""
+        self._plan, self._posted, self._grad_shapes = list(receives), {}, {}
+        self._post_next()
+
+    def _shapes_of(self, r: Receive) -> list[tuple[list[int], torch.dtype]] | None:
+        """The buffers' shapes `r` receives into, or None while unknown this step."""
+        if r.direction == FORWARD:
+            return self._shapes.get(r.stage) if r.microbatch > 0 else None
+        return self._grad_shapes.get(r.stage)
+
+    def _post(self, r: Receive, shapes: list[tuple[list[int], torch.dtype]]) -> tuple[list, list[torch.Tensor]]:
+        sender = r.stage - 1 if r.direction == FORWARD else r.stage + 1
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+        ops = [dist.P2POp(dist.irecv, t, r.src, tag=_tag(sender, r.microbatch, self.n_stages, r.direction, 2 * i + 1))
+               for i, t in enumerate(out)]
+        return (dist.batch_isend_irecv(ops) if ops else []), out
+
+    def _post_next(self) -> None:
+        if self.ahead and self._plan and self._plan[0] not in self._posted:
+            shapes = self._shapes_of(self._plan[0])
+            if shapes is not None:
+                self._posted[self._plan[0]] = self._post(self._plan[0], shapes)
+
+    def _take(self, r: Receive, shapes: list[tuple[list[int], torch.dtype]] | None = None) -> list[torch.Tensor]:
+        """Receive `r`: from its receive posted ahead if there is one, else posted now; then post the
+        next receive of the plan."""
+        posted = self._posted.pop(r, None)
+        if posted is not None:
+            self.received_ahead += 1
+        else:
+            posted = self._post(r, shapes if shapes is not None else self._shapes[r.stage])
+        works, out = posted
+        for w in works:
+            w.wait()
+        if r in self._plan:
+            del self._plan[:self._plan.index(r) + 1]
+        self._post_next()
         return out
 
     @staticmethod

@@ -20,10 +20,10 @@ import torch.utils._pytree as pytree
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.backward_split import WeightWork, backward_input, backward_weight
-from autoshard.runtime.p2p import BACKWARD, FORWARD
+from autoshard.runtime.p2p import BACKWARD, FORWARD, Receive
 from autoshard.runtime.trace import ActionRecord
 
-__all__ = ["ChunkParams", "build_chunk", "run_actions"]
+__all__ = ["ChunkParams", "build_chunk", "receive_order", "run_actions"]
 
 
 _OPS = ("call_function", "call_method", "call_module")
@@ -112,6 +112,20 @@ def build_chunk(root: torch.nn.Module, sg: StageGraph, split: bool) -> tuple[Sta
     params = ChunkParams(sg.graph)
     graph = params.tap_boundaries(sg.graph) if split and sg.index == 0 else sg.graph
     return sg, fx.GraphModule(root, graph, class_name=f"Stage{sg.index}"), params
+
+
+def receive_order(rt) -> list[Receive]:
+    """The receives from other ranks that `rt`'s actions make in one step, in order (run_actions'
+    rules: an F past the first stage receives its inputs, a B before the last stage its outputs'
+    gradients), for Transfer.expect."""
+    order = []
+    for a in rt.actions:
+        stage = rt.stage_of(a)
+        if a.kind == "F" and stage > 0:
+            order.append(Receive(FORWARD, stage, a.microbatch, rt.rank_of_stage(stage - 1)))
+        elif a.kind == "B" and stage < rt.n_stages - 1:
+            order.append(Receive(BACKWARD, stage, a.microbatch, rt.rank_of_stage(stage + 1)))
+    return [r for r in order if r.src != rt.global_rank]
 
 
 def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]], flats: list[list], out_spec,

@@ -119,7 +119,7 @@ def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace, wan
             "clipped_steps": sum(1 for n in norms if n > args.max_norm),
             "param_norm_rel": norm_rel(local, expected), "param_rel": errs[where], "worst_param": where, "params_here": len(local),
             "params_total": len(want["params"]), "bytes_sent": rt.transfer.bytes_sent,
-            "messages_sent": rt.transfer.messages_sent}
+            "messages_sent": rt.transfer.messages_sent, "received_ahead": rt.transfer.received_ahead}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -106,6 +106,9 @@ def test_gloo_pipeline_training_matches_single_device(launched, config):
         # on, each backward of a later chunk its input gradient back; one header per step and stage
         m, senders = 2 * pp, v
         assert r["messages_sent"] == 10 * (senders * m + (v - 1) * m + senders), r
+        # on gloo each receive is posted once the one before is done (runtime/p2p.py): with one chunk,
+        # rank 0 receives only its backward's gradients, each posted once its forward went out
+        assert r["received_ahead"] == 10 * m if v == 1 else r["received_ahead"] > 0, r
         trace = json.load(open(tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.json"))
         events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
         assert sum(e["cat"] in ("forward", "backward") for e in events) == 2 * tp * pp * dp * v * 2 * pp

@@ -1,5 +1,7 @@
-"""The runtime's parts on their own: Transfer over a fake wire, MeshGroups' rank lists, the Reducer
-switch (distributed and simulated give each rank the same), and the global gradient norm."""
+"""The runtime's parts on their own: Transfer over a fake wire (receiving ahead too), MeshGroups' rank
+lists, the Reducer switch (distributed and simulated give each rank the same), and the global
+gradient norm."""
+import functools
 import types
 
 import pytest
@@ -55,6 +57,69 @@ def test_transfer_refuses_a_microbatch_before_the_first(monkeypatch):
     monkeypatch.setattr(p2p, "dist", _Wire())
     with pytest.raises(RuntimeError, match="stage 1 received microbatch 1 before microbatch 0"):
         p2p.Transfer(n_stages=2).recv_forward(1, src=0, stage=1, microbatch=1)
+
+
+class _LateWire(_Wire):
+    """As _Wire, but a receive is filled when waited on, not when posted: a test sees when each
+    receive was posted (`posted`, their tags in order) apart from when it was taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.posted: list[int] = []
+
+    def batch_isend_irecv(self, ops):
+        works = []
+        for op, t, peer, tag in ops:
+            if op is self.isend:
+                self.box[tag] = t.clone()
+                works.append(types.SimpleNamespace(wait=lambda: None))
+            else:
+                self.posted.append(tag)
+                works.append(types.SimpleNamespace(wait=functools.partial(self._fill, t, tag)))
+        return works
+
+    def _fill(self, t: torch.Tensor, tag: int) -> None:
+        t.copy_(self.box.pop(tag))
+
+
+def _pair(monkeypatch, ahead: bool) -> tuple[_LateWire, p2p.Transfer, p2p.Transfer]:
+    """Stage 0 on rank 0 and stage 1 on rank 1, each told its three receives of a step."""
+    wire = _LateWire()
+    monkeypatch.setattr(p2p, "dist", wire)
+    first, last = p2p.Transfer(n_stages=2, rank=0), p2p.Transfer(n_stages=2, rank=1)
+    first.ahead = last.ahead = ahead
+    first.expect([p2p.Receive(p2p.BACKWARD, 0, i, 1) for i in range(3)])
+    last.expect([p2p.Receive(p2p.FORWARD, 1, i, 0) for i in range(3)])
+    return wire, first, last
+
+
+def test_the_next_receive_is_posted_before_its_action_asks(monkeypatch):
+    wire, first, last = _pair(monkeypatch, ahead=True)
+    acts = [torch.randn(2, 3) + i for i in range(3)]
+    first.send([acts[0]], dst=1, stage=0, microbatch=0, direction=p2p.FORWARD)
+    assert len(wire.posted) == 1              # the gradient of microbatch 0, once its shape went forward
+    assert torch.equal(last.recv_forward(1, src=0, stage=1, microbatch=0)[0], acts[0])
+    posted = len(wire.posted)                 # and microbatch 1's activation, its shape now known
+    first.send([acts[1]], dst=1, stage=0, microbatch=1, direction=p2p.FORWARD)
+    assert torch.equal(last.recv_forward(1, src=0, stage=1, microbatch=1)[0], acts[1])
+    assert last.received_ahead == 1 and len(wire.posted) == posted + 1     # microbatch 2's, posted already
+    grads = [torch.randn(2, 3)]
+    last.send(grads, dst=0, stage=1, microbatch=0, direction=p2p.BACKWARD)
+    assert torch.equal(first.recv_backward([acts[0]], src=1, stage=0, microbatch=0)[0], grads[0])
+    assert first.received_ahead == 1
+    last.send(grads, dst=0, stage=1, microbatch=1, direction=p2p.BACKWARD)
+    with pytest.raises(RuntimeError, match="stage 0's gradients of microbatch 1 were received ahead as"):
+        first.recv_backward([torch.randn(4, 3)], src=1, stage=0, microbatch=1)
+
+
+def test_without_ahead_each_receive_is_posted_by_its_own_call(monkeypatch):
+    wire, first, last = _pair(monkeypatch, ahead=False)
+    for i in range(3):
+        first.send([torch.randn(2, 3)], dst=1, stage=0, microbatch=i, direction=p2p.FORWARD)
+        before = len(wire.posted)
+        last.recv_forward(1, src=0, stage=1, microbatch=i)
+        assert len(wire.posted) == before + (2 if i == 0 else 1)     # microbatch 0: its header too
+    assert first.received_ahead == last.received_ahead == 0 and wire.box == {}
 
 
 def test_mesh_groups_hold_megatrons_rank_order(monkeypatch):
