@@ -13,8 +13,8 @@ When both stages live on this rank (the turn of a V schedule: stage pp - 1 feeds
 pp - 1) nothing is sent: the tensors are copied into a local mailbox the receive reads from (a copy,
 so a later stage writing into its input in place cannot change what the earlier one saved).
 
-Receiving ahead (`ahead`, on gloo): gloo moves a message only once its receive is posted (a 64 MiB
-message sent early still took its 45 ms transfer after a late receive), so a receive posted when its
+Receiving ahead (`ahead`, on gloo): gloo moves a message only once its receive is posted (an 8 MiB
+message sent well before its receive still took 10-12 ms after it), so a receive posted when its
 action starts waits for the whole transfer. Given the step's receives in the order the rank's
 actions take them (`expect`), the next receive is posted as soon as the one before it is complete
 and its shapes are known (a forward's once its stage's microbatch 0 arrived, a backward's once its
