@@ -26,9 +26,9 @@ from autoshard.errors import ShardingError
 from autoshard.planning.live_bytes import LiveBytes
 from autoshard.planning.op_cost import OpCost, OpWork
 from autoshard.runtime.batching import pick_loss
-from autoshard.runtime.p2p import FORWARD
+from autoshard.runtime.p2p import Receive, Transfer
 from autoshard.runtime.schedules import splits_backward, stage_index, stage_owner
-from autoshard.runtime.stage_actions import build_chunk, run_actions
+from autoshard.runtime.stage_actions import build_chunk, receive_order, run_actions
 
 __all__ = ["ActionWork", "StepBytes", "step_bytes"]
 
@@ -53,36 +53,28 @@ class StepBytes:
     actions: tuple[ActionWork, ...] = ()
 
 
-class _Transfer:
-    """runtime/p2p.py's Transfer without the other ranks: a receive returns empty tensors of the
-    shapes the sender's stage makes, a send keeps its tensors to the step's end (as the real one
-    keeps what its in-flight sends read), a transfer to this rank goes through a mailbox as a copy."""
+class _Transfer(Transfer):
+    """runtime/p2p.py's Transfer without the other ranks: a receive's buffers are empty tensors of
+    the shapes the sender's stage makes, posted when the runtime on gloo posts them (receiving ahead:
+    on NCCL, which does not, a rank holds up to one receive's buffers fewer than counted here); a
+    send keeps its tensors to the step's end, as the real one keeps what its in-flight sends read;
+    a transfer to this rank goes through the mailbox as a copy, as there."""
 
-    def __init__(self, me: int, inputs_of: dict[int, list[tuple[torch.Size, torch.dtype]]]):
-        self._me, self._inputs_of = me, inputs_of
-        self.sent_bytes = 0
-        self._kept: list[torch.Tensor] = []
-        self._local: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+    def __init__(self, me: int, n_stages: int, inputs_of: dict[int, list[tuple[torch.Size, torch.dtype]]]):
+        super().__init__(n_stages, "meta", me)
+        self.ahead = True
+        self._inputs_of = inputs_of
 
-    def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
-        if dst == self._me:
-            self._local[(stage, microbatch, direction)] = [t.detach().clone() for t in tensors]
-        else:
-            self._kept += [t.detach().contiguous() for t in tensors]
-            self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+    def _send_remote(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
+        kept = [t.detach().contiguous() for t in tensors]
+        self._buffers += kept
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in kept)
 
-    def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
-        if src == self._me:
-            return self._local.pop((stage - 1, microbatch, FORWARD))
-        return [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in self._inputs_of[stage][:count]]
+    def _receive_headers(self, count: int, src: int, stage: int) -> list[tuple[list[int], torch.dtype]]:
+        return [(list(shape), dtype) for shape, dtype in self._inputs_of[stage][:count]]
 
-    def recv_backward(self, like: list[torch.Tensor], src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
-        if src == self._me:
-            return self._local.pop((stage + 1, microbatch, 1 - FORWARD))
-        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-
-    def wait_sends(self) -> None:
-        self._kept.clear()
+    def _post(self, r: Receive, shapes: list[tuple[list[int], torch.dtype]]) -> tuple[list, list[torch.Tensor]]:
+        return [], [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes]
 
 
 class _Sampler(list):
@@ -98,8 +90,8 @@ class _Sampler(list):
         self.held = max(self.held, self.live.live)
         a = record.action
         self.actions.append(ActionWork(a.kind, record.stage, a.microbatch, self.cost.take(),
-                                       tuple(self.collectives[self._seen:]), self.transfer.sent_bytes - self._sent))
-        self._seen, self._sent = len(self.collectives), self.transfer.sent_bytes
+                                       tuple(self.collectives[self._seen:]), self.transfer.bytes_sent - self._sent))
+        self._seen, self._sent = len(self.collectives), self.transfer.bytes_sent
         super().append(record)
 
 
@@ -108,11 +100,11 @@ class _Rank:
     and the list it records actions in (kept: run_actions starts the step by assigning a new one)."""
 
     device = torch.device("meta")
-    global_rank = 0
     _origin = 0.0
 
     def __init__(self, prog, pp_rank: int, split: bool, transfer: _Transfer, sampler: _Sampler):
         self.pp, self.pp_rank, self.placement, self.dims = prog.pp, pp_rank, prog.placement, prog.dims
+        self.global_rank = pp_rank        # this walk's ranks are the pipeline's (rank_of_stage)
         self.n_stages = prog.pp * prog.virtual
         self.actions, self.split, self.transfer = prog.schedule[pp_rank], split, transfer
         self._sampler = sampler
@@ -159,10 +151,11 @@ def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) 
     log = getattr(rank, "collective_log", [])
     try:
         with _grouped_mm_on_meta(), LiveBytes("meta") as live, OpCost() as cost:
-            transfer = _Transfer(pp_rank, inputs_of)
+            transfer = _Transfer(pp_rank, prog.pp * prog.virtual, inputs_of)
             cost.take()
             del log[:]
             rt = _Rank(prog, pp_rank, split, transfer, _Sampler(live, cost, log, transfer))
+            transfer.expect(receive_order(rt))
             losses = run_actions(rt, chunks, microbatches, out_spec, lambda outputs, i: _loss(outputs),
                                  [1.0] * len(microbatches))
             rt.transfer.wait_sends()

@@ -83,7 +83,14 @@ class Transfer:
             self._grad_shapes[stage] = [(list(t.shape), t.dtype) for t in tensors if t.is_floating_point()]
         if dst == self._me:
             self._local[(stage, microbatch, direction)] = [t.detach().clone() for t in tensors]
-            return
+        else:
+            self._send_remote(tensors, dst, stage, microbatch, direction)
+        if direction == FORWARD:
+            self._post_next()      # the gradients of what just went forward may be the next receive
+
+    def _send_remote(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
+        """The wire of `send`: one isend per tensor (a header first on a forward's microbatch 0),
+        each tensor kept until `wait_sends`."""
         ops = []
         for i, t in enumerate(tensors):
             payload = t.detach().contiguous()
@@ -97,18 +104,13 @@ class Transfer:
         self.messages_sent += len(ops)
         if ops:
             self._works += dist.batch_isend_irecv(ops)
-        if direction == FORWARD:
-            self._post_next()      # the gradients of what just went forward may be the next receive
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive the `count` activations `stage` takes from global rank `src`."""
         if src == self._me:
             return self._local.pop((stage - 1, microbatch, FORWARD))
         if microbatch == 0:
-            heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
-            self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i))
-                        for i, h in enumerate(heads)])
-            self._shapes[stage] = [(sizes[:ndim], _DTYPES[code]) for ndim, code, *sizes in (h.tolist() for h in heads)]
+            self._shapes[stage] = self._receive_headers(count, src, stage)
         elif stage not in self._shapes:
             raise RuntimeError(f"stage {stage} received microbatch {microbatch} before microbatch 0; "
                                f"the schedule must run each stage's microbatches in order")
@@ -124,6 +126,13 @@ class Transfer:
                                f"{[(tuple(o.shape), o.dtype) for o in out]}, but its outputs are "
                                f"{[(tuple(t.shape), t.dtype) for t in like]}")
         return out
+
+    def _receive_headers(self, count: int, src: int, stage: int) -> list[tuple[list[int], torch.dtype]]:
+        """The shapes and dtypes of `stage`'s `count` inputs, from the headers of microbatch 0."""
+        heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
+        self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i))
+                    for i, h in enumerate(heads)])
+        return [(sizes[:ndim], _DTYPES[code]) for ndim, code, *sizes in (h.tolist() for h in heads)]
 
     def expect(self, receives: list[Receive]) -> None:
         """This step's receives from other ranks, in the order the actions take them (see the module

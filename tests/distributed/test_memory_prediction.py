@@ -1,5 +1,5 @@
 """Memory predictions against measured peaks of real gloo runs: the GPT table (memory_model.py) within
-15%, the rank's own graphs (graph_memory.py) within 1% on the GPT and 5% on other families
+15%, the rank's own graphs (graph_memory.py) within 0.1% on the GPT and 5% on other families
 (benchmarks/planner_sweep.py and graph_memory_sweep.py run the whole sweeps)."""
 import sys
 from pathlib import Path
@@ -36,13 +36,15 @@ GRAPH_JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(argv.
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", job_params(JOBS))
-def test_predicted_peak_memory_of_the_gpt_within_15_and_1_percent_of_measured(launched, name):
+def test_predicted_peak_memory_of_the_gpt_within_15_and_a_tenth_of_a_percent_of_measured(launched, name):
     config, ranks = CONFIGS[name], launched(JOBS[name])
     assert len(ranks) == 2
     for r in ranks:
         want = predicted_memory(config, r["pp_rank"], CPU).peak
         assert abs(want - r["peak_bytes"]) <= 0.15 * r["peak_bytes"], (r, want)
-        assert abs(r["graph_bytes"] - r["peak_bytes"]) <= 0.01 * r["peak_bytes"], r
+        # the walk posts each receive when the runtime on gloo does: one posted ahead and not walked
+        # was 0.4-0.5% of a pipeline rank's peak (what is left here is under 0.03%)
+        assert abs(r["graph_bytes"] - r["peak_bytes"]) <= 0.001 * r["peak_bytes"], r
 
 
 @pytest.mark.slow
