@@ -55,3 +55,4 @@ def test_zero_bubble_as_users_call_it(launched):
     assert {(r["freeze"], r["schedule"]) for r in lines} == {(f, s) for f in ("embedding", "lora") for s in ("zb-h1", "zbv")}
     for r in lines:
         assert r["all_ranks_ok"] and r["bitwise"] and r["frozen_unchanged"] and r["frozen"] > 0, r
+        assert r["received_ahead"] > 0, r         # gloo: receives posted ahead, the new length included

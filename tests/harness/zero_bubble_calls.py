@@ -7,7 +7,8 @@ all but LoRA adapters on q and v: tests/harness/frozen.py), trained 5 AdamW step
 ignored prompt labels (-100) and right padding, two train_step calls per optimizer step (the second
 clips), and a new sequence length from the fourth step. Each zero-bubble schedule's losses and
 parameters (every rank's, gathered) must equal 1F1B's bit for bit (the same arithmetic: the split
-changes when weight gradients are computed, not how), and frozen parameters must not move.
+changes when weight gradients are computed, not how), and frozen parameters must not move. The
+receives are posted ahead (runtime/p2p.py) across the change of length too.
 Rank 0 prints one JSON line per freeze and schedule.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _batches() -> list[dict]:
     return out
 
 
-def _train(how: str, schedule: str, batches: list[dict]) -> tuple[list[float], dict, dict]:
+def _train(how: str, schedule: str, batches: list[dict]) -> tuple[list[float], dict, dict, int]:
     model = _model(how)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     example = {k: v[:2] for k, v in batches[0].items()}
@@ -58,21 +59,22 @@ def _train(how: str, schedule: str, batches: list[dict]) -> tuple[list[float], d
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     params = {k: v for part in everyone for k, v in part.items()}
-    return losses, params, {n: t for n, t in frozen.items() if n in params}
+    return losses, params, {n: t for n, t in frozen.items() if n in params}, rt.transfer.received_ahead
 
 
 def main() -> None:
     def checks() -> bool:
         ok, batches = True, _batches()
         for how in ("embedding", "lora"):
-            base, base_params, _ = _train(how, "1f1b", batches)
+            base, base_params, _, _ = _train(how, "1f1b", batches)
             for schedule in ("zb-h1", "zbv"):
-                losses, params, frozen = _train(how, schedule, batches)
+                losses, params, frozen, ahead = _train(how, schedule, batches)
                 same = losses == base and params.keys() == base_params.keys() and all(
                     torch.equal(params[k], base_params[k]) for k in base_params)
                 still = all(torch.equal(params[k], t) for k, t in frozen.items())
                 ok &= agree({"freeze": how, "schedule": schedule, "bitwise": same, "frozen_unchanged": still,
-                             "frozen": len(frozen), "losses": losses}, same and still and len(frozen) > 0)
+                             "frozen": len(frozen), "losses": losses, "received_ahead": ahead},
+                            same and still and len(frozen) > 0)
         return ok
     run_checker(checks)
 
