@@ -28,6 +28,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from autoshard.runtime.p2p import FORWARD, Receive, Transfer  # noqa: E402
+from results import report  # noqa: E402
 from self_launch import run_workers  # noqa: E402
 
 MICROBATCHES, STEPS = 8, 3
@@ -112,15 +113,11 @@ def main() -> None:
         sys.exit(f"receive_ahead: --recv-ms {args.recv_ms} must exceed --send-ms {args.send_ms}, or the wait is the "
                  f"sender's")
     out = run_workers(__file__, sys.argv[1:], env={"OMP_NUM_THREADS": "1"})
-    table = _table(out, args)
-    print(table)
-    if args.append:
-        from results import append_result
-        shape = (f"2 gloo processes, {MICROBATCHES} microbatches x {STEPS} steps a round, {args.rounds} rounds, "
-                 f"sender {args.send_ms:g} ms and receiver {args.recv_ms:g} ms of compute per microbatch")
-        append_result("Receiving ahead on gloo: a stage's wait in its receive",
-                      "python benchmarks/receive_ahead.py " + " ".join(sys.argv[1:]), shape, table)
-
+    shape = (f"2 gloo processes, {MICROBATCHES} microbatches x {STEPS} steps a round, {args.rounds} rounds, "
+             f"sender {args.send_ms:g} ms and receiver {args.recv_ms:g} ms of compute per microbatch")
+    summary = "ahead / at need under 1.00: a receive posted ahead waited less than one posted by its action"
+    report(_table(out, args), summary, append=args.append,
+           title="Receiving ahead on gloo: a stage's wait in its receive", command="python benchmarks/receive_ahead.py " + " ".join(sys.argv[1:]), what=shape)
 
 if __name__ == "__main__":
     main()
