@@ -117,7 +117,9 @@ def main() -> None:
              f"sender {args.send_ms:g} ms and receiver {args.recv_ms:g} ms of compute per microbatch")
     summary = "ahead / at need under 1.00: a receive posted ahead waited less than one posted by its action"
     report(_table(out, args), summary, append=args.append,
-           title="Receiving ahead on gloo: a stage's wait in its receive", command="python benchmarks/receive_ahead.py " + " ".join(sys.argv[1:]), what=shape)
+           title="Receiving ahead on gloo: a stage's wait in its receive",
+           command="python benchmarks/receive_ahead.py " + " ".join(sys.argv[1:]), what=shape)
+
 
 if __name__ == "__main__":
     main()
