@@ -12,6 +12,7 @@ in under 95 s):
     bench-mfu      benchmarks/mfu.py --fused: a 1.3B GPT's step time and model FLOP utilization, fused
                    and unfused beside the plain model (RESULTS.md)
     bench-launch   benchmarks/launch_overhead.py: each fused op's host time per call against eager's
+    bench-layers   benchmarks/launch_layers.py: one fused op's host time taken apart, layer by layer
 
 Without a GPU the stages that need one are skipped, and the command says which. Logs go to $OUT
 (the device tool brings that folder back) or ./gpu_out, with RESULTS.md copied there after the
@@ -57,6 +58,7 @@ STAGES = (
     Stage("bench-mfu", True, ("benchmarks/mfu.py", "--fused", "--append"), ("benchmarks/mfu.py",)),
     Stage("bench-launch", True, ("benchmarks/launch_overhead.py", "--calls", "500", "--append"),
           ("benchmarks/launch_overhead.py",)),
+    Stage("bench-layers", True, ("benchmarks/launch_layers.py", "--append"), ("benchmarks/launch_layers.py",)),
 )
 
 

@@ -1,9 +1,11 @@
 """Host time per call of each fused op against the same function as eager torch ops, on inputs so
 small that the device finishes each kernel long before the host issues the next: what a fused op
-costs the CPU (custom-op dispatch, the first-use check's lookup, DLPack exchange, CuPy's launch).
+costs the CPU (custom-op dispatch and autograd, the first-use check's lookup, the arguments'
+exchange, CuPy's launch).
 
     python benchmarks/launch_overhead.py [--calls 2000] [--append]      # on a CUDA GPU
     python benchmarks/launch_overhead.py --calls 50                      # CPU: checks the script
+    python benchmarks/launch_overhead.py --profile layer_norm            # where one op's host time goes
 
 Why it exists: on the first GPU session (2026-11-27, H200) `autoshard train` on a 406M Llama ran
 1.50x slower with the fused ops than without, though each fused kernel alone beat eager torch at
@@ -14,7 +16,9 @@ back-to-back calls between two synchronizations, median of 5 rounds, per call.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
+import pstats
 import statistics
 import sys
 import time
@@ -53,14 +57,40 @@ def per_call_us(fn, device: torch.device, calls: int, rounds: int = 5) -> float:
     return 1e6 * statistics.median(times)
 
 
+def profile(op: str, device: torch.device, dtype: torch.dtype, calls: int, top: int = 30) -> None:
+    """cProfile over `calls` fused forward + backward calls of `op`: the Python functions its host
+    time goes to, most time in the function itself first (on the CPU: the torch implementations')."""
+    if op not in CASES:
+        raise SystemExit(f"--profile: no op {op!r}; ops: {', '.join(CASES)}")
+    case = CASES[op]
+    inputs = make_inputs(case, _kernel_bench().QUICK_SHAPES[len(case.bench[0])], dtype, device, seed=0)
+    with torch.no_grad():
+        grad_out = torch.randn_like(case.fused(**inputs))
+    run = _kernel_bench().passes_of(case, case.fused, inputs, grad_out)["fwd+bwd"]
+    per_call_us(run, device, 10, rounds=1)                # warm-up: the build, the first-use check
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        run()
+    profiler.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    print(f"{op} fwd+bwd, {calls} calls, {dtype} on {device}:")
+    pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--append", action="store_true")
+    ap.add_argument("--profile", metavar="OP", help="print one op's cProfile (fused fwd+bwd) instead of the table")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" and device.type == "cuda" else torch.float32
+    if args.profile:
+        profile(args.profile, device, dtype, args.calls)
+        return
     bench = _kernel_bench()
     rows = []
     for name, case in CASES.items():

@@ -2,9 +2,13 @@
 stream, or, for CPU tensors while the CPU executor is on (kernels/cpu_executor/), the same
 kernels run on the CPU through the same code here (pack choice, strides, grid sizing).
 
-Tensors cross to CuPy by DLPack (no copies), converted while CuPy's current stream is torch's, so
-the exchange adds no cross-stream wait (and works under CUDA graph capture); absent optional tensors
-are null pointers. Element-wise kernels take 16-byte packs when the last dim and every pointer allow
+Tensors cross to CuPy as bare device pointers (`data_ptr()`, offset included; absent optional
+tensors are null pointers), refused unless on the launch's device (`kernel_arg`), and the kernel is
+queued on torch's current stream, passed to the launch as a CuPy stream object cached per stream: no
+CuPy array is made per argument and no current stream or device is switched (unless the tensors'
+device is not the current one), so nothing waits across streams and a launch works under CUDA graph
+capture. (A DLPack array per argument, as before, took most of a launch's host time:
+kernels/NOTES.md.) Element-wise kernels take 16-byte packs when the last dim and every pointer allow
 (`vec`), row kernels one block per row. Which calls reach these functions, and when the torch
 implementation runs instead, is kernels/dispatch.py's business. `poisoned_outputs()` fills every
 buffer a kernel writes with NaN first, so a test sees any element a kernel leaves unwritten.
@@ -12,6 +16,7 @@ buffer a kernel writes with NaN first, so a test sees any element a kernel leave
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Iterator
 
@@ -22,8 +27,9 @@ from autoshard.kernels import cpu_executor
 from autoshard.kernels.build import function
 from autoshard.kernels.reference import result_dtype
 
-__all__ = ["poisoned_outputs", "LAUNCHES", "bias_gelu", "bias_gelu_backward", "swiglu", "swiglu_backward", "softmax",
-           "softmax_backward", "bias_dropout_add", "bias_dropout_add_backward", "norm", "norm_backward", "rotary"]
+__all__ = ["poisoned_outputs", "LAUNCHES", "kernel_arg", "bias_gelu", "bias_gelu_backward", "swiglu",
+           "swiglu_backward", "softmax", "softmax_backward", "bias_dropout_add", "bias_dropout_add_backward",
+           "norm", "norm_backward", "rotary"]
 
 _THREADS = 256
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,11 +57,15 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return _empty(t.shape, t.dtype, t.device)
 
 
-def _arg(a):
-    """A kernel argument for CuPy: tensors by DLPack, None as a null pointer, scalars as they are."""
-    import cupy
+def kernel_arg(a, device: torch.device):
+    """A kernel argument for CuPy: a tensor as its device pointer (the kernels take `T*`), None as a
+    null pointer, scalars as they are. A tensor on another device than the launch's is refused: its
+    pointer would be read as this device's memory."""
     if isinstance(a, torch.Tensor):
-        return cupy.from_dlpack(a.detach())
+        if a.device != device:
+            raise ValueError(f"kernel argument on {a.device}, the launch on {device}: every tensor of a "
+                             f"launch must be on its device")
+        return np.uint64(a.data_ptr())
     return np.uint64(0) if a is None else a
 
 
@@ -70,11 +80,40 @@ def _vec(cols: int, x: torch.Tensor, *ts: torch.Tensor | None, strides: tuple[in
     return int(all(v % n == 0 for v in (cols, *strides)) and _aligned(x, *ts))
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(like: torch.Tensor) -> int:
     """The device's multiprocessor count, or the CPU executor's stand-in for it."""
     if like.is_cuda:
-        return torch.cuda.get_device_properties(like.device).multi_processor_count
+        return _cuda_sm_count(like.device.index)
     return (cpu_executor.active() or cpu_executor.Config()).sm_count
+
+
+_STREAMS: dict[int, object] = {}        # torch stream pointer -> CuPy's ExternalStream for it
+
+
+def _cupy_stream(pointer: int):
+    stream = _STREAMS.get(pointer)
+    if stream is None:
+        import cupy
+        stream = _STREAMS[pointer] = cupy.cuda.ExternalStream(pointer)
+    return stream
+
+
+def _launch_cuda(name: str, dtype_name: str, device: torch.device, grid: int, threads: int, args: tuple) -> None:
+    """Queue the kernel on torch's current stream of `device`, whose memory every tensor is in."""
+    import cupy
+    kernel = function(name, dtype_name)
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream)
+    values = tuple(kernel_arg(a, device) for a in args)
+    if cupy.cuda.runtime.getDevice() == device.index:
+        kernel((grid,), (threads,), values, stream=stream)
+    else:
+        with cupy.cuda.Device(device.index):       # the kernel is loaded per device: pick this one's
+            kernel((grid,), (threads,), values, stream=stream)
 
 
 def _run(name: str, like: torch.Tensor, blocks: int, args: tuple, threads: int = _THREADS) -> None:
@@ -83,11 +122,7 @@ def _run(name: str, like: torch.Tensor, blocks: int, args: tuple, threads: int =
     grid = max(1, min(blocks, _sm_count(like) * 32))
     dtype_name = str(like.dtype).removeprefix("torch.")
     if like.is_cuda:
-        import cupy
-        kernel = function(name, dtype_name)
-        stream = torch.cuda.current_stream(like.device).cuda_stream
-        with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(stream):
-            kernel((grid,), (threads,), tuple(_arg(a) for a in args))
+        _launch_cuda(name, dtype_name, like.device, grid, threads, args)
     else:
         cpu_executor.launch(name, dtype_name, grid, threads, args)
     LAUNCHES[name] += 1

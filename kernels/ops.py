@@ -1,7 +1,7 @@
 """The fused ops as torch custom ops (namespace `autoshard`), so graphs, autograd and torch.compile
 see ordinary ops. Each has an exact torch implementation (kernels/reference.py) that runs on every
 device, a CUDA implementation launching the CuPy kernel of kernels/cuda/ on torch's current stream
-(tensors cross by DLPack, no copies), a fake implementation for tracing, and autograd whose
+(tensors cross as device pointers, no copies), a fake implementation for tracing, and autograd whose
 backward is again a custom op. The element-wise ops live in `elementwise_ops.py`, the row-wise ones
 (softmax, norms, rotary) in `row_ops.py`; this module is their public face.
 

@@ -47,6 +47,17 @@ def test_launch_overhead_benchmark_times_every_op():
     assert all(f"| {name} " in out for name in CASES) and "Most host time per fused call" in out, out
 
 
+def test_launch_layers_benchmark_times_each_layer_of_the_call_path():
+    from autoshard.kernels.cpu_executor import compiler
+    out = _run("launch_layers.py", "--calls", "3")
+    if compiler() is None:
+        assert "nothing to measure" in out
+        return
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "host us/call" not in line]
+    assert len(rows) == 15 and all(float(r.split("|")[3]) > 0 for r in rows), out
+    assert "the norm op" in out and "against eager layer_norm's" in out, out
+
+
 def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):
     out = _run("checkout_ab.py", ROOT, ROOT, "--quick")
     row = next(line for line in out.splitlines() if line.startswith("| gpt2 tp=2"))
