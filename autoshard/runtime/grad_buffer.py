@@ -10,10 +10,15 @@ every rank owns everything (plain data parallelism: buckets are all-reduced); wi
 buckets are reduce-scattered and each rank's optimizer steps only what it owns (ZeRO-1).
 
 `GradBuffer` keeps the buffer: a hook on each parameter adds its gradient (in any dtype) into the
-parameter's slice after autograd accumulates it and frees the parameter's own `.grad`, so
-gradients accumulate in fp32 (at least) across microbatches. With `overlap`, a bucket's reduction starts (async)
-as soon as each of its parameters has had its last microbatch's gradient; `reduce()` starts the rest
-and waits for all. runtime/gradients.py builds one per group of parameters. Each launch and completion time is recorded (`records`) for the trace.
+parameter's slice after autograd accumulates it and frees the parameter's own `.grad`, so gradients
+accumulate in fp32 (at least) across microbatches. `zero()` writes nothing: each slice is marked
+stale, a stale slice's first gradient is copied in rather than added, and a slice still stale when
+its bucket is reduced is zeroed then (a parameter no gradient reached). A memset of the whole buffer
+before every step sat on the critical path before the first action (4.7 ms a step for a rank's 34 MB
+on the 2-core CPU machine, benchmarks/RESULTS.md). With `overlap`, a bucket's reduction starts
+(async) as soon as each of its parameters has had its last microbatch's gradient; `reduce()` starts
+the rest and waits for all. runtime/gradients.py builds one per group of parameters. Each launch and
+completion time is recorded (`records`) for the trace.
 """
 from __future__ import annotations
 
@@ -112,6 +117,7 @@ class GradBuffer:
         self.records: list[ReduceRecord] = []
         self.reduced = False          # reduce() ran and zero() did not since: the data is a reduced step's
         self._seen = [0] * len(params)
+        self._stale = [True] * len(params)     # the slice holds no gradient of this step yet (zero())
         self._expected, self._scale, self._origin = 0, 1.0, 0.0
         self._launched: set[int] = set()
         self._pending: list[_Pending] = []
@@ -124,7 +130,11 @@ class GradBuffer:
 
     def _hook(self, i: int):
         def add(p: torch.nn.Parameter) -> None:
-            self.view(i).add_(p.grad)
+            if self._stale[i]:
+                self.view(i).copy_(p.grad)
+                self._stale[i] = False
+            else:
+                self.view(i).add_(p.grad)
             p.grad = None
             self._poll()
             self._seen[i] += 1
@@ -142,7 +152,15 @@ class GradBuffer:
         self._expected, self._scale, self._origin = microbatches, scale, origin
         self._launched, self._pending, self.records = set(), [], []
 
+    def _zero_stale(self, params) -> None:
+        """Slices no gradient reached since zero() hold an earlier step's: zero them before reading."""
+        for i in params:
+            if self._stale[i]:
+                self.view(i).zero_()
+                self._stale[i] = False
+
     def _launch(self, k: int) -> None:
+        self._zero_stale(self.layout.buckets[k].params)
         self._launched.add(k)
         self.records.append(ReduceRecord(k, time.time() - self._origin))
         if self.dp == 1:
@@ -167,6 +185,7 @@ class GradBuffer:
         """Sum tied parameters over their pipeline ranks, start every reduction not started yet, wait
         for all and scale: afterwards this rank's owned ranges hold the data-parallel result."""
         for i, group in self.tied_groups.items():
+            self._zero_stale((i,))
             dist.all_reduce(self.view(i), group=group)
         for k in range(len(self.layout.buckets)):
             if k not in self._launched:
@@ -185,8 +204,9 @@ class GradBuffer:
         self.reduced = True
 
     def zero(self) -> None:
+        """Forget the gradients, writing nothing (module doc): every slice stale, every `.grad` None."""
         self.reduced = False
-        self.data.zero_()
+        self._stale = [True] * len(self.params)
         for p in self.params:
             p.grad = None
 

@@ -43,5 +43,26 @@ def test_gradients_accumulate_in_fp32_and_leave_no_bf16_grad():
     assert buf.view(0).dtype == torch.float32
     assert torch.equal(buf.view(0), 0.5 * want_w)     # summed in fp32, not rounded to bf16 in between
     assert [r.bucket for r in buf.records] == [0]
+
+
+def test_zero_writes_nothing_and_a_slice_no_gradient_reached_is_reduced_as_zero():
+    """zero() only marks the slices stale (no pass over the buffer before a step): the next
+    gradient is copied over the old one, and a parameter that gets none in a step (its branch not
+    taken) is zeroed when its bucket is reduced, not reduced with the earlier step's values."""
+    w, u = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    lay = plan_layout([w.numel(), u.numel()], 1, bucket_numel=100)
+    buf = GradBuffer([w, u], lay, None, 0, dp=1)
+    x = torch.randn(2, 4)
     buf.zero()
-    assert buf.data.abs().sum() == 0
+    buf.begin(1, 1.0, 0.0)
+    (x @ w + u).pow(2).sum().backward()                  # step 1: both get gradients
+    buf.reduce()
+    step1 = buf.data.clone()
+    assert step1[lay.offsets[1]:].abs().sum() > 0
+    buf.zero()
+    assert torch.equal(buf.data, step1)                  # nothing written by zero()
+    buf.begin(1, 1.0, 0.0)
+    (x @ w).pow(2).sum().backward()                      # step 2: u takes no part
+    buf.reduce()
+    assert torch.equal(buf.view(0), torch.autograd.grad((x @ w).pow(2).sum(), w)[0])     # copied, not added
+    assert buf.view(1).abs().sum() == 0
