@@ -32,6 +32,7 @@ from autoshard.kernels.dispatch import _KERNELS, _with_fallback  # noqa: E402
 from autoshard.kernels.row_ops import _norm  # noqa: E402
 
 _NS = "launch_layers"
+_LIBRARIES: list[torch.library.Library] = []      # a Library unregisters its ops when collected
 
 
 def _clone_ops(device_key: str) -> tuple[Callable, Callable]:
@@ -45,7 +46,7 @@ def _clone_ops(device_key: str) -> tuple[Callable, Callable]:
     lib = torch.library.Library(_NS, "FRAGMENT")
     lib.define("plain_clone(Tensor x) -> Tensor")
     lib.impl("plain_clone", lambda x: x.clone(), device_key)
-    _clone_ops.keep = lib                                       # a Library unregisters when collected
+    _LIBRARIES.append(lib)
     return clone_op, torch.ops.launch_layers.plain_clone
 
 

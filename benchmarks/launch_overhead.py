@@ -62,11 +62,11 @@ def profile(op: str, device: torch.device, dtype: torch.dtype, calls: int, top: 
     time goes to, most time in the function itself first (on the CPU: the torch implementations')."""
     if op not in CASES:
         raise SystemExit(f"--profile: no op {op!r}; ops: {', '.join(CASES)}")
-    case = CASES[op]
-    inputs = make_inputs(case, _kernel_bench().QUICK_SHAPES[len(case.bench[0])], dtype, device, seed=0)
+    case, bench = CASES[op], _kernel_bench()
+    inputs = make_inputs(case, bench.QUICK_SHAPES[len(case.bench[0])], dtype, device, seed=0)
     with torch.no_grad():
         grad_out = torch.randn_like(case.fused(**inputs))
-    run = _kernel_bench().passes_of(case, case.fused, inputs, grad_out)["fwd+bwd"]
+    run = bench.passes_of(case, case.fused, inputs, grad_out)["fwd+bwd"]
     per_call_us(run, device, 10, rounds=1)                # warm-up: the build, the first-use check
     profiler = cProfile.Profile()
     profiler.enable()
