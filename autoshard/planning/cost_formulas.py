@@ -75,17 +75,23 @@ def formula(name: str) -> sp.Expr:
     return FORMULAS[name]
 
 
+_NAMES = tuple(str(x) for x in SYMBOLS)
+_KNOWN = frozenset(_NAMES)
+
+
 @lru_cache(maxsize=None)
 def _compiled(name: str):
-    return sp.lambdify(SYMBOLS, formula(name), "math")
+    """`name`'s formula as a function of every symbol in SYMBOLS' order, and the names it needs."""
+    expr = formula(name)
+    return sp.lambdify(SYMBOLS, expr, "math"), frozenset(str(x) for x in expr.free_symbols)
 
 
 def evaluate(name: str, **values: float) -> float:
-    """`name`'s formula at `values` (keyword per symbol; unused symbols may be left out)."""
-    unknown = set(values) - {str(x) for x in SYMBOLS}
-    if unknown:
-        raise TypeError(f"unknown symbols {sorted(unknown)}; symbols are {[str(x) for x in SYMBOLS]}")
-    missing = {str(x) for x in formula(name).free_symbols} - set(values)
-    if missing:
-        raise TypeError(f"formula {name!r} needs {sorted(missing)}")
-    return float(_compiled(name)(*(values.get(str(x), 1) for x in SYMBOLS)))
+    """`name`'s formula at `values` (keyword per symbol; unused symbols may be left out). The planner
+    calls this some 10^5 times a search: symbols' names are read once per formula, not per call."""
+    fn, needs = _compiled(name)
+    if not values.keys() <= _KNOWN:
+        raise TypeError(f"unknown symbols {sorted(set(values) - _KNOWN)}; symbols are {list(_NAMES)}")
+    if not needs <= values.keys():
+        raise TypeError(f"formula {name!r} needs {sorted(needs - set(values))}")
+    return float(fn(*(values.get(x, 1) for x in _NAMES)))

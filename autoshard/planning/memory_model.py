@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoshard.runtime.schedules import held_at_peak, make_schedule, peak_in_flight, schedule_spec, stage_owner
+from autoshard.runtime.schedules import frozen_schedule, held_at_peak, peak_in_flight, schedule_spec, stage_owner
 
 __all__ = ["ActivationShape", "ParamBytes", "param_bytes", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
@@ -136,12 +136,12 @@ def inflight_microbatches(schedule: str, pp: int, rank: int, microbatches: int, 
 def _split_peaks(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[int, ...]:
     """Each rank's peak of chunks held; it stops growing once m reaches 4 pp (the schedules' caps
     bind well before: tests/unit/test_zero_bubble_schedules.py), so the planner asks at most that."""
-    return tuple(peak_in_flight(make_schedule(schedule, pp, virtual, microbatches)))
+    return tuple(peak_in_flight(frozen_schedule(schedule, pp, virtual, microbatches)))
 
 
 @lru_cache(maxsize=4096)
 def _split_held(schedule: str, pp: int, virtual: int, microbatches: int, ratio: float) -> tuple[tuple[int, int], ...]:
-    return tuple(held_at_peak(make_schedule(schedule, pp, virtual, microbatches), ratio))
+    return tuple(held_at_peak(frozen_schedule(schedule, pp, virtual, microbatches), ratio))
 
 
 def inflight_layers(schedule: str, pp: int, rank: int, microbatches: int, layers_here: int, virtual: int = 1) -> float:

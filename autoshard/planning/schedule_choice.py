@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from autoshard.errors import ShardingError
-from autoshard.runtime.schedules import check, make_schedule, peak_in_flight, schedule_spec
+from autoshard.runtime.schedules import check, frozen_schedule, peak_in_flight, schedule_spec
 
 __all__ = ["StageTimes", "Candidate", "ScheduleChoice", "choose_schedule", "bubble_of", "stage_times", "CANDIDATES"]
 
@@ -69,7 +69,7 @@ class ScheduleChoice:
 @lru_cache(maxsize=4096)
 def _run(name: str, pp: int, v: int, m: int, f: float, b: float, w: float) -> tuple[float, float, int]:
     spec = schedule_spec(name)
-    steps = make_schedule(name, pp, v, m)
+    steps = frozen_schedule(name, pp, v, m)
     t = check(steps, v, m, forward_cost=f / v, backward_cost=b / v, weight_cost=w / v, placement=spec.placement)
     busy = max(sum(e - s for _, s, e in row) for row in t.spans)
     return t.makespan, (t.makespan - busy) / busy, max(peak_in_flight(steps))

@@ -29,7 +29,8 @@ optimizer post-validation buys; not run here).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from functools import lru_cache
+from typing import Callable, Sequence
 
 from autoshard.errors import ShardingError, require_positive_int
 from autoshard.runtime.list_schedule import list_schedule
@@ -37,7 +38,7 @@ from autoshard.runtime.pipeline_actions import Action, stage_index, stage_owner
 from autoshard.runtime.zbv import zbv
 
 __all__ = ["Action", "ScheduleSpec", "Timeline", "stage_index", "stage_owner", "gpipe", "one_f_one_b",
-           "interleaved_1f1b", "zb_h1", "make_schedule", "schedule_spec", "splits_backward", "check",
+           "interleaved_1f1b", "zb_h1", "make_schedule", "frozen_schedule", "schedule_spec", "splits_backward", "check",
            "bubble_fraction", "overlapped_bubble", "peak_in_flight", "held_at_peak", "SCHEDULES"]
 
 
@@ -148,7 +149,14 @@ def make_schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
     return spec.build(pp, v, m)
 
 
-def splits_backward(schedule: list[list[Action]]) -> bool:
+@lru_cache(maxsize=256)
+def frozen_schedule(name: str, pp: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """`make_schedule`'s actions as read-only tuples, built once per arguments: the planner simulates
+    one schedule at many F, B and W times."""
+    return tuple(tuple(acts) for acts in make_schedule(name, pp, v, m))
+
+
+def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
     """Whether the schedule has W actions (then each B computes the input gradients only)."""
     return any(a.kind == "W" for acts in schedule for a in acts)
 
@@ -172,7 +180,7 @@ def _dependencies(kind: str, s: int, i: int, n_stages: int) -> list[tuple[str, i
     return [("F", s, i)] + ([("B", s + 1, i)] if s < n_stages - 1 else [])
 
 
-def check(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float = 1.0,
+def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost: float = 1.0,
           backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop",
           cost_of: Callable[[str, int], float] | None = None) -> Timeline:
     """Run `schedule` with the given action costs (per chunk); raise ShardingError if it is
@@ -230,7 +238,7 @@ def bubble_fraction(timeline: Timeline) -> float:
     return (timeline.makespan - busy) / busy
 
 
-def overlapped_bubble(schedule: list[list[Action]], v: int, m: int, *, forward_cost: float = 1.0,
+def overlapped_bubble(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost: float = 1.0,
                       backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop") -> float:
     """The bubble per step when steps run back to back with no boundary between the ranks: each
     rank starts step k + 1 once its own step-k actions are done (its optimizer needs only its own
@@ -246,7 +254,7 @@ def overlapped_bubble(schedule: list[list[Action]], v: int, m: int, *, forward_c
     return (three.makespan - two.makespan - busy) / busy
 
 
-def held_at_peak(schedule: list[list[Action]], pending_weight: float) -> list[tuple[int, int]]:
+def held_at_peak(schedule: Sequence[Sequence[Action]], pending_weight: float) -> list[tuple[int, int]]:
     """Per rank, (chunk activations held, chunks waiting for their W) when `activations + pending_weight
     x waiting` peaks: between its B and its W a chunk also keeps the gradients B captured for W
     (runtime/backward_split.py), `pending_weight` of an activation's bytes."""
@@ -263,7 +271,7 @@ def held_at_peak(schedule: list[list[Action]], pending_weight: float) -> list[tu
     return out
 
 
-def peak_in_flight(schedule: list[list[Action]]) -> list[int]:
+def peak_in_flight(schedule: Sequence[Sequence[Action]]) -> list[int]:
     """Per rank, the most chunk activations held at once: from a chunk's F to its W (or its B
     when the schedule has no W)."""
     release = "W" if splits_backward(schedule) else "B"

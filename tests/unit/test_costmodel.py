@@ -35,6 +35,15 @@ def test_parameter_formula_matches_a_built_gpt2():
     assert counted == round(formula) + 2 * c.n_embd           # the paper leaves out the final norm
 
 
+def test_evaluate_names_an_unknown_or_missing_symbol_and_ignores_unused_ones():
+    assert evaluate("tp_allreduce_bytes", b=2, s=8, h=4) == 2 * 2 * 8 * 4
+    assert evaluate("tp_allreduce_bytes", b=2, s=8, h=4, t=8) == 2 * 2 * 8 * 4      # t is not in it
+    with pytest.raises(TypeError, match=r"unknown symbols \['hidden'\]"):
+        evaluate("tp_allreduce_bytes", b=2, s=8, hidden=4)
+    with pytest.raises(TypeError, match=r"'tp_allreduce_bytes' needs \['h'\]"):
+        evaluate("tp_allreduce_bytes", b=2, s=8)
+
+
 def test_gemm_time_counts_partial_waves():
     hw = PRESETS["a100-80gb"]
     one_wave = gemm_seconds(256 * 12, 128 * 9, 4096, hw)          # 108 tiles: one full wave

@@ -1,0 +1,94 @@
+"""How long the planner's search takes (`autoshard.plan` on a shape: formulas and the schedule
+simulator, no model built), for one checkout or several side by side.
+
+    python benchmarks/planner_speed.py [CHECKOUT ...] [--rounds 3] [--quick] [--append]
+
+Each run is a fresh process importing autoshard from one checkout (PYTHONPATH first; default: this
+one), one job per process; with several checkouts the runs alternate, so a shared machine's drift
+hits each side alike. Reported: the median seconds of each job per checkout and, from the second
+checkout on, the median of per-round ratios to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from results import report
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> plan() arguments: shapes the planner is run on in practice (a 64-GPU dense job, the same
+# with experts, a 512-GPU job)
+JOBS = {
+    "gpt3-175b, 64 gpus": {"shape": dict(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048),
+                           "gpus": 64, "global_batch": 1536},
+    "mixtral-8x7b (moe), 64 gpus": {"shape": dict(hidden=4096, layers=32, heads=32, vocab=32000, seq=4096),
+                                    "gpus": 64, "global_batch": 256, "moe": (8, 2, 14336)},
+    "gpt3-175b, 512 gpus": {"shape": dict(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048),
+                            "gpus": 512, "global_batch": 1536},
+}
+QUICK = {"gpt2-xl, 8 gpus": {"shape": dict(hidden=1600, layers=48, heads=25, vocab=50257, seq=1024),
+                            "gpus": 8, "global_batch": 64}}
+
+_CHILD = """
+import json, sys, time
+import autoshard
+from autoshard import plan
+from autoshard.planning.moe_cost import MoEShape
+from autoshard.planning.planner import ModelShape
+job = json.loads(sys.argv[1])
+moe = MoEShape(*job["moe"]) if "moe" in job else None
+t0 = time.perf_counter()
+found = plan(ModelShape(**job["shape"]), gpus=job["gpus"], global_batch=job["global_batch"], moe=moe)
+print(json.dumps({"file": autoshard.__file__, "seconds": time.perf_counter() - t0, "plans": len(found)}))
+"""
+
+
+def _run(checkout: Path, job: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(job)], env=env, capture_output=True, text=True,
+                         check=True, cwd=checkout).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    if not got["file"].startswith(str(checkout)):
+        raise SystemExit(f"{checkout}: imported autoshard from {got['file']}, not from the checkout")
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkouts", nargs="*", type=Path, default=[ROOT])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a small job, one round (a smoke test)")
+    ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = ap.parse_args()
+    checkouts = [c.resolve() for c in args.checkouts]
+    jobs = QUICK if args.quick else JOBS
+    rounds = 1 if args.quick else args.rounds
+    rows = []
+    for name, job in jobs.items():
+        runs = [[_run(c, job) for c in checkouts] for _ in range(rounds)]      # round -> checkout -> result
+        plans = {r["plans"] for rnd in runs for r in rnd}
+        if len(plans) != 1:
+            raise SystemExit(f"{name}: the checkouts found different numbers of plans: {sorted(plans)}")
+        row = [name, plans.pop()] + [f"{statistics.median(rnd[i]['seconds'] for rnd in runs):.2f}"
+                                     for i in range(len(checkouts))]
+        row += [f"{statistics.median(rnd[i]['seconds'] / rnd[0]['seconds'] for rnd in runs):.3f}"
+                for i in range(1, len(checkouts))]
+        rows.append(row)
+    headers = ["job", "plans"] + [f"s, {c.name}" for c in checkouts] + [f"/ {checkouts[0].name}, {c.name}"
+                                                                         for c in checkouts[1:]]
+    report(tabulate(rows, headers=headers, tablefmt="github"),
+           f"medians of {rounds} alternating rounds, one fresh process per run",
+           append=args.append, title="The planner's search time",
+           command="python benchmarks/planner_speed.py " + " ".join(map(str, args.checkouts))
+                   + f" --rounds {rounds}", what="seconds of plan() on a shape; ratio to the first checkout")
+
+
+if __name__ == "__main__":
+    main()
