@@ -44,7 +44,8 @@ import torch.multiprocessing as mp
 
 from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
 from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
-from autoshard.cpu_profile_collectives import gloo_costs, link_and_startups
+from autoshard.cpu_profile_collectives import PAIRS, gloo_costs, link_and_startups
+from autoshard.errors import require_positive_int
 from autoshard.cpu_profile_rounds import Round, layer_work, measure_rounds, per_layer, timed
 from autoshard.planning.hardware import Hardware
 
@@ -122,12 +123,12 @@ def _adam_costs(n: int = 4_000_000, small: int = 64) -> tuple[float, float]:
     return max((seconds(8, n // 8) - 8 * per_tensor) / n, 0.0), per_tensor
 
 
-def _local_worker(x: LayerShape, out) -> None:
+def _local_worker(x: LayerShape, n_rounds: int, out) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     tiny = LayerShape(1, 8, 16, 2, 1)
-    dispatch, step = per_layer(tiny, with_optimizer=True)
-    rounds = measure_rounds(x, tiny)
+    dispatch, step = per_layer(tiny, rounds=n_rounds, with_optimizer=True)
+    rounds = measure_rounds(x, tiny, rounds=n_rounds)
     gemm = statistics.median(r.gemm_rate for r in rounds)
     attention = statistics.median(r.attention_rate for r in rounds)
     elementwise, note, layer = _elementwise_rate(x, rounds)
@@ -160,15 +161,19 @@ def _spawned(target, args: tuple, n: int) -> tuple:
 
 
 def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gib: float | None = None,
-                name: str = "cpu", cache: bool = True) -> Hardware:
+                name: str = "cpu", cache: bool = True, rounds: int = 7, pairs: int = PAIRS) -> Hardware:
     """The profile of this machine for a model of these shapes (see the module docstring); measured
     in spawned processes, one thread each, in 30-60 s on 2 cores. With `cache`, a profile
     measured before on this machine for these arguments is read back instead
     (autoshard/cpu_profile_cache.py), and a new one stored. Warns when the machine was busy as it
     started (load average over half the cores) or a value fell under its floor, and again each
     time such a profile is read back: it is unreliable (measure it again on a quiet machine:
-    delete the stored file)."""
-    key = profile_key(hidden=hidden, heads=heads, seq=seq, microbatch=microbatch, memory_gib=memory_gib, name=name)
+    delete the stored file). `rounds` (compute) and `pairs` (process pairs timing the collectives):
+    fewer measure faster and hold less well on a machine whose speed moves."""
+    require_positive_int("rounds", rounds)
+    require_positive_int("pairs", pairs)
+    key = profile_key(hidden=hidden, heads=heads, seq=seq, microbatch=microbatch, memory_gib=memory_gib, name=name,
+                      rounds=rounds, pairs=pairs)
     if cache and (found := load_profile(key)) is not None:
         hw, _, notes = found
         if notes:
@@ -181,9 +186,9 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
     t0 = time.perf_counter()
     x = LayerShape(microbatch, seq, hidden, heads, 1)
     gemm, attention, elementwise, note, layer, step, adam, adam_tensor, op_overhead, op_bytes = \
-        _spawned(_local_worker, (x,), 1)
+        _spawned(_local_worker, (x, rounds), 1)
     notes += [note] if note else []
-    costs, small_bytes, nbytes = gloo_costs(x, _spawned)
+    costs, small_bytes, nbytes = gloo_costs(x, _spawned, pairs)
     link, lat, startup = link_and_startups(costs, small_bytes, nbytes, notes)
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

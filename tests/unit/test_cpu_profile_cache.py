@@ -9,10 +9,11 @@ import autoshard.cpu_profile as cpu_profile
 import autoshard.cpu_profile_collectives as collectives
 from autoshard.cpu_profile import CPU_DEFAULTS
 from autoshard.cpu_profile_cache import load_profile, profile_key, profile_path, save_profile
+from autoshard.errors import ShardingError
 from autoshard.planning.gemm_timing import LayerShape
 from autoshard.planning.hardware import Hardware
 
-SHAPE = dict(hidden=64, heads=4, seq=32, microbatch=2, memory_gib=None, name="cpu")
+SHAPE = dict(hidden=64, heads=4, seq=32, microbatch=2, memory_gib=None, name="cpu", rounds=7, pairs=collectives.PAIRS)
 HW = Hardware("cpu", peak_tflops=0.05, hbm_gb_s=3.0, memory_gib=24, gpus_per_node=2, nvlink_gb_s=1.5,
               network_gb_s=1.5, latency_us=80.0, **CPU_DEFAULTS)
 
@@ -67,6 +68,20 @@ def test_measured_once_then_read_back(tmp_path, monkeypatch, capsys):
     assert profile_path(profile_key(**SHAPE)).exists()
     _measure(cache=False)
     assert fake.calls == 2 * once
+
+
+def test_fewer_rounds_and_pairs_are_a_profile_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_profile.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    fake = _Fake()
+    monkeypatch.setattr(cpu_profile, "_spawned", fake)
+    _measure(rounds=2, pairs=2)
+    assert fake.calls == 1 + 2                        # the local measurement, then two gloo pairs
+    assert load_profile(profile_key(**SHAPE)) is None                     # not read back as the full one
+    _measure()
+    assert fake.calls == 3 + 1 + collectives.PAIRS
+    with pytest.raises(ShardingError, match="pairs must be a positive integer"):
+        _measure(pairs=0)
 
 
 def test_a_value_under_its_floor_or_a_busy_machine_is_said_each_time(tmp_path, monkeypatch):
