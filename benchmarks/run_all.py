@@ -14,7 +14,8 @@
    simulated step against the model's, fused kernels against eager on CUDA).
 4. The planner's memory and step-time predictions against our CPU gloo runs (planner_sweep.py), memory
    read off the graphs of three model families against measured runs (graph_memory_sweep.py), the
-   planner's pick of a fixed job against its candidates measured (planner_choice.py),
+   planner's pick of a fixed job against its candidates measured (planner_choice.py), the
+   planner's search time (planner_speed.py),
    and the activation bytes one layer saves per recompute mode (activation_memory.py, printed).
 5. The distributed optimizer at dp=2 and 4, fp32 and bf16 weights: bytes per parameter per rank
    against the cost model's accounting, and step time with the gradient reduction overlapped or after backward.
@@ -74,6 +75,7 @@ def commands(quick: bool, append: bool) -> list[list[str]]:
     out.append([py, str(HERE / "graph_memory_sweep.py"), *(["--configs", "0", "11"] if quick else []), *extra])
     if not quick:
         out.append([py, str(HERE / "planner_choice.py"), *extra])
+    out.append([py, str(HERE / "planner_speed.py"), *(["--quick"] if quick else []), *extra])
     if not quick:
         out.append([py, str(HERE / "activation_memory.py")])
     # the distributed optimizer: bytes per parameter against the accounting, overlap on and off
