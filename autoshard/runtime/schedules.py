@@ -28,6 +28,7 @@ optimizer post-validation buys; not run here).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
@@ -195,38 +196,55 @@ def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost:
     cost = {"F": forward_cost, "B": backward_cost + (0.0 if split else weight_cost), "W": weight_cost}
     want = {(k, s, i) for k in kinds for s in range(n_stages) for i in range(m)}
     seen: set[tuple[str, int, int]] = set()
+    # per rank, each action with its (kind, stage, microbatch), what it waits for and its cost, worked
+    # out once (the planner simulates schedules of 10^4 actions thousands of times a search)
+    prepared: list[list[tuple[Action, tuple[str, int, int], list[tuple[str, int, int]], float]]] = []
     for r, acts in enumerate(schedule):
+        row = []
         for a in acts:
-            key = (a.kind, a.stage(r, pp, placement), a.microbatch)
+            s = a.stage(r, pp, placement)
+            key = (a.kind, s, a.microbatch)
             if key in seen or key not in want:
                 raise ShardingError(f"rank {r}: action {a} is {'repeated' if key in seen else 'out of range'}")
             seen.add(key)
+            row.append((a, key, _dependencies(a.kind, s, a.microbatch, n_stages),
+                        cost_of(a.kind, s) if cost_of is not None else cost[a.kind]))
+        prepared.append(row)
     if seen != want:
         missing = sorted(want - seen)[:4]
         raise ShardingError(f"schedule is incomplete: {len(want - seen)} actions missing, e.g. "
                             + ", ".join(f"{k}(stage {s}, microbatch {i})" for k, s, i in missing))
+    # Each rank runs its actions in order until one needs an action not yet run, and is woken when
+    # that one is done. An action starts at the later of its rank's clock and its inputs' ends, so
+    # the timeline does not depend on the order in which the ranks are visited.
     done: dict[tuple[str, int, int], float] = {}
     pos, clock = [0] * pp, [0.0] * pp
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
-    while any(pos[r] < len(schedule[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(schedule[r]):
-                a = schedule[r][pos[r]]
-                s = a.stage(r, pp, placement)
-                deps = _dependencies(a.kind, s, a.microbatch, n_stages)
-                if any(d not in done for d in deps):
+    waiting: dict[tuple[str, int, int], list[int]] = {}       # an action not yet run -> the ranks stopped at it
+    ready = deque(range(pp))
+    while ready:
+        r = ready.popleft()
+        row, p, t = prepared[r], pos[r], clock[r]
+        while p < len(row):
+            a, key, deps, seconds = row[p]
+            start, blocker = t, None
+            for d in deps:
+                end = done.get(d)
+                if end is None:
+                    blocker = d
                     break
-                start = max([clock[r]] + [done[d] for d in deps])
-                end = start + (cost_of(a.kind, s) if cost_of is not None else cost[a.kind])
-                done[(a.kind, s, a.microbatch)] = clock[r] = end
-                spans[r].append((a, start, end))
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = ", ".join(f"rank {r} waits at {schedule[r][pos[r]]}" for r in range(pp)
-                              if pos[r] < len(schedule[r]))
-            raise ShardingError(f"schedule deadlocks: {stuck}")
+                start = max(start, end)
+            if blocker is not None:
+                waiting.setdefault(blocker, []).append(r)
+                break
+            t = done[key] = start + seconds
+            spans[r].append((a, start, t))
+            p += 1
+            ready.extend(waiting.pop(key, ()))
+        pos[r], clock[r] = p, t
+    if any(pos[r] < len(schedule[r]) for r in range(pp)):
+        stuck = ", ".join(f"rank {r} waits at {schedule[r][pos[r]]}" for r in range(pp) if pos[r] < len(schedule[r]))
+        raise ShardingError(f"schedule deadlocks: {stuck}")
     return Timeline(spans, placement)
 
 
