@@ -10,6 +10,8 @@ from autoshard.runtime.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    schedule_spec,
+    stage_index,
 )
 
 SWEEP = [(pp, v, m) for pp in (1, 2, 3, 4, 8) for v in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp, 4 * pp)]
@@ -100,3 +102,39 @@ def test_checker_finds_missing_and_repeated_actions():
 def test_invalid_combinations(call, match):
     with pytest.raises(ShardingError, match=match):
         call()
+
+
+
+def _swept(schedule, v: int, placement: str, cost_of) -> list[list[tuple[str, float, float]]]:
+    """The timeline by the plainest rule: sweep the ranks again and again, each running what it can,
+    until every action has run (how `check` computed it before it woke only the ranks an action frees)."""
+    pp = len(schedule)
+    done, pos, clock = {}, [0] * pp, [0.0] * pp
+    out = [[] for _ in range(pp)]
+    while any(pos[r] < len(schedule[r]) for r in range(pp)):
+        for r in range(pp):
+            while pos[r] < len(schedule[r]):
+                a = schedule[r][pos[r]]
+                s, i = stage_index(r, a.chunk, pp, placement), a.microbatch
+                deps = {"W": [("B", s, i)], "F": [("F", s - 1, i)] if s > 0 else [],
+                        "B": [("F", s, i)] + ([("B", s + 1, i)] if s < pp * v - 1 else [])}[a.kind]
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                done[(a.kind, s, i)] = clock[r] = start + cost_of(a.kind, s)
+                out[r].append((str(a), start, clock[r]))
+                pos[r] += 1
+    return out
+
+
+@pytest.mark.parametrize("name,pp,v,m", [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("zb-h1", 4, 1, 8),
+                                         ("zbv", 3, 2, 6), ("v-half", 4, 2, 8), ("gpipe", 3, 1, 5)])
+def test_the_timeline_does_not_depend_on_the_order_the_ranks_are_visited_in(name, pp, v, m):
+    """check() wakes a rank when the action it waits for is done; a plain sweep of every rank until
+    all have finished gives the same spans to the float, with costs that differ per stage and kind."""
+    placement = schedule_spec(name).placement
+    costs = {(k, s): 1.0 + 0.37 * s + {"F": 0.0, "B": 0.21, "W": 0.13}[k] for k in "FBW" for s in range(pp * v)}
+    schedule = make_schedule(name, pp, v, m)
+    got = check(schedule, v, m, placement=placement, cost_of=lambda kind, stage: costs[(kind, stage)])
+    want = _swept(schedule, v, placement, lambda kind, stage: costs[(kind, stage)])
+    assert [[(str(a), s, e) for a, s, e in row] for row in got.spans] == want
