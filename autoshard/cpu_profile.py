@@ -46,7 +46,7 @@ from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_
 from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
 from autoshard.cpu_profile_collectives import PAIRS, gloo_costs, link_and_startups
 from autoshard.errors import require_positive_int
-from autoshard.cpu_profile_rounds import Round, layer_work, measure_rounds, per_layer, timed
+from autoshard.cpu_profile_rounds import ROUNDS, Round, layer_work, measure_rounds, per_layer, timed
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
@@ -161,7 +161,7 @@ def _spawned(target, args: tuple, n: int) -> tuple:
 
 
 def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gib: float | None = None,
-                name: str = "cpu", cache: bool = True, rounds: int = 7, pairs: int = PAIRS) -> Hardware:
+                name: str = "cpu", cache: bool = True, rounds: int = ROUNDS, pairs: int = PAIRS) -> Hardware:
     """The profile of this machine for a model of these shapes (see the module docstring); measured
     in spawned processes, one thread each, in 30-60 s on 2 cores. With `cache`, a profile
     measured before on this machine for these arguments is read back instead

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from autoshard.cpu_profile_collectives import PAIRS
+from autoshard.cpu_profile_rounds import ROUNDS
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["profile_key", "profile_path", "load_profile", "save_profile"]
@@ -39,10 +41,11 @@ def _processor() -> str:
 _FIELDS = 4
 
 
-def profile_key(**shape) -> dict:
-    """What a profile measured with `shape` (measure_cpu's arguments) depends on."""
+def profile_key(*, rounds: int = ROUNDS, pairs: int = PAIRS, **shape) -> dict:
+    """What a profile measured with `shape` (measure_cpu's arguments, its `rounds` and `pairs`
+    defaulting to measure_cpu's) depends on."""
     return {"host": socket.gethostname(), "processor": _processor(), "cores": os.cpu_count() or 1,
-            "torch": torch.__version__, "fields": _FIELDS, **shape}
+            "torch": torch.__version__, "fields": _FIELDS, "rounds": rounds, "pairs": pairs, **shape}
 
 
 def profile_path(key: dict) -> Path:

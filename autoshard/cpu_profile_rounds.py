@@ -21,7 +21,9 @@ import torch
 from autoshard.planning.gemm_timing import GEMMS, LayerShape
 from autoshard.planning.op_cost import OpWork
 
-__all__ = ["Round", "measure_rounds", "timed", "per_layer", "layer_work"]
+__all__ = ["ROUNDS", "Round", "measure_rounds", "timed", "per_layer", "layer_work"]
+
+ROUNDS = 7               # rounds of the compute measurements (their median)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def _one_layer(two, four) -> tuple[float, float]:
     return layer, max(0.0, t2 - 2 * layer)
 
 
-def per_layer(x: LayerShape, rounds: int = 7, **kw) -> tuple[float, float]:
+def per_layer(x: LayerShape, rounds: int = ROUNDS, **kw) -> tuple[float, float]:
     """(one layer's seconds, the rest's): a 4-layer step against a 2-layer one, timed in `rounds`
     alternating rounds, the median of each round's difference."""
     two, four = _layer_step(x, 2, **kw), _layer_step(x, 4, **kw)
@@ -105,7 +107,7 @@ def per_layer(x: LayerShape, rounds: int = 7, **kw) -> tuple[float, float]:
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
-def measure_rounds(x: LayerShape, tiny: LayerShape, rounds: int = 7) -> list[Round]:
+def measure_rounds(x: LayerShape, tiny: LayerShape, rounds: int = ROUNDS) -> list[Round]:
     """`rounds` rounds of the four compute measurements (the module doc), each GEMM and attention
     call the median of 5 runs within its round."""
     steps = {shape: (_layer_step(shape, 2), _layer_step(shape, 4)) for shape in (tiny, x)}

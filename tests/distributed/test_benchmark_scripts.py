@@ -69,10 +69,10 @@ def test_checkout_comparison_runs_each_side_from_its_own_checkout(tmp_path):
 
 
 def test_planner_speed_times_a_search_from_each_checkout(tmp_path):
-    out = _run("planner_speed.py", ROOT, ROOT, "--quick")
+    out = _run("planner_speed.py", "--quick")                  # this checkout alone: one process
     row = next(line for line in out.splitlines() if line.startswith("| gpt2-xl"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert len(cells) == 5 and int(cells[1]) > 0 and all(float(c) > 0 for c in cells[2:]), out
+    assert len(cells) == 3 and int(cells[1]) > 0 and float(cells[2]) > 0, out
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "planner_speed.py"), str(tmp_path), "--quick"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode != 0 and f"{tmp_path}: imported autoshard from" in proc.stderr

@@ -139,8 +139,9 @@ def test_hardware_cpu_estimates_with_this_machines_stored_profile(tmp_path, monk
                   network_gb_s=1.5, latency_us=80.0, **CPU_DEFAULTS)
     # one process: dp = 1, one microbatch of the whole --batch 8
     save_profile(profile_key(hidden=64, heads=4, seq=64, microbatch=8, memory_gib=None, name="cpu"), hw, 90.0)
-    out = _train(tmp_path / "run", *LLAMA, "--steps", "2", "--hardware", "cpu").stdout
-    assert "s on cpu)" in out and "measured the cpu profile" not in out, out
+    proc = _train(tmp_path / "run", *LLAMA, "--steps", "2", "--hardware", "cpu")
+    assert "s on cpu)" in proc.stdout, proc.stdout
+    assert "measured the cpu profile" not in proc.stdout + proc.stderr, proc.stderr[-2000:]      # read back
 
 
 @pytest.mark.slow

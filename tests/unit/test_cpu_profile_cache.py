@@ -13,7 +13,7 @@ from autoshard.errors import ShardingError
 from autoshard.planning.gemm_timing import LayerShape
 from autoshard.planning.hardware import Hardware
 
-SHAPE = dict(hidden=64, heads=4, seq=32, microbatch=2, memory_gib=None, name="cpu", rounds=7, pairs=collectives.PAIRS)
+SHAPE = dict(hidden=64, heads=4, seq=32, microbatch=2, memory_gib=None, name="cpu")
 HW = Hardware("cpu", peak_tflops=0.05, hbm_gb_s=3.0, memory_gib=24, gpus_per_node=2, nvlink_gb_s=1.5,
               network_gb_s=1.5, latency_us=80.0, **CPU_DEFAULTS)
 
