@@ -1,12 +1,14 @@
 """How long the planner's search takes (`autoshard.plan` on a shape: formulas and the schedule
-simulator, no model built), for one checkout or several side by side.
+simulator, no model built) and the simulator alone, for one checkout or several side by side.
 
     python benchmarks/planner_speed.py [CHECKOUT ...] [--rounds 3] [--quick] [--append]
 
 Each run is a fresh process importing autoshard from one checkout (PYTHONPATH first; default: this
 one), one job per process; with several checkouts the runs alternate, so a shared machine's drift
 hits each side alike. Reported: the median seconds of each job per checkout and, from the second
-checkout on, the median of per-round ratios to the first.
+checkout on, the median of per-round ratios to the first. A simulator job's seconds are the fastest
+of 5 runs of `check` in its process; each job's result (the plans found, the timeline's makespan)
+must be the same on every checkout, or the script stops.
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ JOBS = {
     "gpt3-175b, 512 gpus": {"shape": dict(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048),
                             "gpus": 512, "global_batch": 1536},
 }
+# the schedule simulator alone (runtime/schedules.check, most of a large search): one schedule of
+# 1,000-12,000 actions, the fastest of 5 runs
+JOBS.update({f"simulate {name}, pp {pp}, m {m}": {"schedule": [name, pp, v, m]}
+             for name, pp, v, m in [("1f1b", 32, 1, 128), ("zb-h1", 32, 1, 128), ("interleaved", 16, 2, 64),
+                                    ("zbv", 16, 2, 64), ("v-half", 8, 2, 32)]})
 QUICK = {"gpt2-xl, 8 gpus": {"shape": dict(hidden=1600, layers=48, heads=25, vocab=50257, seq=1024),
                             "gpus": 8, "global_batch": 64}}
 
@@ -42,11 +49,22 @@ import autoshard
 from autoshard import plan
 from autoshard.planning.moe_cost import MoEShape
 from autoshard.planning.planner import ModelShape
+from autoshard.runtime.schedules import check, make_schedule, schedule_spec
 job = json.loads(sys.argv[1])
-moe = MoEShape(*job["moe"]) if "moe" in job else None
-t0 = time.perf_counter()
-found = plan(ModelShape(**job["shape"]), gpus=job["gpus"], global_batch=job["global_batch"], moe=moe)
-print(json.dumps({"file": autoshard.__file__, "seconds": time.perf_counter() - t0, "plans": len(found)}))
+if "schedule" in job:
+    name, pp, v, m = job["schedule"]
+    steps, runs = make_schedule(name, pp, v, m), []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        timeline = check(steps, v, m, backward_cost=1.1, weight_cost=0.9, placement=schedule_spec(name).placement)
+        runs.append(time.perf_counter() - t0)
+    seconds, result = min(runs), timeline.makespan
+else:
+    moe = MoEShape(*job["moe"]) if "moe" in job else None
+    t0 = time.perf_counter()
+    found = plan(ModelShape(**job["shape"]), gpus=job["gpus"], global_batch=job["global_batch"], moe=moe)
+    seconds, result = time.perf_counter() - t0, len(found)
+print(json.dumps({"file": autoshard.__file__, "seconds": seconds, "result": result}))
 """
 
 
@@ -73,15 +91,15 @@ def main() -> None:
     rows = []
     for name, job in jobs.items():
         runs = [[_run(c, job) for c in checkouts] for _ in range(rounds)]      # round -> checkout -> result
-        plans = {r["plans"] for rnd in runs for r in rnd}
-        if len(plans) != 1:
-            raise SystemExit(f"{name}: the checkouts found different numbers of plans: {sorted(plans)}")
-        row = [name, plans.pop()] + [f"{statistics.median(rnd[i]['seconds'] for rnd in runs):.2f}"
+        results = {r["result"] for rnd in runs for r in rnd}
+        if len(results) != 1:
+            raise SystemExit(f"{name}: the checkouts disagree (plans found, or the timeline's makespan): {sorted(results)}")
+        row = [name, results.pop()] + [f"{statistics.median(rnd[i]['seconds'] for rnd in runs):.4f}"
                                      for i in range(len(checkouts))]
         row += [f"{statistics.median(rnd[i]['seconds'] / rnd[0]['seconds'] for rnd in runs):.3f}"
                 for i in range(1, len(checkouts))]
         rows.append(row)
-    headers = ["job", "plans"] + [f"s, {c.name}" for c in checkouts] + [f"/ {checkouts[0].name}, {c.name}"
+    headers = ["job", "plans / makespan"] + [f"s, {c.name}" for c in checkouts] + [f"/ {checkouts[0].name}, {c.name}"
                                                                          for c in checkouts[1:]]
     report(tabulate(rows, headers=headers, tablefmt="github"),
            f"medians of {rounds} alternating rounds, one fresh process per run",
