@@ -42,14 +42,22 @@ print(json.dumps({"file": autoshard.__file__, "compile_s": t1 - t0, "step_s": (t
 """
 
 
-def _run(checkout: str, name: str, kw: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": checkout, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(kw)], env=env, capture_output=True,
+def run_in_checkout(checkout: str, child: str, *args: str, hint: str = "") -> dict:
+    """Run the Python source `child` with `args` in a fresh process (one thread) that imports
+    autoshard from `checkout` (PYTHONPATH first, the checkout as working folder); the JSON of its
+    last printed line, which must name the autoshard it imported as "file" (a process that imported
+    another autoshard stops the script, naming both, and `hint`)."""
+    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", child, *args], env=env, capture_output=True,
                          text=True, check=True, cwd=checkout).stdout
     got = json.loads(out.strip().splitlines()[-1])
     if not got["file"].startswith(os.path.abspath(checkout)):
-        raise SystemExit(f"{checkout}: imported autoshard from {got['file']}; see the module docstring")
+        raise SystemExit(f"{checkout}: imported autoshard from {got['file']}{hint}")
     return got
+
+
+def _run(checkout: str, name: str, kw: dict) -> dict:
+    return run_in_checkout(checkout, _CHILD, name, json.dumps(kw), hint="; see the module docstring")
 
 
 def main() -> None:

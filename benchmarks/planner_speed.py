@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
+from checkout_ab import run_in_checkout
 from results import report
 from tabulate import tabulate
 
@@ -35,7 +33,7 @@ JOBS = {
     "gpt3-175b, 512 gpus": {"shape": dict(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048),
                             "gpus": 512, "global_batch": 1536},
 }
-# the schedule simulator alone (runtime/schedules.check, most of a large search): one schedule of
+# the schedule simulator alone (runtime/schedule_run.check, most of a large search): one schedule of
 # 1,000-12,000 actions, the fastest of 5 runs
 JOBS.update({f"simulate {name}, pp {pp}, m {m}": {"schedule": [name, pp, v, m]}
              for name, pp, v, m in [("1f1b", 32, 1, 128), ("zb-h1", 32, 1, 128), ("interleaved", 16, 2, 64),
@@ -68,16 +66,6 @@ print(json.dumps({"file": autoshard.__file__, "seconds": seconds, "result": resu
 """
 
 
-def _run(checkout: Path, job: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(job)], env=env, capture_output=True, text=True,
-                         check=True, cwd=checkout).stdout
-    got = json.loads(out.strip().splitlines()[-1])
-    if not got["file"].startswith(str(checkout)):
-        raise SystemExit(f"{checkout}: imported autoshard from {got['file']}, not from the checkout")
-    return got
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkouts", nargs="*", type=Path, default=[ROOT])
@@ -90,7 +78,9 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     rows = []
     for name, job in jobs.items():
-        runs = [[_run(c, job) for c in checkouts] for _ in range(rounds)]      # round -> checkout -> result
+        runs = []                                            # round -> checkout -> result
+        for _ in range(rounds):
+            runs.append([run_in_checkout(c, _CHILD, json.dumps(job), hint=", not from the checkout") for c in checkouts])
         results = {r["result"] for rnd in runs for r in rnd}
         if len(results) != 1:
             raise SystemExit(f"{name}: the checkouts disagree (plans found, or the timeline's makespan): {sorted(results)}")
