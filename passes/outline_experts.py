@@ -48,6 +48,9 @@ class ExpertRegion:
     weights: int
     params: dict[str, int]
     tensor_parallel: bool
+    # parameters the region adds after its g (a row-parallel bias: gpt-oss's down_proj_bias): the
+    # model's own experts module, run per tp rank when bound, adds them to each rank's partial sum
+    after_reduce: tuple[str, ...] = ()
 
 
 def _paths(node: fx.Node) -> set[str]:
@@ -80,6 +83,19 @@ def outline_experts(graph: fx.Graph, experts: dict[str, int], value_of: Callable
     return regions
 
 
+def _after_reduce(body: fx.Graph, params: dict[str, int]) -> tuple[str, ...]:
+    """The parameters of a tensor-parallel region none of whose uses reaches its g: added to the
+    reduced sum, so counted once (compile/experts_call.py runs them on one tp rank)."""
+    reaches_g: set[fx.Node] = set()
+    for n in reversed(body.nodes):
+        if (n.op == "call_module" and n.target == "g") or any(u in reaches_g for u in n.users):
+            reaches_g.add(n)
+    if not any(n.op == "call_module" and n.target == "g" for n in body.nodes):
+        return ()
+    inputs = [n for n in body.nodes if n.op == "placeholder"]
+    return tuple(name for name, i in params.items() if inputs[i] not in reaches_g)
+
+
 def _read_region(name: str, body: fx.Graph, call: fx.Node, path: str, count: int,
                  value_of: Callable[[fx.Node], object], param_names: dict[str, str]) -> ExpertRegion:
     outs = next(n for n in body.nodes if n.op == "output").args[0]
@@ -109,7 +125,7 @@ def _read_region(name: str, body: fx.Graph, call: fx.Node, path: str, count: int
         hidden = [i for i, v in floats if tuple(v.shape) != k_shape]
         if len(weights) == 1 and len(hidden) == 1 and len(shapes[hidden[0]]) == 2 and len(k_shape) == 2:
             return ExpertRegion(name, body, path, count, hidden[0], index[0], weights[0], params,
-                                any(n.op == "call_module" for n in body.nodes))
+                                any(n.op == "call_module" for n in body.nodes), _after_reduce(body, params))
     raise ShardingError(f"{path}: expert parallelism expects the experts call to read hidden states [n, H], "
                         f"top-k indices [n, k] and top-k weights [n, k]; its tensor inputs are "
                         f"{[(str(call.args[i]), shapes[i], str(v.dtype)) for i, v in tensors]}")

@@ -13,7 +13,10 @@ dispatches the (token, slot) pairs to their experts' owners and runs the model's
 there, on this rank's parameter slices (`torch.func.functional_call` on a copy of the module that
 holds no weights, its `num_experts` set to the local count). A region whose experts are also split
 over tensor-parallel ranks applies Megatron's f to the tokens and weights sent (their gradients are
-partial sums over the tp ranks) and g to the combined output (each tp rank holds a partial sum).
+partial sums over the tp ranks) and g to the combined output (each tp rank holds a partial sum). A
+parameter the region adds after its g (a row-parallel bias, gpt-oss's `down_proj_bias`) is added by
+the model's module to every rank's partial sum: it is given its value on tp rank 0 alone and zeros
+elsewhere (its gradient, the same on every rank, reaches each rank's copy), so the sum counts it once.
 """
 from __future__ import annotations
 
@@ -65,6 +68,20 @@ def weightless_copy(module: nn.Module) -> nn.Module:
     return view
 
 
+class _CountedOnce(torch.autograd.Function):
+    """A term each tp rank adds to its partial sum before g: its value on the first rank, zeros on
+    the others; backward passes the gradient to every rank's copy (g's backward is the identity, so
+    each rank's is the whole gradient, as for any replicated parameter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, first: bool) -> torch.Tensor:
+        return x.clone() if first else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class ExpertsCall(nn.Module):
     """One experts call of a rank graph (see the module docstring)."""
 
@@ -88,6 +105,11 @@ class ExpertsCall(nn.Module):
     def _inputs(self, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunLocal]:
         r = self.region
         weights = {name.rsplit(".", 1)[-1]: args[i] for name, i in r.params.items()}
+        if r.tensor_parallel:
+            first = self._sync[0].handle.rank == 0
+            for name in r.after_reduce:
+                short = name.rsplit(".", 1)[-1]
+                weights[short] = _CountedOnce.apply(weights[short], first)
 
         def run_local(xs, ids, ws):
             return torch.func.functional_call(self._experts, weights, (xs, ids, ws))
