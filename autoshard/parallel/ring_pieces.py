@@ -59,7 +59,9 @@ class _RingPieces(torch.autograd.Function):
         qs, ks, vs, pos = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:]
         cp = red.group_size(n)
         outs = [torch.zeros_like(q) for q in qs]
-        lses = [torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for q in qs]
+        # log-sum-exps in float32 (the fused op's for half types), float64 for float64 (its backward takes no other)
+        lses = [torch.full(q.shape[:-1], float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32),
+                           device=q.device) for q in qs]
         blocks = list(zip(ks, vs, pos))
         for blocks in ring_loop(red, blocks, cp, overlap):
             for i in range(n):

@@ -166,18 +166,21 @@ def test_a_scan_over_the_tokens_is_refused_naming_the_node():
         autoshard(_CumulativeMean(), cp=2, example_inputs=(torch.randint(0, 128, (2, 16)),))
 
 
-@pytest.mark.parametrize("form", ["bool-mask", "additive-mask", "causal", "gqa-causal", "no-mask"])
+@pytest.mark.parametrize("form", ["bool-mask", "additive-mask", "causal", "gqa-causal", "no-mask", "causal-float64"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_ring_attention_equals_sdpa(form, overlap):
     """The ring (blocks merged by their log-sum-exp, dk / dv travelling home) against SDPA on every
     token: outputs and q, k, v gradients, with the sends overlapped or not. The additive mask has a
-    row whose every key is the dtype's lowest value, where SDPA's backward reads p = 1 per key."""
+    row whose every key is the dtype's lowest value, where SDPA's backward reads p = 1 per key.
+    Regression (causal-float64): the fused pieces kept float32 log-sum-exps, which the float64
+    backward refused (what `autoshard verify` runs an unpadded batch in)."""
     from autoshard.parallel.comm import SIMULATED
     from autoshard.parallel.ring_attention import ring_attention
     g = torch.Generator().manual_seed(5)
     b, h, seq, e, cp = 2, 4, 24, 8, 3
     hk = 2 if form == "gqa-causal" else h
-    q, k, v = (torch.randn(b, n, seq, e, generator=g, requires_grad=True) for n in (h, hk, hk))
+    dtype = torch.float64 if form.endswith("float64") else torch.float32
+    q, k, v = (torch.randn(b, n, seq, e, generator=g, dtype=dtype, requires_grad=True) for n in (h, hk, hk))
     causal = "causal" in form
     mask = None
     if form == "bool-mask":
@@ -189,7 +192,7 @@ def test_ring_attention_equals_sdpa(form, overlap):
         mask[1, :, 4] = torch.finfo(torch.float32).min
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                             enable_gqa=hk < h)
-    dout = torch.randn(want.shape, generator=g)
+    dout = torch.randn(want.shape, generator=g, dtype=dtype)
     grads = torch.autograd.grad(want, (q, k, v), dout)
     pos = [context_positions(seq, cp, r) for r in range(cp)]
     outs = ring_attention(SIMULATED, [q[:, :, p] for p in pos], [k[:, :, p] for p in pos], [v[:, :, p] for p in pos],
