@@ -84,10 +84,13 @@ class InputBinder:
     model_name: str
     signature: inspect.Signature
     hf: bool
+    cache_default: bool = False      # an HF model whose config says use_cache: called without it, it uses a cache
 
     @classmethod
     def of(cls, model: nn.Module) -> "InputBinder":
-        return cls(type(model).__name__, inspect.signature(model.forward), _is_hf(model))
+        sig, hf = inspect.signature(model.forward), _is_hf(model)
+        cache = hf and "use_cache" in sig.parameters and bool(getattr(getattr(model, "config", None), "use_cache", False))
+        return cls(type(model).__name__, sig, hf, cache)
 
     def __call__(self, args: tuple, kwargs: dict) -> dict[str, object]:
         """Named inputs; HF models get use_cache=False (training)."""
@@ -101,8 +104,28 @@ class InputBinder:
             if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
                 named.update(named.pop(name))
         if "use_cache" in sig.parameters and "use_cache" not in named and self.hf:
+            if self.cache_default:
+                _refuse_packed_with_cache(self.model_name, named)
             named["use_cache"] = False
         return named
+
+
+def _refuse_packed_with_cache(model_name: str, named: dict[str, object]) -> None:
+    """transformers masks each packed document apart (position_ids that restart inside a row) only
+    without a cache; a model whose config says use_cache, called without use_cache=False, attends
+    across the documents, while the program, which never holds a cache, would mask them apart."""
+    pos = named.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or named.get("attention_mask") is not None or pos.dim() < 2 \
+            or pos.shape[-1] < 2 or pos.is_meta:
+        return
+    restarts = (pos.diff(dim=-1) != 1).nonzero()
+    if len(restarts):
+        at = restarts[0].tolist()
+        at[-1] += 1
+        raise CaptureError(f"{model_name}: position_ids restart inside a row (at index {tuple(at)}: packed "
+                           f"documents) with no attention_mask, and its config says use_cache=True: transformers then "
+                           f"attends across the documents, which the program (no cache) would mask apart; pass "
+                           f"use_cache=False to mask each document apart (packed training), or an attention_mask")
 
 
 def normalize_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, object]:

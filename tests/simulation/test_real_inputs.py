@@ -236,3 +236,19 @@ def test_real_use_sweep(name, tp, pp):
             continue
         assert case.error <= case.tolerance, (case.name, case.error)
     assert not [c.name for c in cases if c.refusal], "every case here is expected to run"
+
+
+def test_packed_positions_with_the_models_cache_on_are_refused_not_masked_otherwise():
+    """Regression: position_ids restarting in a row with no mask: the model (config use_cache=True)
+    attends across the documents, the program masked them apart (logits 0.39 apart)."""
+    model = build_model("llama", layers=2)
+    ids = torch.randint(0, 128, (2, 16))
+    pos = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, 16)
+    prog = autoshard(model, tp=2, example_kwargs={"input_ids": ids})
+    with pytest.raises(CaptureError, match=r"position_ids restart inside a row \(at index \(0, 8\).*use_cache=False"):
+        prog.simulate(input_ids=ids, position_ids=pos)
+    got = prog.simulate(input_ids=ids, position_ids=pos, use_cache=False).logits
+    want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert max_rel(got, want) < 1e-5
+    plain = prog.simulate(input_ids=ids, position_ids=torch.arange(16).expand(2, 16)).logits   # no restart: taken
+    assert max_rel(plain, model(input_ids=ids).logits) < 1e-5
