@@ -39,3 +39,40 @@ def no_loss():
 def small_mixtral():
     from autoshard.testing.models import build_moe
     return build_moe("mixtral")
+
+
+def configless_lm():
+    """A small causal language model with no `config` (nothing to read a vocabulary from but its
+    embedding): 96 ids."""
+    import torch
+    from torch import nn
+
+    class Nano(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(96, 32)
+            self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+            self.head = nn.Linear(32, 96)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.head(self.mlp(self.embed(input_ids)))      # [B, T, 96]
+            if labels is None:
+                return logits
+            return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+    return Nano()
+
+
+def needs_segments():
+    """A model whose forward requires an input verify does not build (`segment_ids`)."""
+    from torch import nn
+
+    class Segmented(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 16)
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, input_ids, segment_ids, labels=None):
+            return self.head(self.embed(input_ids + segment_ids))
+    return Segmented()

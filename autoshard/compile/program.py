@@ -204,6 +204,11 @@ class ShardedProgram:
     def eval(self) -> "ShardedProgram":
         return self.train(False)
 
+    def zero_grad(self) -> None:
+        """Every built rank's gradients set to None (data replicas' too), as `model.zero_grad()`."""
+        for rank in self._cut.all():
+            rank.zero_grad(set_to_none=True)
+
     def manual_seed(self, seed: int) -> None:
         """Seed every rank's dropout generators: same masks outside tensor-parallel regions on every
         rank, a different stream per rank inside them; the same seed gives the same masks again."""

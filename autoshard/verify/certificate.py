@@ -71,6 +71,7 @@ class Certificate:
     twin: list[str] = field(default_factory=list)        # what the reduced twin changed; empty: the model itself
     refusals: list[str] = field(default_factory=list)     # a run that could not be made, said why
     notes: list[str] = field(default_factory=list)        # what else the reader must know (precision, ...)
+    split_refused: bool = False         # the compile refused the split for this model: a bad input, not a verdict
     seconds: float = 0.0
 
     @property

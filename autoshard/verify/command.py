@@ -21,7 +21,7 @@ from autoshard.api import autoshard
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import SCHEDULES
-from autoshard.verify.batch import verification_batch
+from autoshard.verify.batch import verification_batch, vocab_of
 from autoshard.verify.certificate import Certificate
 from autoshard.verify.gloo import run_in_processes
 from autoshard.verify.run import Split, verify_model
@@ -112,7 +112,7 @@ def _planned(model: nn.Module, args) -> dict[str, object]:
     """The split autoshard(world_size=...) picks for this model at the verified length."""
     if not args.world_size:
         raise VerifyError("--plan needs --world-size N (the processes the run will have)")
-    batch = verification_batch(model, args.world_size, args.seq or 16, getattr(model.config, "vocab_size", 128))
+    batch = verification_batch(model, args.world_size, args.seq or 16, vocab_of(model))
     prog = autoshard(model, world_size=args.world_size, global_batch=args.world_size, example_kwargs=batch.inputs)
     return prog.split()
 
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"autoshard verify: {e}", file=sys.stderr)
+        return 2
+    if cert.split_refused:          # the split cannot be built for this model: say why in one line
+        print(f"autoshard verify: {cert.refusals[0]}", file=sys.stderr)
         return 2
     print(cert.render(), flush=True)
     return 0 if cert.passed else 1

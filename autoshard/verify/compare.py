@@ -8,10 +8,16 @@ their collectives, pipeline stages in turn, expert- and context-parallel replica
 the weighted sum reaches every rank's shards.
 
 Then each rank's gradient shard is compared with the same slice of the model's gradient (every rank:
-rows two ranks hold must both be right), and one AdamW step is taken on each rank's shards and on
+rows two ranks hold must both be right), and an AdamW step is taken on each rank's shards and on
 the model, and the updated shards compared. With expert or context parallelism a rank's gradient is
 its replica's part of the batch only (the runtime sums them over the data ranks): there the
-reassembled, summed gradients are compared and the step is taken on them.
+reassembled, summed gradients are compared, the step is taken on them and the stepped weights are
+loaded back into every replica.
+
+Several steps are taken, one per batch, each optimizer keeping its state: a bug that needs weights
+the program itself has moved (a copy of a weight the step does not reach, a term that is zero only
+at the initial values) shows from the second step. Each item is the worst over the steps and names
+the step it was found in.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from autoshard.runtime import loss_tokens
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.verify.certificate import Item, worst_by_group
 
-__all__ = ["compare_step", "tp_slice", "STEP"]
+__all__ = ["compare_steps", "tp_slice", "STEP"]
 
 # AdamW's settings for the step compared. Adam's update lr * g / (|g| + eps) turns a rounding
 # difference dg of a gradient near eps into lr * dg / (4 eps) of weight: eps well above the gradients'
@@ -39,7 +45,8 @@ def _pieces(prog, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tenso
     slices = split_batch(inputs, prog.dp, "dp")
     per_slice = [split_batch(s, prog.microbatches, "microbatches") for s in slices]
     if prog.dims.ep > 1 or prog.cp > 1:
-        return [{k: torch.cat([mbs[i][k] for mbs in per_slice]) for k in inputs} for i in range(prog.microbatches)]
+        return [{k: torch.cat([mbs[i][k] for mbs in per_slice]) if isinstance(v, torch.Tensor) else v
+                 for k, v in inputs.items()} for i in range(prog.microbatches)]
     return [mb for mbs in per_slice for mb in mbs]
 
 
@@ -53,10 +60,37 @@ def _floating_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance: float) -> list[Item]:
-    """Outputs, gradients and one AdamW step of `prog` (compiled from a copy of `model`, same weights)
-    against `model` on `inputs`; `model` is trained by it (pass a copy)."""
+def compare_steps(prog, model: nn.Module, batches: list[tuple[str, dict[str, torch.Tensor]]],
+                  tolerance: float) -> list[Item]:
+    """Outputs, gradients and an AdamW step of `prog` (compiled from a copy of `model`, same weights)
+    against `model`, once per (label, inputs) of `batches`; `model` is trained by it (pass a copy).
+    Each (kind, group) is one item: its worst step."""
+    opt = _Steps(prog, model)
+    worst: dict[tuple[str, str], Item] = {}
+    for k, (label, inputs) in enumerate(batches, 1):
+        for item in _one_step(prog, model, inputs, tolerance, opt):
+            item = Item(item.kind, item.group, item.error, f"step {k} ({label}): {item.where}", item.tolerance)
+            key = (item.kind, item.group)
+            if key not in worst or item.error > worst[key].error or item.error != item.error:
+                worst[key] = item
+    return list(worst.values())
+
+
+class _Steps:
+    """The optimizers the steps share: the model's, and each rank's (or, with data replicas in the
+    simulator, one over the reassembled full weights, loaded back into the program after each step)."""
+
+    def __init__(self, prog, model: nn.Module):
+        self.model = torch.optim.AdamW(list(model.parameters()), **STEP)
+        self.ranks = [torch.optim.AdamW(list(r.parameters()), **STEP) for r in prog.ranks()] if _per_rank(prog) else []
+        self.full: dict[str, nn.Parameter] = {}
+        self.full_opt: torch.optim.Optimizer | None = None
+
+
+def _one_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance: float, opt: _Steps) -> list[Item]:
     items: list[Item] = []
+    prog.zero_grad()
+    model.zero_grad(set_to_none=True)
     pieces = _pieces(prog, inputs)
     graphs = [prog.rank(0).graph_for((), p) for p in pieces]
     counter = loss_tokens.loss_tokens(graphs[0][0])      # the runtime's own count and weights (module
@@ -84,7 +118,7 @@ def compare_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolera
     ref_loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     items += _grad_items(prog, ref_grads, tolerance)
-    items += _step_items(prog, model, tolerance)
+    items += _step_items(prog, model, tolerance, opt)
     return items
 
 
@@ -134,21 +168,21 @@ def _grad_items(prog, ref_grads: dict[str, torch.Tensor], tolerance: float) -> l
     return _worst_by_group("gradient", errors, tolerance)
 
 
-def _step_items(prog, model: nn.Module, tolerance: float) -> list[Item]:
-    torch.optim.AdamW([p for p in model.parameters() if p.grad is not None], **STEP).step()
+def _step_items(prog, model: nn.Module, tolerance: float, opt: _Steps) -> list[Item]:
+    opt.model.step()
     want = {n: p.detach() for n, p in model.named_parameters() if p.grad is not None}
     if _per_rank(prog):
-        for rank in prog.ranks():
-            torch.optim.AdamW([p for p in rank.parameters() if p.grad is not None], **STEP).step()
+        for rank_opt in opt.ranks:
+            rank_opt.step()
         errors = _rank_errors(prog, lambda p: p.detach(), want, _norm_errors)
     else:
         grads, weights = prog.full_grads(), prog.full_state_dict()
-        stepped = {}
-        for name in want:
-            w = nn.Parameter(weights[name].clone())
+        if opt.full_opt is None:
+            opt.full = {n: nn.Parameter(w.clone()) for n, w in weights.items()}
+            opt.full_opt = torch.optim.AdamW(list(opt.full.values()), **STEP)
+        for name, w in opt.full.items():
             w.grad = grads.get(name)
-            if w.grad is not None:
-                torch.optim.AdamW([w], **STEP).step()
-            stepped[name] = w.detach()
-        errors = {n: (e, n) for n, e in _norm_errors(stepped, want).items()}
+        opt.full_opt.step()
+        prog.load_state_dict({n: w.detach().clone() for n, w in opt.full.items()}, strict=False)
+        errors = {n: (e, n) for n, e in _norm_errors({n: opt.full[n].detach() for n in want}, want).items()}
     return _worst_by_group("weight", errors, tolerance)

@@ -9,6 +9,9 @@ draw the same mask everywhere, an op whose input differs (a sharded region) must
 mask as another rank. The ranks' outputs must agree. Masks are read where an op shows them
 (`native_dropout`'s mask, zeros of `dropout`); attention with dropout inside SDPA hides its mask, so
 the tensor-parallel streams' seeds are checked too (one per rank).
+
+With recomputation, backward runs each region again and must draw forward's masks again
+(`recompute_items`): the split is run against itself without recomputation, dropout on, same seeds.
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.parallel.rng import RegionRandomOp
-from autoshard.testing.metrics import max_rel
+from autoshard.runtime.batching import pick_loss
+from autoshard.testing.metrics import max_rel, scaled_errors
 from autoshard.verify.certificate import Item
 
-__all__ = ["dropout_settings", "without_dropout", "dropout_items"]
+__all__ = ["dropout_settings", "without_dropout", "dropout_items", "recompute_items"]
 
 
 def dropout_settings(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -106,3 +110,30 @@ def dropout_items(model: nn.Module, split: dict, piece: dict[str, torch.Tensor],
 
 def _leaves(out: object) -> list[torch.Tensor]:
     return [t.detach() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def recompute_items(model: nn.Module, split: dict, piece: dict[str, torch.Tensor], compile_split,
+                    tolerance: float) -> list[Item]:
+    """With recomputation and dropout: the split against the same split without recomputation, both
+    with the model's dropout and the same seeds, on `piece`. Backward's recomputation must draw
+    forward's masks again, so the loss and every gradient agree; a recomputation that does not
+    restore the dropout streams computes gradients for other masks than the loss saw."""
+    if split.get("recompute", "none") in (None, "none") or not dropout_settings(model):
+        return []
+    runs = []
+    for recompute in (split["recompute"], "none"):
+        prog = compile_split(copy.deepcopy(model).float(), piece, {**split, "recompute": recompute})
+        prog.train()
+        prog.manual_seed(1)
+        torch.manual_seed(1)            # torch's own generator, where a model draws from it
+        loss = pick_loss(prog.simulate(**piece))
+        loss.backward()
+        runs.append((loss.detach(), prog.full_grads()))
+    (loss, grads), (plain_loss, plain_grads) = runs
+    errors = scaled_errors({n: grads.get(n) for n in plain_grads if plain_grads[n] is not None},
+                           {n: g for n, g in plain_grads.items() if g is not None})
+    worst = max(errors, key=lambda n: errors[n] if errors[n] == errors[n] else float("inf"), default=None)
+    err = max(max_rel(loss, plain_loss), errors[worst] if worst else 0.0)
+    return [Item("dropout", f"recompute={split['recompute']} replays forward's masks", err,
+                 f"against recompute=none, same seeds: loss {max_rel(loss, plain_loss):.2g}"
+                 + (f", worst gradient {worst}" if worst else ""), tolerance)]

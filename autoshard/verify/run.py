@@ -12,10 +12,11 @@ from autoshard.api import autoshard
 from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path
 from autoshard.runtime.batching import pick_loss
-from autoshard.verify.batch import verification_batch
+from autoshard.verify.batch import boundary_ids, label_classes, step_batches, verification_batch, vocab_of
 from autoshard.verify.certificate import Certificate, Fallback
-from autoshard.verify.compare import compare_step
-from autoshard.verify.dropout import dropout_items, without_dropout
+from autoshard.verify.compare import compare_steps
+from autoshard.verify.dropout import dropout_items, recompute_items, without_dropout
+from autoshard.verify.perturb import perturb_weights
 
 __all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "TOLERANCES"]
 
@@ -83,15 +84,18 @@ def rows_and_seq(split: dict, seq: int | None) -> tuple[int, int]:
 def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | None = None, seq: int | None = None,
                  twin: list[str] | None = None, notes: list[str] | None = None) -> Certificate:
     """Certify `split` (autoshard()'s tp, pp, ... as a dict) of `model` (left untouched): compile a
-    float64 (else float32) copy, run it against another copy on a batch with padding and ignored
-    labels, and return the certificate. `twin`: what was reduced, when `model` stands in for a larger
-    one (verify/twin.py)."""
+    float64 (else float32) copy with every weight moved off its initial value (verify/perturb.py),
+    run it against another copy for several steps on batches with padding and without, ignored
+    labels and every vocabulary shard's edge ids (verify/batch.py), and return the certificate.
+    `twin`: what was reduced, when `model` stands in for a larger one (verify/twin.py)."""
     started = time.perf_counter()
-    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 128
+    vocab = vocab or vocab_of(model)
     rows, seq = rows_and_seq(split, seq)
-    batch = verification_batch(model, rows, seq, vocab)
-    original = model
     model = copy.deepcopy(model)
+    classes = label_classes(model, rows, seq, vocab)       # on the copy: a forward may update its buffers
+    batch = verification_batch(model, rows, seq, vocab, classes=classes)
+    perturb_weights(model)
+    original = copy.deepcopy(model)          # dropout kept: its regions are checked on their own
     dropped = without_dropout(model)
     wide, dtype_note = _widest(model, batch.inputs)
     dtype = next(wide.parameters()).dtype
@@ -99,6 +103,8 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
                        TOLERANCES[dtype], "", batch.description, twin=list(twin or []))
     cert.runs.append("simulation (every rank in this process)")
     cert.notes = list(notes or [])
+    cert.notes.append("every weight moved off its initial value first (biases not 0, norm weights not 1; "
+                      "verify/perturb.py)")
     if dropped:
         cert.notes.append(f"dropout set to 0 in {dropped} module(s) for the comparison (its masks are random); its "
                           "regions are checked on their own (the dropout items)")
@@ -109,6 +115,7 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
         prog = autoshard(wide, example_kwargs=example, **split)
     except ShardingError as e:
         cert.refusals.append(f"the compile refused this split: {e}")
+        cert.split_refused = True
         cert.seconds = time.perf_counter() - started
         return cert
     narrow = _narrow_ops(prog, dtype)
@@ -119,10 +126,14 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     else:
         cert.tolerance_reason = f"every op in {str(dtype).removeprefix('torch.')}: only summation order differs"
     cert.fallbacks = _fallbacks(prog)
+    steps = step_batches(wide, rows, seq, vocab, boundary_ids(prog, vocab), classes)
+    cert.batch = f"{len(steps)} steps: " + "; ".join(f"{label}: {b.description}" for label, b in steps)
     try:
-        cert.items = compare_step(prog, reference, batch.inputs, cert.tolerance)
+        cert.items = compare_steps(prog, reference, [(label, b.inputs) for label, b in steps], cert.tolerance)
         cert.items += dropout_items(original, split, example,
                                     lambda m, ex: autoshard(m, example_kwargs=ex, **split))
+        cert.items += recompute_items(original, split, example, lambda m, ex, s: autoshard(m, example_kwargs=ex, **s),
+                                      TOLERANCES[torch.float32])
     except Exception as e:          # a program that raises is not verified; say where
         cert.refusals.append(f"the sharded program raised {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
     cert.seconds = time.perf_counter() - started

@@ -16,7 +16,8 @@ def test_verify_gloo_certifies_tp2_pp2_in_four_processes():
                           "--tp", "2", "--pp", "2", "--gloo"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "gloo, 4 processes" in run.stdout and "loss (gloo)" in run.stdout
-    assert "(gloo rank 3)" in run.stdout or "(gloo rank 2)" in run.stdout     # the last stage's ranks reported
+    assert "(gloo rank 3, step" in run.stdout or "(gloo rank 2, step" in run.stdout     # the last stage's ranks
+    assert "step 2 (unpadded)" in run.stdout or "step 4 (packed)" in run.stdout         # and several steps
     assert run.stdout.strip().splitlines()[-1].startswith("VERIFIED")
 
 

@@ -1,6 +1,12 @@
 """Planted bugs for `autoshard verify` to catch: each a small patch of one compiler or runtime part,
 applied while the model is compiled and verified, and the model and split that exercise it.
 
+`Mutation.reveals` names the certificate's input that a bug of its kind needs to show, where only
+one does: "weights" (moved off their initial values), "ids" (every vocabulary shard's edge ids),
+"masks" (an unpadded batch beside the padded one), "positions" (a packed batch), "dropout" (dropout
+on, recomputation against none) and "steps" (several optimizer steps). Each such bug changes
+nothing on the model's initial weights, a random padded batch and one step with dropout off.
+
     python -m tests.harness.mutations          # the table: bug -> first failing item, and whether
                                                # comparing losses alone would have caught it
 
@@ -11,23 +17,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
 import torch
 
+import autoshard.compile.recompute as recompute
+import autoshard.compile.compiler as compiler
+import autoshard.compile.trace_cache as trace_cache
+import autoshard.compile.simulate as simulate
 import autoshard.parallel.expert_parallel as expert_parallel
+import autoshard.parallel.ring_pieces as ring_pieces
 import autoshard.parallel.rng as rng
 import autoshard.parallel.sequence_parallel as sequence_parallel
 import autoshard.parallel.tensor_parallel as tensor_parallel
 import autoshard.parallel.vocab_parallel as vocab_parallel
 import autoshard.runtime.loss_tokens as loss_tokens
 from autoshard.compile import stage_layout, weights
+from autoshard.passes.rewrite import edits
 from autoshard.testing.models import build_model, build_moe
 from autoshard.verify import Certificate, verify_model
 
 __all__ = ["MUTATIONS", "Mutation", "run_mutation"]
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class Mutation:
     model: str                  # testing.models' name, "mixtral", or "nanogpt-dropout"
     split: dict
     patch: Callable[[], contextlib.AbstractContextManager]
+    reveals: str = ""           # the one certificate input this kind of bug needs to show (module doc)
 
 
 def _run_with(cls, reducer_change: Callable):
@@ -243,6 +259,83 @@ def _sp_split_reversed():
                      lambda red: {"all_gather": lambda xs, d: red.all_gather(xs[::-1], d)})
 
 
+def _row_bias_before_reduce():
+    """A row-parallel linear's bias added to each rank's partial sum before g: counted tp times (a
+    bias at 0, as every Hugging Face bias starts, hides it)."""
+    def reduce_row(rw, call, e, new):
+        if call.bias is not None:
+            new = rw.g.call_function(aten.add.Tensor, (new, call.bias))
+            call.bias = None
+        return original(rw, call, e, new)
+    original = edits._reduce_row
+    row = edits.EDITS[edits.RowParallel]
+    return mock.patch.dict(edits.EDITS, {edits.RowParallel: dataclasses.replace(row, after=reduce_row)})
+
+
+def _vocab_lower_bound_off_by_one():
+    """The vocabulary-parallel embedding takes a shard's first id for another rank's (`lt` as `le`):
+    that id's row is zeroed on every rank. Random ids of a large vocabulary rarely hold it."""
+    def lookup(rw, call, e):
+        original(rw, call, e)
+        for n in rw.g.nodes:
+            if n.op == "call_function" and n.target is aten.lt.Scalar and n.args[1] == 0:
+                n.target = aten.le.Scalar
+    original = edits._vocab_lookup
+    row = edits.EDITS[edits.VocabLookup]
+    return mock.patch.dict(edits.EDITS, {edits.VocabLookup: dataclasses.replace(row, apply=lookup)})
+
+
+class _UnmaskedDiagonalBackward:
+    """torch.ops.aten, with the flash attention backward run without its causal mask."""
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+        if name != "_scaled_dot_product_flash_attention_for_cpu_backward":
+            return op
+        return lambda *args, **kwargs: op(*args[:7], False, *args[8:], **kwargs)
+
+
+def _ring_diagonal_unmasked():
+    """The context-parallel ring's fused per-piece path (unpadded batches take it) runs its diagonal
+    pieces' backward without the causal mask."""
+    return mock.patch.object(ring_pieces, "aten", _UnmaskedDiagonalBackward())
+
+
+def _stale_weight_copy():
+    """Each rank's forward reads a copy of every weight taken at its first call (as a cast copy
+    nobody refreshes), while gradients reach the weight: right until the first step moves it."""
+    copies: dict[int, torch.Tensor] = {}
+    original = simulate.fetch_attr
+
+    def fetch(gm, target):
+        w = original(gm, target)
+        if not isinstance(w, torch.nn.Parameter):
+            return w
+        held = copies.setdefault(id(w), w.detach().clone())
+        return held + (w - w.detach())
+    return mock.patch.object(simulate, "fetch_attr", fetch)
+
+
+def _packed_documents_joined():
+    """The program captured as if the model held a cache: transformers then skips its packed-document
+    masking, so each packed document attends to the one before it (as the model does with use_cache,
+    which the program must refuse or match). The trace cache is bypassed: its key cannot see this."""
+    import transformers.masking_utils as masking_utils
+    original = compiler.capture
+
+    def capture(*args, **kwargs):
+        with mock.patch.dict(os.environ, {trace_cache.ENV: "0"}), \
+                mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+            return original(*args, **kwargs)
+    return mock.patch.object(compiler, "capture", capture)
+
+
+def _recompute_draws_new_masks():
+    """Recomputation does not restore the dropout streams: backward's masks are new draws."""
+    return mock.patch.object(recompute, "_replaying",
+                             lambda trackers: (contextlib.nullcontext(), contextlib.nullcontext()))
+
+
 LLAMA = dict(tp=2, pp=2, microbatches=2)
 MUTATIONS = [
     Mutation("f-missing", "f's backward does not all-reduce (column-parallel input gradients partial)", "llama", LLAMA,
@@ -292,12 +385,32 @@ MUTATIONS = [
              "nanogpt-dropout", dict(tp=2), _dropout_region_mislabeled),
     Mutation("experts-wrong-owner", "expert parallelism sends each owner's tokens to the other owner", "mixtral",
              dict(dp=2, ep=2), _experts_to_wrong_owner),
+    Mutation("row-bias-before-reduce", "a row-parallel bias added on every rank before the all-reduce", "gpt2",
+             dict(tp=2), _row_bias_before_reduce, reveals="weights"),
+    Mutation("vocab-lower-bound", "the vocabulary-parallel embedding drops each shard's first id", "llama-vocab512",
+             dict(tp=2), _vocab_lower_bound_off_by_one, reveals="ids"),
+    Mutation("ring-diagonal-unmasked", "the unpadded ring's diagonal pieces run backward unmasked", "llama",
+             dict(cp=2, dp=2), _ring_diagonal_unmasked, reveals="masks"),
+    Mutation("recompute-new-masks", "recomputation draws new dropout masks in backward", "gpt2-dropout",
+             dict(tp=2, recompute="full"), _recompute_draws_new_masks, reveals="dropout"),
+    Mutation("packed-documents-joined", "packed documents attend to each other (the mask a cache would give)",
+             "llama", dict(tp=2), _packed_documents_joined, reveals="positions"),
+    Mutation("stale-weight-copy", "forward reads a copy of each weight that the optimizer step does not reach",
+             "llama", dict(tp=2), _stale_weight_copy, reveals="steps"),
 ]
 
 
 def _model(name: str) -> torch.nn.Module:
     if name == "mixtral":
         return build_moe("mixtral")
+    if name == "llama-vocab512":             # random ids of 512 rarely hold a shard's first id
+        import transformers as hf
+        torch.manual_seed(0)
+        return hf.LlamaForCausalLM(hf.LlamaConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                                  hidden_size=64, intermediate_size=128, vocab_size=512,
+                                                  max_position_embeddings=64))
+    if name == "gpt2-dropout":
+        return build_model("gpt2", layers=2, heads=8, hidden=64, dropout=0.1)
     if name == "nanogpt-dropout":            # attention written out: its dropout's masks are visible
         return build_model("nanogpt-manual", layers=2, heads=8, hidden=64, dropout=0.1)
     return build_model(name, layers=2, heads=8, kv_heads=2, hidden=64)

@@ -7,17 +7,31 @@ import pytest
 import torch
 
 from autoshard import autoshard
+from autoshard.testing.current_models import build_current
 from autoshard.testing.models import build_model, build_moe
 from autoshard.verify import verify_model
 from autoshard.verify.twin import twin_config
 from tests.harness.mutations import MUTATIONS, run_mutation
 
 
+def _build(name):
+    if name == "GptOss":
+        return build_current(name)
+    return build_moe(name) if name == "mixtral" else build_model(name, layers=2)
+
+
 @pytest.mark.parametrize("name,split", [("gpt2", dict(tp=2, pp=2, microbatches=2)),
                                         ("llama", dict(tp=2, dp=2, sequence_parallel=True, recompute="full")),
-                                        ("mixtral", dict(tp=2, dp=2, ep=2))])
+                                        ("mixtral", dict(tp=2, dp=2, ep=2)),
+                                        # regression: gpt-oss's down_proj_bias was added on every tp rank
+                                        # of an expert-parallel rank before g (counted tp times once the
+                                        # bias moved off 0: wrong from the second step of training)
+                                        ("GptOss", dict(tp=2, dp=2, ep=2)),
+                                        # regression: the ring's fused pieces (unpadded batches) kept their
+                                        # log-sum-exps in float32, which the float64 backward refused
+                                        ("llama", dict(cp=2, dp=2))])
 def test_correct_programs_are_verified(name, split):
-    model = build_moe(name) if name == "mixtral" else build_model(name, layers=2)
+    model = _build(name)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cert = verify_model(model, split)
     assert cert.passed, cert.render()
@@ -53,6 +67,28 @@ def test_planted_bug_fails_verify_naming_what_differs(mutation):
 
 def test_mutation_suite_is_distinct_and_large_enough():
     assert len({m.name for m in MUTATIONS}) == len(MUTATIONS) >= 20
+
+
+def test_every_input_of_the_certificate_has_a_bug_only_it_reveals():
+    """Each kind is a planted bug the certificate before these inputs called VERIFIED (moved weights,
+    shard-edge ids, unpadded and packed batches, recomputation against none, several steps); the
+    parametrized test above asserts each is caught."""
+    assert {m.reveals for m in MUTATIONS} >= {"weights", "ids", "masks", "positions", "dropout", "steps"}
+
+
+def test_certificate_moves_weights_and_takes_steps_on_edge_ids_unpadded_and_packed():
+    cert = verify_model(build_model("llama", layers=2), dict(tp=2))
+    assert cert.passed, cert.render()
+    assert "4 steps" in cert.batch and "unpadded" in cert.batch and "packed" in cert.batch, cert.batch
+    assert "shard-edge ids 0, 63, 64, 127" in cert.batch, cert.batch
+    assert any("moved off its initial value" in n for n in cert.notes)
+    assert {i.where.split(" ")[1] for i in cert.items} >= {"1", "2"}      # worst steps named
+
+
+def test_recomputation_is_checked_against_none_with_dropout_on():
+    cert = verify_model(build_model("gpt2", layers=2, dropout=0.1), dict(tp=2, recompute="full"))
+    assert cert.passed, cert.render()
+    assert any(i.kind == "dropout" and "recompute=full" in i.group for i in cert.items), cert.render()
 
 
 def test_prog_verify_leaves_the_program_alone():
@@ -109,3 +145,50 @@ def test_cli_verifies_the_planners_split_and_refuses_plan_with_a_split():
     assert run.returncode == 0 and "split: tp=" in run.stdout, run.stdout + run.stderr
     refused = _cli(*small, "--plan", "--world-size", "2", "--tp", "2")
     assert refused.returncode == 2 and "--plan verifies the split the planner chooses" in refused.stderr
+
+
+def _verify_cli(capsys, *args):
+    from autoshard.verify.command import main
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+SMALL_LLAMA = ["--model", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+               "--vocab", "128", "--max-positions", "64"]
+
+
+def test_cli_a_split_the_model_cannot_take_exits_2_in_one_line(capsys):
+    """Regression: tp=3 with 4 heads printed a whole certificate and exited 1."""
+    code, out, err = _verify_cli(capsys, *SMALL_LLAMA, "--tp", "3")
+    assert code == 2 and not out, out
+    assert len(err.strip().splitlines()) == 1 and "the compile refused this split" in err and "3" in err, err
+
+
+def test_cli_a_factory_model_without_a_config_is_verified_or_its_plan_refused_in_one_line(capsys):
+    """Regression: --plan read model.config (AttributeError: 'Nano' object has no attribute 'config').
+    The planner cannot read such a model's shape: it says so; a split given is verified, the
+    vocabulary read off its embedding (96 ids: shard edges 0, 47, 48, 95)."""
+    code, out, err = _verify_cli(capsys, "--model", "tests.factories:configless_lm", "--plan", "--world-size", "2")
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1 and "has no `config`" in err, err
+    code, out, err = _verify_cli(capsys, "--model", "tests.factories:configless_lm", "--tp", "2")
+    assert code == 0, out + err
+    assert "shard-edge ids 0, 47, 48, 95" in out and out.strip().splitlines()[-1].startswith("VERIFIED"), out
+
+
+def test_cli_a_required_input_verify_does_not_build_exits_2_in_one_line(capsys):
+    """Regression: a forward requiring `segment_ids` raised a bare TypeError from inside the model."""
+    code, out, err = _verify_cli(capsys, "--model", "tests.factories:needs_segments", "--tp", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "`segment_ids`" in err, err
+
+
+def test_a_sequence_classifier_is_verified_with_one_label_per_sequence():
+    """Regression: verify built one label per token for every model; a sequence classifier crashed
+    inside torch's cross-entropy."""
+    import transformers as hf
+    torch.manual_seed(0)
+    cfg = hf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128,
+                        vocab_size=128, max_position_embeddings=64, num_labels=3)
+    cert = verify_model(hf.BertForSequenceClassification(cfg), dict(tp=2, dp=2))
+    assert cert.passed, cert.render()
+    assert "one label per sequence (3 classes)" in cert.batch
