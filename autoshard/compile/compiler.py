@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
 from autoshard.compile.capture import Captured, capture
@@ -40,7 +41,7 @@ from autoshard.passes.per_head_norms import rewrite_per_head_norms
 from autoshard.passes.fusion.fuse import fuse
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
-from autoshard.passes.rewrite.retarget import retarget_device
+from autoshard.passes.rewrite.retarget import retarget_device, retarget_nodes
 from autoshard.passes.sharding.annotate import ShardingPlan, annotate
 from autoshard.passes.sharding.options import ShardOptions
 from autoshard.passes.tables import outline_tables
@@ -57,6 +58,8 @@ class Compiled:
     index: int            # 0 for the example inputs; names this graph's modules apart from the others'
     # cp > 1 with sequence parallelism (a static graph): captured node name -> sizes in the sequence length
     symbolic: dict[str, object] | None = None
+    # traced from the released model's meta skeleton: the device its graph was retargeted to
+    device: torch.device | None = None
 
 
 class Compiler:
@@ -69,8 +72,10 @@ class Compiler:
         self.recompute, self.ep, self.cp, self.cp_attention = recompute, ep, cp, cp_attention
         self.cp_choose = cp_choose      # cp_attention="auto": the cost model's pick, given a call's sizes
         # experts modules without their weights (their code, for expert parallelism's calls)
-        self.expert_templates = {path: weightless_copy(m) for path, m in expert_modules(source.model).items()} \
-            if ep > 1 else {}
+        experts = expert_modules(source.model)
+        self.expert_templates = {path: weightless_copy(m) for path, m in experts.items()} if ep > 1 else {}
+        # read here, while the model is held: a new signature after distributed() has only its skeleton
+        self.expert_paths = frozenset(experts)
         self.example_inputs = example_inputs       # named in refusals of signatures that shard differently
         self.compiled: list[Compiled] = []
 
@@ -89,7 +94,7 @@ class Compiler:
             clash = sharding_clash(first.captured, first.plan, cap, plan)
             if clash is not None:
                 raise ShardingError(new_plan_refusal(named, self.example_inputs, first.plan, plan, clash))
-        entry = Compiled(cap, plan, len(self.compiled), self._symbolic(model, named, cap, training))
+        entry = Compiled(cap, plan, len(self.compiled), self._symbolic(model, named, cap, training), device)
         self.compiled.append(entry)
         return entry
 
@@ -123,9 +128,11 @@ class Compiler:
             symbolic = None if entry.symbolic is None else \
                 (lambda n: entry.symbolic.get(n.meta.get("captured", n.name if n.op == "placeholder" else None)))
             rg.context = split_context(rg.graph, cp=self.cp, rank=cp_rank, value=value, param_names=cap.param_names,
-                                       suffix=suffix, token_wise=set(expert_modules(self.source.model)),
+                                       suffix=suffix, token_wise=set(self.expert_paths),
                                        attention=self.cp_attention, choose=self.cp_choose, symbolic=symbolic)
             rg.modules.extend(rg.context.specs)
+            if entry.device is not None:     # its token positions were placed on the traced (meta) device
+                retarget_nodes(rg.graph, entry.device)
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["histc_on_cpu", "retarget_device"]
+__all__ = ["histc_on_cpu", "retarget_device", "retarget_nodes"]
 
 _META = torch.device("meta")
 
@@ -24,14 +24,8 @@ _META = torch.device("meta")
 def retarget_device(gm: fx.GraphModule, device: torch.device | str, source: torch.device | str = _META) -> int:
     """Replace the `source` device (the meta device unless given) by `device` in `gm` and its nested
     graph modules, in place; returns the number of nodes changed."""
-    device, source = torch.device(device), torch.device(source)
-    swap = lambda a: device if isinstance(a, torch.device) and a == source else a   # noqa: E731
-    changed = 0
-    for n in gm.graph.nodes:
-        args, kwargs = fx.node.map_aggregate(n.args, swap), fx.node.map_aggregate(n.kwargs, swap)
-        if args != n.args or kwargs != n.kwargs:
-            n.args, n.kwargs = args, kwargs
-            changed += 1
+    device = torch.device(device)
+    changed = retarget_nodes(gm.graph, device, source)
     if device.type == "cpu":
         changed += _histc_in_float(gm)
     for sub in gm.modules():
@@ -42,6 +36,20 @@ def retarget_device(gm: fx.GraphModule, device: torch.device | str, source: torc
         gm.recompile()
     return changed
 
+
+
+def retarget_nodes(graph: fx.Graph, device: torch.device | str, source: torch.device | str = _META) -> int:
+    """The `source` device replaced by `device` in the arguments of `graph`'s own nodes (a rank
+    graph whose passes added nodes after its captured graph was retargeted); returns how many."""
+    device, source = torch.device(device), torch.device(source)
+    swap = lambda a: device if isinstance(a, torch.device) and a == source else a   # noqa: E731
+    changed = 0
+    for n in graph.nodes:
+        args, kwargs = fx.node.map_aggregate(n.args, swap), fx.node.map_aggregate(n.kwargs, swap)
+        if args != n.args or kwargs != n.kwargs:
+            n.args, n.kwargs = args, kwargs
+            changed += 1
+    return changed
 
 
 def histc_on_cpu(x: torch.Tensor, bins: int = 100, lo: float = 0, hi: float = 0) -> torch.Tensor:

@@ -264,3 +264,22 @@ def test_auto_lets_the_cost_model_choose_the_exchange_per_call():
     assert "cp_ring_" in long and "cp_gather_" not in long
     with pytest.raises(ShardingError, match="cp_attention must be 'ring', 'all_gather' or 'auto', got 'p2p'"):
         autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2, cp_attention="p2p")
+
+
+def test_a_new_signature_after_the_model_is_released_runs_on_the_weights_device():
+    """Regression: at cp=2 x dp=2 with one row per data-parallel rank, `train_step` on a program of a
+    model built inline failed: the new signature (batch 1, specialized) was traced from the released
+    model's meta skeleton, and the compiler read the experts' paths off the model it no longer held
+    ('distributed() let it go'), then placed the ranks' token positions on the meta device."""
+    import gc
+    import weakref
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref = build_model("llama", layers=2)
+    prog = autoshard(build_model("llama", layers=2), cp=2, example_kwargs={"input_ids": ids, "labels": ids})
+    prog.simulate(input_ids=ids, labels=ids)          # every rank cut, as distributed() cuts this process's
+    gone = weakref.ref(prog.model)
+    prog._release()                                   # what distributed() does once its rank is cut
+    gc.collect()
+    assert gone() is None
+    got = prog.simulate(input_ids=ids[:1], labels=ids[:1]).loss
+    assert max_rel(got, ref(input_ids=ids[:1], labels=ids[:1]).loss) <= 1e-5
