@@ -202,6 +202,13 @@ class _Analysis:
                 for r in roots | alt_roots:     # layouts demanded under the other reading
                     self.recipes.pop(r, None)
                 return min(self.index[self.by_name[r]] for r in roots | alt_roots)
+        if roots and roots <= self.pinned and not any(r.roots & roots for r in self.read_splits.values()):
+            # every root is left whole already and its value is still sharded here (a sequence
+            # shard, which pinning does not undo): running again would meet the same node forever
+            names = ", ".join(sorted(roots)[:3]) + (", ..." if len(roots) > 3 else "")
+            raise ShardingError(f"tp={self.tp}: {reason}, and leaving its region ({names}) whole does not "
+                                f"change that" + (" (sequence parallelism shards its tokens); compile without "
+                                                  "sequence_parallel" if self.options.sequence_parallel else ""))
         self.pinned |= roots
         self.read_splits = {k: r for k, r in self.read_splits.items() if not r.roots & roots}
         names = tuple(sorted(roots))

@@ -124,3 +124,14 @@ def test_an_in_place_add_of_two_reduce_scatters():
     assert max_rel(got.logits, out.logits) <= 1e-5
     got.loss.backward()
     assert max(grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()}).values()) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_moe_whose_experts_index_the_sequence_shards_is_refused_not_analysed_forever():
+    """Regression: Mixtral with sequence parallelism never finished compiling (over 10 minutes): the
+    experts index the tokens, which sequence parallelism shards, and leaving the region whole did not
+    undo that shard, so the analysis met the same node again and again (26,000 times in 40 s)."""
+    from autoshard.testing.models import build_moe
+    ids = torch.randint(0, 128, (2, 16))
+    with pytest.raises(ShardingError, match=r"model\.layers\.0\.mlp\.experts .*compile without sequence_parallel"):
+        autoshard(build_moe("mixtral"), tp=2, sequence_parallel=True, example_kwargs={"input_ids": ids, "labels": ids})
