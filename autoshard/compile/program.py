@@ -4,6 +4,8 @@ methods, each delegating to the part that owns it: the compiler (new signatures)
 reassembly and printing."""
 from __future__ import annotations
 
+import copy
+
 from typing import Mapping
 
 import torch
@@ -293,6 +295,21 @@ class ShardedProgram:
         if self.cp > 1 or self._data_replicas is not None:
             return self._replicas().assemble(lambda p: p.detach(), summed=False)
         return assemble(self.ranks(), self.sharding, self.param_shapes, lambda p: p.detach())
+
+    def __reduce_ex__(self, protocol):
+        # A program holds the model weakly once distributed() cut its rank, its graphs' collectives
+        # bound to process groups, and closures over both: no pickle of it would load into a working
+        # program. Each rank compiles its own (autoshard() is deterministic); weights travel as state.
+        raise ShardingError("a ShardedProgram cannot be pickled (torch.save, pickle, multiprocessing): compile it on "
+                            "each rank with the same autoshard(model, ...) call, and move weights with "
+                            "prog.full_state_dict() / prog.load_state_dict() or autoshard.checkpoint")
+
+    def __deepcopy__(self, memo: dict) -> "ShardedProgram":
+        """copy.deepcopy as before the pickling refusal above (deepcopy also asks __reduce_ex__)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def __str__(self) -> str:
         return describe(self)

@@ -135,3 +135,18 @@ def test_a_first_call_under_inference_mode_leaves_the_program_trainable():
     assert max_rel(first.loss, ref.loss) <= 1e-5 and max_rel(out.loss, ref.loss) <= 1e-5
     grads = prog.full_grads()
     assert max(max_rel(grads[n], p.grad) for n, p in model.named_parameters()) <= 1e-4
+
+
+def test_pickling_a_program_is_refused_in_autoshard_words_and_deepcopy_still_works():
+    """Regression: pickle.dumps(prog) and torch.save(prog) raised TypeError: cannot pickle
+    'weakref.ReferenceType' from deep inside the program."""
+    import copy
+    import io
+    import pickle
+    model = build_model("llama", layers=2)
+    prog = autoshard(model, tp=2)
+    for save in (lambda: pickle.dumps(prog), lambda: torch.save(prog, io.BytesIO())):
+        with pytest.raises(ShardingError, match="cannot be pickled .* compile it on each rank"):
+            save()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    assert max_rel(copy.deepcopy(prog).simulate(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
