@@ -33,6 +33,7 @@ class Described(Protocol):
     expert_params: set[str]
     sharding: ShardingPlan
     rank0_graph: fx.Graph
+    rank0_regions: list[fx.Graph]
 
     def stage_graphs(self, gm: fx.Graph) -> list[StageGraph]: ...
 
@@ -61,20 +62,20 @@ def describe(prog: Described) -> str:
     headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if prog.pp > 1 else [])
     table = tabulate(_param_rows(prog), headers=headers)
     graph = prog.rank0_graph
-    counts = {k: sum(1 for n in graph.nodes if n.op == "call_module" and n.target.startswith(k))
-              for k in ("f", "g", "sync_")}
+    calls = [n.target for g in (graph, *prog.rank0_regions) for n in g.nodes if n.op == "call_module"]
+    counts = {k: sum(1 for t in calls if t.startswith(k)) for k in ("f", "g", "sync_")}
     notes = [f"collectives per rank per step: {counts['f']} f (all-reduce in backward), {counts['g']} g "
              f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
     notes += [f"{'whole by design' if f.by_design else 'fallback'} (replicated): {', '.join(f.modules)}: {f.reason}"
               for f in prog.sharding.fallbacks]
     notes += [f"not sharded: {s}" for s in prog.sharding.skipped]
-    rings = sum(1 for n in graph.nodes if n.op == "call_module" and n.target.startswith("cp_ring_"))
-    gathers = sum(1 for n in graph.nodes if n.op == "call_module" and n.target.startswith("cp_gather_"))
+    rings = sum(1 for t in calls if t.startswith("cp_ring_"))
+    gathers = sum(1 for t in calls if t.startswith("cp_gather_"))
     if cp > 1:
         notes.append(f"context parallelism: each rank holds 1/{cp} of every sequence's tokens (pieces c and "
                      f"{2 * cp - 1}-c of {2 * cp}); {rings} ring attention calls, {gathers} key/value all-gathers "
                      "per rank per step; parameters replicated over cp")
-    experts = [n for n in graph.nodes if n.op == "call_module" and "experts" in n.meta]
+    experts = [n for g in (graph, *prog.rank0_regions) for n in g.nodes if n.op == "call_module" and "experts" in n.meta]
     if experts:
         notes.append(f"expert parallelism: {len(experts)} experts call(s) (e.g. {experts[0].meta['experts']}), each "
                      f"rank of an ep group of {ep} data-parallel ranks owning 1/{ep} of the experts; per call, "

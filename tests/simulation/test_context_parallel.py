@@ -137,6 +137,19 @@ def test_rank_code_shows_the_cut_the_rings_and_the_gathers():
     assert "0 ring attention calls, 4 key/value all-gathers" in str(gather)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_print_counts_the_collectives_recomputed_regions_run(recompute):
+    """Regression: with recompute="full", print(prog) said "0 ring attention calls" (and 0 f, 0 g)
+    while each rank ran two rings: it counted the rank graph's own nodes, not its regions' bodies."""
+    batch = context_batch()
+    plain = str(autoshard(build_context("llama"), example_kwargs=batch, cp=2, tp=2, cp_attention="ring"))
+    again = str(autoshard(build_context("llama"), example_kwargs=batch, cp=2, tp=2, cp_attention="ring",
+                          recompute=recompute))
+    assert "2 ring attention calls" in plain and "2 ring attention calls" in again, again
+    collectives = [line for line in plain.splitlines() if line.startswith("collectives per rank")]
+    assert collectives and collectives[0] in again.splitlines(), again
+
+
 def test_refusals_name_the_numbers_and_the_node():
     batch = context_batch(seq=14)
     prog = autoshard(build_context("llama"), example_kwargs=context_batch(), cp=2)
