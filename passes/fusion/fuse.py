@@ -67,18 +67,21 @@ _PURE = (aten.to.dtype, aten.unsqueeze.default)
 class Inserter:
     """What a builder inserts with, before the matched root: `call(target, args, like=root)` adds a
     call_function node carrying `like`'s meta (its module path places it in its pipeline stage);
+    `call.captured(node)` is the node's value in the single-device program (Facts.captured);
     `call.random(module_node, op, args)` adds a call of `op` run under the generator region of
     `module_node` (a random op's module, autoshard/parallel/rng.py's RandomOpSpec) as a module of its own."""
 
-    def __init__(self, graph: fx.Graph, root: fx.Node, modules: list):
+    def __init__(self, graph: fx.Graph, root: fx.Node, modules: list,
+                 captured: Callable[[fx.Node], object] = lambda node: None):
         self.graph, self.root, self.modules = graph, root, modules
+        self.captured = captured      # Facts.captured: a node's value in the single-device program, or None
 
     def _meta(self, n: fx.Node, like: fx.Node) -> fx.Node:
         n.meta = {k: v for k, v in like.meta.items() if like is not self.root or k != "val"}
         return n
 
-    def __call__(self, target, args: tuple, like: fx.Node | None = None) -> fx.Node:
-        return self._meta(self.graph.call_function(target, args), like or self.root)
+    def __call__(self, target, args: tuple, like: fx.Node | None = None, kwargs: dict | None = None) -> fx.Node:
+        return self._meta(self.graph.call_function(target, args, kwargs), like or self.root)
 
     def random(self, module_node: fx.Node, op, args: tuple) -> fx.Node:
         spec = next(s for s in self.modules if isinstance(s, RandomOpSpec) and s.module == module_node.target)
@@ -107,7 +110,7 @@ def fuse(graph: fx.Graph, lookup: Callable[[str], object], rules: list[tuple[str
             if not match(pat, root, env, inner, facts):
                 continue
             with graph.inserting_before(root):
-                new = build(Inserter(graph, root, modules), env, root)
+                new = build(Inserter(graph, root, modules, facts.captured), env, root)
             new.meta = {**root.meta, "fused": name, "replaces": root.name}
             root.replace_all_uses_with(new)
             graph.erase_node(root)

@@ -80,7 +80,23 @@ def _rms_norm(call: Call, env: dict, root: fx.Node) -> fx.Node:
 
 def _rotary(call: Call, env: dict, root: fx.Node) -> fx.Node:
     cos, sin = env["cos"].args[0], env["sin"].args[0]      # the [b, s, d] tables, before unsqueeze(1)
-    return call(fused.rotary.default, (env["x"], cos, sin, False, env["half"]))
+    return _in_layout_of(call, call(fused.rotary.default, (env["x"], cos, sin, False, env["half"])), root)
+
+
+def _in_layout_of(call: Call, out: fx.Node, root: fx.Node) -> fx.Node:
+    """`out` (the fused op's contiguous result) laid out in memory as the eager `root`'s was. What
+    reads it may depend on that: SDPA's output takes q's layout, and JetMoE views the attention's
+    output transposed, as eager's layout allows (q [b, heads, s, d] there is a transpose of
+    [b, s, heads, d], and so is the rotary's element-wise output). A dense copy in the root's dim
+    order; nothing when the root was contiguous or its value is unknown."""
+    val = call.captured(root)
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous():
+        return out
+    order = sorted(range(val.dim()), key=lambda d: -val.stride(d))       # outermost dim first
+    inverse = [order.index(d) for d in range(val.dim())]
+    dense = call(aten.clone.default, (call(aten.permute.default, (out, order)),),
+                 kwargs={"memory_format": torch.contiguous_format})
+    return call(aten.permute.default, (dense, inverse))
 
 
 def _gelu_tanh(call: Call, env: dict, root: fx.Node) -> fx.Node:

@@ -93,6 +93,23 @@ def test_fused_rank_programs_on_the_emulated_cuda_kernels_match_unfused(name):
     assert set().union(*(wanted[k] for k in EXPECTED[name])) <= kernels, kernels
 
 
+def test_a_fused_rotary_keeps_the_layout_the_model_views_its_attention_in():
+    """Regression: JetMoE with fuse=True failed on a `view`: its q [b, heads, s, d] is a transpose of
+    [b, s, heads, d], SDPA's output takes q's layout, and the model views that output transposed;
+    the fused rotary returned a contiguous q, so the view no longer fit."""
+    from autoshard.testing.current_models import build_current
+    model = build_current("JetMoe")
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    prog = autoshard(model, tp=2, fuse=True, example_kwargs={"input_ids": ids, "labels": ids})
+    assert "rotary" in _fused(prog)
+    got, want = prog.simulate(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    assert max_rel(got.logits, want.logits) <= 1e-5
+    got.loss.backward()
+    want.loss.backward()
+    errs = grad_errors(prog.full_grads(), {n: p.grad for n, p in model.named_parameters()})
+    assert max(errs.values()) <= 1e-4, max(errs.items(), key=lambda kv: kv[1])
+
+
 def test_fused_ops_land_in_their_layers_pipeline_stage():
     model = build_model("nanogpt", layers=4)
     ids = torch.randint(0, VOCAB, (2, 16))
