@@ -9,10 +9,10 @@ Every vocabulary shard's first and last id (`boundary_ids`, read off the compile
 written into counted positions of the ids and so of the labels: an off-by-one at a shard's edge
 is otherwise left to the chance that a random batch holds those ids. Several steps are compared,
 each on its own batch (`step_batches`): padded, then unpadded (no attention mask: the paths a
-model without padding takes, the context-parallel ring's fused pieces among them), then padded
-again on other ids, and for a model that takes `position_ids` packed: each row two documents whose
-positions restart at a point that differs from row to row (`packed_batch`; with use_cache=False
-where the model takes it, under which transformers masks each document apart).
+model without padding takes, the context-parallel ring's fused pieces among them), and for a model
+that takes `position_ids` packed: each row two documents whose positions restart at a point that
+differs from row to row (`packed_batch`; with use_cache=False where the model takes it, under which
+transformers masks each document apart).
 """
 from __future__ import annotations
 
@@ -200,8 +200,7 @@ def step_batches(model: nn.Module, rows: int, seq: int, vocab: int, ids: list[in
     masked = input_names(model)[2]
     steps = [(label, verification_batch(model, rows, seq, vocab, seed=seed, padded=padded, classes=classes))
              for label, seed, padded in (("padded" if masked else "first batch", 0, True),
-                                         ("unpadded" if masked else "second batch", 1, False),
-                                         ("padded, other ids" if masked else "third batch", 2, True))]
+                                         ("unpadded" if masked else "second batch", 1, False))]
     packed = packed_batch(model, rows, seq, vocab, classes=classes)
     if packed is not None:
         steps.append(("packed", packed))
