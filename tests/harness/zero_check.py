@@ -17,6 +17,14 @@ key bias: a constant added to every score leaves softmax unchanged). In fp32 tho
 whose signs depend on the summation order: a difference of order, not of algorithm. In fp64 the
 noise is ~1e-17, nine orders below eps, so Adam cannot amplify it and every element is compared.
 
+`--one-device` also trains the whole model on one device with torch's AdamW on the same batches
+and reports this rank's parameters against the same slices of it (`one_device_rel`). For Qwen2 the
+float64 run is float64 everywhere (`every_op_in_float64`): transformers computes RMSNorm, the rotary
+tables and the causal-LM loss in float32 whatever the model's dtype, so the run would otherwise carry
+float32 rounding that Adam amplifies (1e-7 of a weight after five steps). With every op in float64,
+sharded AdamW on the mesh meets one device to ~1e-13: the fp32 differences are rounding, not the
+optimizer (benchmarks/RESULTS.md, "the distributed optimizer against one device").
+
 `--save DIR` writes a checkpoint after `--steps` and then trains `--more` steps, recording those
 losses in DIR/losses.json; `--load DIR` (at any other dp, tp or pp) loads it and trains the same
 `--more` steps, which must give the recorded losses. Rank 0 prints one JSON line per model.
@@ -24,8 +32,10 @@ losses in DIR/losses.json; `--load DIR` (at any other dp, tp or pp) loads it and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -36,7 +46,9 @@ from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.trace import REDUCE
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import norm_rel
-from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.testing.context_models import build_context
+from autoshard.testing.models import MODEL_NAMES, VOCAB, build_model, input_name, label_name
+from autoshard.compile.rank import slice_layout
 from tests.harness.recompute_check import worst
 
 LR, ROWS, SEQ = 1e-2, 8, 16
@@ -53,9 +65,54 @@ def _batches(name: str, n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+@contextlib.contextmanager
+def every_op_in_float64():
+    """Qwen2's RMSNorm, rotary tables and the causal-LM loss in the model's own dtype (see the module
+    doc) while the block runs: the same in every process, for the program and the one-device model
+    alike, and undone after (a shared launch runs other checks in this process next)."""
+    import transformers.loss.loss_utils as loss_utils
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    def norm(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        freqs = position_ids[..., None].to(x.dtype) * self.inv_freq.to(device=x.device, dtype=x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)                    # [b, s, head_dim]
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):
+        shift = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shift.reshape(-1),
+                                                 ignore_index=ignore_index)
+    with mock.patch.object(qwen2.Qwen2RMSNorm, "forward", norm), \
+            mock.patch.object(qwen2.Qwen2RotaryEmbedding, "forward", rotary), \
+            mock.patch.dict(loss_utils.LOSS_MAPPING, {"ForCausalLM": loss}):
+        yield
+
+
+def _build(name: str, args: argparse.Namespace) -> torch.nn.Module:
+    model = (build_model(name, layers=args.layers) if name in MODEL_NAMES
+             else build_context(name, num_hidden_layers=args.layers).train())
+    return model.to(getattr(torch, args.dtype))
+
+
+def _one_device(name: str, args: argparse.Namespace, batches: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole model trained with torch's AdamW on one device, clipped as train_step clips."""
+    model = _build(name, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for b in batches:
+        opt.zero_grad()
+        model(**b).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
 def _runtime(name: str, args: argparse.Namespace):
     example = {k: v[:2] for k, v in _batches(name, 1, 0)[0].items()}
-    model = build_model(name, layers=args.layers).to(getattr(torch, args.dtype))
+    model = (build_model(name, layers=args.layers) if name in MODEL_NAMES
+             else build_context(name, num_hidden_layers=args.layers).train()).to(getattr(torch, args.dtype))
     prog = autoshard(model, tp=args.tp, pp=args.pp, dp=args.dp,
                      microbatches=args.microbatches, example_kwargs=example)
     return prog, prog.distributed(mesh=True)
@@ -77,7 +134,7 @@ def _train(rt, opt, batches, max_norm: float) -> list[torch.Tensor]:
 
 def compare(name: str, args: argparse.Namespace) -> dict:
     batches = _batches(name, args.steps, 1)
-    _, plain_rt = _runtime(name, args)
+    prog, plain_rt = _runtime(name, args)
     plain = torch.optim.AdamW(plain_rt.parameters(), lr=LR)
     plain_losses = _train(plain_rt, plain, batches, args.max_norm)
     _, rt = _runtime(name, args)
@@ -92,7 +149,17 @@ def compare(name: str, args: argparse.Namespace) -> dict:
             "param_rel": norm_rel(mine, want), "param_rel_worst_tensor": worst(want, mine),
             "state_bytes": opt.state_bytes()["optimizer_state"], "plain_state_bytes": _state_bytes(plain),
             "params": sum(p.numel() for p in rt.parameters()), "launched_in_backward": early,
-            "buckets": opt.buckets}
+            "buckets": opt.buckets, **(_against_one_device(name, args, batches, prog, rt) if args.one_device else {})}
+
+
+def _against_one_device(name, args, batches, prog, rt) -> dict:
+    whole = _one_device(name, args, batches)
+    mine = {n: p.detach() for n, p in rt.named_parameters()}
+    want = {}
+    for n in mine:
+        use = prog.sharding.params.get(n)
+        want[n] = slice_layout(whole[n], use.dim, use.layout[rt.tp_rank]) if use else whole[n]
+    return {"one_device_rel": norm_rel(mine, want), "one_device_worst_tensor": worst(want, mine)}
 
 
 def resume(name: str, args: argparse.Namespace) -> dict:
@@ -132,12 +199,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"],
                     help="the model's dtype (half: fp32 main weights in the optimizer, saved in checkpoints; "
                          "float64 by default, see the module doc)")
+    ap.add_argument("--one-device", action="store_true", help="also compare with the whole model trained on one device")
     ap.add_argument("--save")
     ap.add_argument("--load")
     ap.add_argument("--tol", type=float, default=1e-10, help="relative tolerance (fp64 by default: see the module doc)")
     args = ap.parse_args()
 
     def checks() -> bool:
+        with every_op_in_float64() if args.dtype == "float64" and args.one_device else contextlib.nullcontext():
+            return _checks()
+
+    def _checks() -> bool:
         ok = True
         for name in args.models:
             if args.save or args.load:
@@ -146,6 +218,7 @@ def main() -> None:
                 continue
             res = compare(name, args)
             ok &= agree(res, res["loss_rel"] <= args.tol and res["param_rel"] <= args.tol
+                            and res.get("one_device_rel", 0.0) <= args.tol
                             and res["launched_in_backward"] >= min(2, res["buckets"]))
         return ok
     run_checker(checks)
