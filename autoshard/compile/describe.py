@@ -33,7 +33,7 @@ class Described(Protocol):
     expert_params: set[str]
     sharding: ShardingPlan
     rank0_graph: fx.Graph
-    rank0_regions: list[fx.Graph]
+    rank0_calls: list[tuple[str, str | None]]
 
     def stage_graphs(self, gm: fx.Graph) -> list[StageGraph]: ...
 
@@ -62,7 +62,7 @@ def describe(prog: Described) -> str:
     headers = ["parameter", "full shape", "sharding", "per-rank shape"] + (["pipeline ranks"] if prog.pp > 1 else [])
     table = tabulate(_param_rows(prog), headers=headers)
     graph = prog.rank0_graph
-    calls = [n.target for g in (graph, *prog.rank0_regions) for n in g.nodes if n.op == "call_module"]
+    calls = [target for target, _ in prog.rank0_calls]
     counts = {k: sum(1 for t in calls if t.startswith(k)) for k in ("f", "g", "sync_")}
     notes = [f"collectives per rank per step: {counts['f']} f (all-reduce in backward), {counts['g']} g "
              f"(all-reduce in forward), {counts['sync_']} replica gradient syncs"]
@@ -75,9 +75,9 @@ def describe(prog: Described) -> str:
         notes.append(f"context parallelism: each rank holds 1/{cp} of every sequence's tokens (pieces c and "
                      f"{2 * cp - 1}-c of {2 * cp}); {rings} ring attention calls, {gathers} key/value all-gathers "
                      "per rank per step; parameters replicated over cp")
-    experts = [n for g in (graph, *prog.rank0_regions) for n in g.nodes if n.op == "call_module" and "experts" in n.meta]
+    experts = [path for _, path in prog.rank0_calls if path is not None]
     if experts:
-        notes.append(f"expert parallelism: {len(experts)} experts call(s) (e.g. {experts[0].meta['experts']}), each "
+        notes.append(f"expert parallelism: {len(experts)} experts call(s) (e.g. {experts[0]}), each "
                      f"rank of an ep group of {ep} data-parallel ranks owning 1/{ep} of the experts; per call, "
                      f"two all-to-alls forward (tokens out, results back) and two backward")
     if prog.pp * prog.virtual > 1:

@@ -64,10 +64,11 @@ class ShardedProgram:
         self._training = model.training     # the ranks' mode: they start in the model's
         self._rank0: RankGraph | None = rank0     # rank 0's graph, rewritten at compile time: not twice
         self.rank0_graph: fx.Graph = rank0.graph
-        # and the bodies of the regions outlined from it (recomputed layers, experts calls, tables),
-        # whose collectives run as the rank runs them
-        self.rank0_regions: list[fx.Graph] = [r.graph for r in (*rank0.regions, *rank0.experts)] + \
-            ([rank0.tables.graph] if rank0.tables is not None else [])
+        # the modules it calls, those of the regions outlined from it (recomputed layers, experts
+        # calls, tables) too: their collectives run as the rank runs them (printing counts them)
+        regions = [r.graph for r in (*rank0.regions, *rank0.experts)] + ([rank0.tables.graph] if rank0.tables else [])
+        self.rank0_calls: list[tuple[str, str | None]] = [   # (module, the experts path it runs, if any)
+            (n.target, n.meta.get("experts")) for g in (rank0.graph, *regions) for n in g.nodes if n.op == "call_module"]
         # parameters stacked on their experts dim [experts, ...], cut over the ep ranks next to the tp
         # cut (compile/cut_ranks.py): the one list of them that ranks, runtime, checkpoints and printing read
         self.expert_params: set[str] = {name for region in rank0.experts for name in region.params}
