@@ -159,13 +159,17 @@ def with_ids(batch: VerifyBatch, ids: list[int]) -> VerifyBatch:
     spots = counted.nonzero().tolist()
     if not spots:
         return batch
+    given = len(ids)
+    ids = ids[:len(spots)]              # more ids than counted positions: the first ones (said below)
     stride = max(1, len(spots) // max(1, len(ids)))
     for k, token in enumerate(ids):
-        r, c = spots[(k * stride) % len(spots)]
+        r, c = spots[k * stride]
         tokens[r, c] = token
         if per_token:
             labels[r, c] = token
-    return VerifyBatch(inputs, f"{batch.description}; shard-edge ids {_short(ids)} in the ids and labels")
+    short = f" ({len(ids)} of {given}: too few counted positions)" if len(ids) < given else ""
+    return VerifyBatch(inputs, f"{batch.description}; shard-edge ids {_short(ids)}{short} in the ids"
+                               + (" and labels" if per_token else ""))
 
 
 def _short(ids: list[int]) -> str:
