@@ -86,12 +86,12 @@ def outline_experts(graph: fx.Graph, experts: dict[str, int], value_of: Callable
 def _after_reduce(body: fx.Graph, params: dict[str, int]) -> tuple[str, ...]:
     """The parameters of a tensor-parallel region none of whose uses reaches its g: added to the
     reduced sum, so counted once (compile/experts_call.py runs them on one tp rank)."""
-    reaches_g: set[fx.Node] = set()
-    for n in reversed(body.nodes):
-        if (n.op == "call_module" and n.target == "g") or any(u in reaches_g for u in n.users):
-            reaches_g.add(n)
-    if not any(n.op == "call_module" and n.target == "g" for n in body.nodes):
+    reaches_g = {n for n in body.nodes if n.op == "call_module" and n.target == "g"}
+    if not reaches_g:
         return ()
+    for n in reversed(body.nodes):
+        if any(u in reaches_g for u in n.users):
+            reaches_g.add(n)
     inputs = [n for n in body.nodes if n.op == "placeholder"]
     return tuple(name for name, i in params.items() if inputs[i] not in reaches_g)
 
