@@ -44,11 +44,11 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-# Each test's tier is the folder it lives in (unit/, simulation/, distributed/, gpu/), unless it
+# Each test's tier is the folder it lives in (unit/, simulation/, local/, distributed/, gpu/), unless it
 # names another with a marker; a test of a CUDA device elsewhere (a `needs a CUDA GPU` skip, or a
 # "cuda" parameter) is also marked gpu. `pytest -m unit` runs one tier; tests/README.md tells what
 # each holds.
-TIERS = ("unit", "simulation", "distributed", "gpu")
+TIERS = ("unit", "simulation", "local", "distributed", "gpu")
 
 # The fast tier (`./run test --fast`, i.e. `-m fast`): what a developer runs between changes, about two
 # minutes on two cores. Every subsystem at least once: the unit tier without its subprocess launches,
@@ -84,6 +84,8 @@ FAST = (
     "tests/simulation/test_weights_and_modes.py::test_a_first_call_under_inference_mode",
     "tests/simulation/test_half_precision_programs.py::test_half_precision_program_matches_the_half_precision_model[llama-bf16-full]",
     "tests/distributed/test_distributed.py::test_gloo_training_matches_single_device[2-vocab-parallel-loss]",
+    "tests/local/test_local_runtime.py::test_interleaved_tp2_pp2_dp2",                    # the runtime, 8 ranks
+    "tests/local/test_local_runtime.py::test_a_schedule_that_receives_before",
 )
 
 

@@ -10,12 +10,12 @@ other), then its own experts.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autoshard.checkpoint.index import PieceReader
 from autoshard.compile.program import ShardedProgram
 from autoshard.parallel.comm import write_rows
+from autoshard.world import current
 
 __all__ = ["ExpertRows"]
 
@@ -38,8 +38,9 @@ class ExpertRows:
         writes = first_holder and m.dp_rank < m.dims.ep
         use = self.prog.sharding.params.get(name)
         if writes and use is not None and m.dims.tp > 1:     # whole experts from the tp slices
-            shards = [torch.empty_like(t) for _ in range(m.dims.tp)]
-            dist.all_gather(shards, t.contiguous(), group=m.groups.tp)
+            gathered = t.new_empty((m.dims.tp, *t.shape))                  # [tp, *slice]
+            m.groups.world.all_gather(gathered, t.contiguous()[None], group=m.groups.tp)
+            shards = list(gathered)
             shape = list(t.shape)
             shape[use.dim] = self.prog.param_shapes[name][use.dim]
             t = t.new_zeros(shape)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
@@ -37,6 +36,7 @@ from autoshard.checkpoint.index import (
 )
 from autoshard.compile.program import ShardedProgram
 from autoshard.runtime.json_gather import all_gather_json
+from autoshard.world import current
 
 __all__ = ["save", "save_ranks", "load", "latest", "layout_of"]
 
@@ -141,19 +141,20 @@ def _start_over(folder: str) -> None:
 def save(folder: str, prog: ShardedProgram, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int = 0, extra: dict | None = None) -> None:
     """Write this rank's shards; inside torchrun every rank must call it (rank 0 writes the index)."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed or dist.get_rank() == 0:
+    world = current()
+    distributed = world.size() > 1
+    if not distributed or world.rank() == 0:
         _start_over(folder)
     if distributed:
-        dist.barrier()          # nobody writes a file while an old index still describes the folder
+        world.barrier()          # nobody writes a file while an old index still describes the folder
     if hasattr(optimizer, "checkpoint_view"):      # a DistributedOptimizer: its state whole per parameter
         optimizer = optimizer.checkpoint_view()
     manifest = _write_rank(folder, prog, module, optimizer)
     if distributed:
         everyone = all_gather_json(manifest)
-        if dist.get_rank() == 0:
+        if world.rank() == 0:
             _write_index(folder, prog, everyone, step, extra)
-        dist.barrier()
+        world.barrier()
     else:
         _write_index(folder, prog, [manifest], step, extra)
 

@@ -5,6 +5,7 @@
     rank = cut.get(r, ep_rank=e)       # ... of expert-parallel rank e: of the experts, only its own
     rank = cut.get(r, cp_rank=c)       # ... of context-parallel rank c: the same shards, its tokens' graph
     rank = cut.get(r, ep_rank=e, cp_rank=c)      # both
+    rank = cut.get(r, copy=k)          # another instance of the same rank (k > 0): a mesh rank of a local world
 
 Each rank is cut once, from one state of the model (compile/weights.py's WeightSource), and keeps
 the graphs of every signature compiled so far and later. At ep > 1 the stacked expert parameters
@@ -50,7 +51,11 @@ def experts_per_rank(rank0: RankGraph, ep: int) -> int | None:
 
 class CutRanks:
     """Every rank program cut from `prog`'s model so far: key r (tensor-parallel rank r, all experts),
-    (r, e) (expert-parallel rank e's), or (r, e or None, "cp", c) (context-parallel rank c > 0's)."""
+    (r, e) (expert-parallel rank e's), or (r, e or None, "cp", c) (context-parallel rank c > 0's); a
+    copy k > 0 of any of them is keyed (key, k). A torchrun process runs one mesh rank and cuts each
+    rank once; a local world (runtime/local_mesh.py) runs every mesh rank on one program, and mesh
+    ranks holding the same shards (other pipeline or data-parallel positions) need parameters of
+    their own, so each takes its own copy, sharing the compiled graphs."""
 
     def __init__(self, prog):
         self._prog = prog
@@ -59,7 +64,7 @@ class CutRanks:
     def all(self) -> list[RankProgram]:
         return list(self._ranks.values())
 
-    def get(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankProgram:
+    def get(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None, copy: int = 0) -> RankProgram:
         prog = self._prog
         if not 0 <= r < prog.tp:
             raise IndexError(f"rank {r} out of range for world size {prog.tp}")
@@ -72,6 +77,8 @@ class CutRanks:
         key = r if ep_rank is None else (r, ep_rank)
         if cp_rank:                 # context-parallel rank 0 is the plain rank r
             key = (r, ep_rank, "cp", cp_rank)
+        if copy:
+            key = (key, "copy", copy)
         if key not in self._ranks:
             with building():
                 self._ranks[key] = self._cut(r, ep_rank, cp_rank or 0)
@@ -81,7 +88,8 @@ class CutRanks:
     def check_all_cut(self) -> None:
         """Once every rank there is to cut is cut, a loaded state is no longer needed."""
         prog = self._prog
-        if len(self._ranks) == prog.tp * (1 if prog.dims.ep == 1 else 1 + prog.dims.ep) * prog.cp:
+        originals = [k for k in self._ranks if not (isinstance(k, tuple) and k[1:2] == ("copy",))]
+        if len(originals) == prog.tp * (1 if prog.dims.ep == 1 else 1 + prog.dims.ep) * prog.cp:
             prog._source.all_cut()
 
     def _cut(self, r: int, ep_rank: int | None, cp_rank: int = 0) -> RankProgram:

@@ -9,7 +9,6 @@ import copy
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
@@ -32,8 +31,10 @@ from autoshard.passes.rewrite.rank_rewrite import RankGraph
 from autoshard.passes.sharding.annotate import ShardingPlan
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.executor import MeshRuntime
+from autoshard.runtime.local_mesh import LocalMesh
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.schedules import Action, schedule_spec
+from autoshard.world import Group, World, current
 
 __all__ = ["ShardedProgram"]
 
@@ -172,13 +173,15 @@ class ShardedProgram:
         gm.meta["context"] = rg.context         # cp > 1: which outputs hold the rank's tokens (DataReplicas)
 
     # ---- ranks -------------------------------------------------------------------------------
-    def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankProgram:
+    def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None, *, copy: int = 0) -> RankProgram:
         """Rank r's module: its parameter shards and its graph(s); `.code` prints them. With
         `ep_rank` (ep > 1): tensor-parallel rank r of expert-parallel rank `ep_rank`, holding only
         that rank's experts, its experts calls bound to a simulated group until the runtime binds
         its process group (compile/cut_ranks.py). With `cp_rank` (cp > 1): the graph of that
-        context-parallel rank (the same shards; `prog.rank(r)` is context-parallel rank 0)."""
-        return self._cut.get(r, ep_rank, cp_rank)
+        context-parallel rank (the same shards; `prog.rank(r)` is context-parallel rank 0). `copy`
+        k > 0: an instance of its own of the same rank (parameters of its own, graphs shared), as
+        each mesh rank of a local world takes (compile/cut_ranks.py)."""
+        return self._cut.get(r, ep_rank, cp_rank, copy)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load full-size weights (the model's own names, as `model.state_dict()` gives them) into
@@ -223,33 +226,44 @@ class ShardedProgram:
             rank.rng.manual_seed(seed)
         self._seed = seed
 
-    def distributed(self, group: dist.ProcessGroup | None = None, *, mesh: bool = False) -> RankProgram | MeshRuntime:
-        """This process's part of the program (inside torchrun).
+    def distributed(self, group: Group = None, *, mesh: bool = False) -> RankProgram | MeshRuntime:
+        """This rank's part of the program, in the calling thread's world (world/: inside torchrun,
+        torch.distributed; in a rank thread of a LocalWorld, that world's rank).
 
-        tp only: rank module called like the model, its collectives on `group` (default: WORLD).
-        With pp, dp, cp or microbatches > 1, or `mesh=True`: a `MeshRuntime` for the WORLD group, whose
-        `train_step(batch..., labels=...)` runs the schedule and returns the loss.
+        tp only: rank module called like the model, its collectives on `group` (default: the whole
+        world). With pp, dp, cp or microbatches > 1, or `mesh=True`: a `MeshRuntime` for the whole
+        world, whose `train_step(batch..., labels=...)` runs the schedule and returns the loss.
         """
-        size = dist.get_world_size(group)
+        world = current()
+        size = world.size(group)
         if size != self.world_size:
             raise ShardingError(f"the process group has {size} ranks but the program was built for "
                                 f"tp={self.tp}{f' x cp={self.cp}' if self.cp > 1 else ''} x pp={self.pp} x "
                                 f"dp={self.dp} = {self.world_size}")
         if self.world_size == self.tp and self.microbatches == 1 and not mesh:
-            mine = self.rank(dist.get_rank(group)).bind(group)
-            self._release()
+            mine = self.rank(world.rank(group)).bind(group)
+            self._release(world)
             return mine
-        if group is not None and group is not dist.group.WORLD:
-            raise ShardingError("a pipeline or data-parallel program runs on the WORLD group")
-        rank = dist.get_rank()
-        groups = MeshGroups(self.dims, rank, list(self.shared_params))
+        if group is not None and world.size(group) != world.size():
+            raise ShardingError("a pipeline or data-parallel program runs on the whole world")
+        rank = world.rank()
+        groups = MeshGroups(self.dims, rank, list(self.shared_params), world)
         runtime = MeshRuntime(self, rank, groups, self.schedule)
-        self._release()
+        self._release(world)
         return runtime
 
-    def _release(self) -> None:
+    def local_mesh(self) -> LocalMesh:
+        """Every rank of the mesh in this process, each running the runtime a torchrun process runs
+        (`distributed(mesh=True)`), their collectives and transfers meeting in a LocalWorld
+        (runtime/local_mesh.py). Each rank gets its own copy of this program."""
+        return LocalMesh(self)
+
+    def _release(self, world: World) -> None:
         """This process's rank is cut: hold nothing more of the model's weights (the captured
-        graphs' copies of them become meta tensors; the model itself is held weakly)."""
+        graphs' copies of them become meta tensors; the model itself is held weakly). Not in a
+        local world, whose other ranks are cut from the same program in this process."""
+        if world.backend == "local":
+            return
         self._source.release()
         for entry in self._compiler.compiled:
             gm = entry.captured.gm

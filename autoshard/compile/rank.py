@@ -17,7 +17,8 @@ from autoshard.compile.capture import Signature, autocast_state
 from autoshard.compile.experts_call import ExpertsCall
 from autoshard.compile.region_modules import REGION_MODULES, build_region_module
 from autoshard.module_paths import assign_attr, has_attr
-from autoshard.parallel.comm import CommHandle, Communicator, ProcessGroupComm
+from autoshard.parallel.comm import CommHandle, Communicator, GroupComm
+from autoshard.world import Group
 from autoshard.parallel.registry import ModuleSpec, build_module
 from autoshard.parallel.rng import RNGTracker
 from autoshard.parallel.tensor_parallel import CopyToTensorParallelRegion, ReduceFromTensorParallelRegion
@@ -128,14 +129,14 @@ class RankProgram(nn.Module):
         return "\n".join(gm.code for _, gm, _ in self._graphs)
 
     # ---- running -----------------------------------------------------------------------------
-    def bind(self, comm: Communicator | torch.distributed.ProcessGroup | None) -> "RankProgram":
-        """Run collectives on `comm` (a Communicator, or a torch.distributed group; None: WORLD)."""
-        self.handle.comm = comm if hasattr(comm, "all_reduce") else ProcessGroupComm(comm)
+    def bind(self, comm: Communicator | Group) -> "RankProgram":
+        """Run collectives on `comm` (a Communicator, or a group of this rank's world; None: all of it)."""
+        self.handle.comm = comm if hasattr(comm, "all_reduce") else GroupComm(comm)
         return self
 
-    def bind_context(self, group: torch.distributed.ProcessGroup | None) -> None:
+    def bind_context(self, group: Group) -> None:
         """Gather keys and values over `group`, this rank's context-parallel group (cp > 1)."""
-        self.cp_handle.comm = ProcessGroupComm(group)
+        self.cp_handle.comm = GroupComm(group)
 
     def expert_calls(self) -> list[ExpertsCall]:
         return [m for m in self.modules() if isinstance(m, ExpertsCall)]

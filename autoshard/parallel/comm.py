@@ -1,5 +1,5 @@
-"""How collectives reach other ranks: a communicator on a process group, a per-rank handle, and the
-one switch between a real run and the in-process simulator.
+"""How collectives reach other ranks: a communicator on a group of the rank's world (world/), a
+per-rank handle, and the one switch between a run of rank programs and the lockstep simulator.
 
 Every collective's math is written once over a list of per-rank tensors with a `Reducer`. Under
 torch.distributed the list holds this rank's tensor and the reductions are collectives on its
@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Communicator", "ProcessGroupComm", "CommHandle", "Reducer", "distributed_reducer", "SIMULATED",
+from autoshard.world import P2P, current
+from autoshard.world.protocol import Group
+
+__all__ = ["Communicator", "GroupComm", "CommHandle", "Reducer", "distributed_reducer", "SIMULATED",
            "Collective", "Pending", "write_rows", "scatter_into_full", "take_from_full"]
-
-# torch 2.13 renamed all_gather_into_tensor (which now warns on every call) to all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class Communicator(Protocol):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -47,54 +45,56 @@ class Communicator(Protocol):
         """Ranks in the group."""
 
 
-class ProcessGroupComm:
-    """The collectives on a torch.distributed process group (gloo on CPU, NCCL on GPU).
-    `sent_bytes` counts what all_to_all sent to other ranks (expert parallelism's traffic)."""
+class GroupComm:
+    """The collectives on a group of this rank's world (world/: torch.distributed in a torchrun job,
+    a LocalWorld's rank in one process). `sent_bytes` counts what all_to_all sent to other ranks
+    (expert parallelism's traffic)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: Group = None):
         self.group = group
+        self.world = current()
         self.sent_bytes = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         out = t.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        self.world.all_reduce(out, group=self.group)
         return out
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         out = t.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        self.world.all_reduce(out, op="max", group=self.group)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         x = t.movedim(dim, 0).contiguous()
-        out = x.new_empty((x.shape[0] // dist.get_world_size(self.group), *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        out = x.new_empty((x.shape[0] // self.size(), *x.shape[1:]))
+        self.world.reduce_scatter(out, x, group=self.group)
         return out.movedim(0, dim)
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         x = t.movedim(dim, 0).contiguous()
-        out = x.new_empty((x.shape[0] * dist.get_world_size(self.group), *x.shape[1:]))
-        _all_gather_single(out, x, group=self.group)
+        out = x.new_empty((x.shape[0] * self.size(), *x.shape[1:]))
+        self.world.all_gather(out, x, group=self.group)
         return out.movedim(0, dim)
 
     def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         t = t.contiguous()
         out = t.new_empty((sum(recv), *t.shape[1:]))
-        dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send, group=self.group)
+        self.world.all_to_all(out, t, recv, send, group=self.group)
         row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
-        self.sent_bytes += row * (sum(send) - send[dist.get_rank(self.group)])
+        self.sent_bytes += row * (sum(send) - send[self.world.rank(self.group)])
         return out
 
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        return self.world.size(self.group)
 
     def shift(self, ts: tuple[torch.Tensor, ...]) -> "Pending":
-        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
-        peer = (lambda i: i) if self.group is None else (lambda i: dist.get_global_rank(self.group, i))
+        n, r = self.size(), self.world.rank(self.group)
         received = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in ts)
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer((r + 1) % n), self.group) for t in ts]
-        ops += [dist.P2POp(dist.irecv, t, peer((r - 1) % n), self.group) for t in received]
-        return Pending(received, dist.batch_isend_irecv(ops))
+        nxt, prev = self.world.global_rank(self.group, (r + 1) % n), self.world.global_rank(self.group, (r - 1) % n)
+        ops = [P2P(True, t.contiguous(), nxt, group=self.group) for t in ts]
+        ops += [P2P(False, t, prev, group=self.group) for t in received]
+        return Pending(received, self.world.p2p(ops))
 
 
 class Pending:
@@ -121,7 +121,7 @@ class CommHandle:
         if self.comm is None:
             raise RuntimeError(
                 f"rank {self.rank}'s program issues collectives but has no process group: run it "
-                f"with prog.distributed() inside torchrun, or use prog.simulate() in one process")
+                f"with prog.distributed() inside torchrun or a local world, or use prog.simulate() in one process")
         return self.comm
 
 

@@ -3,8 +3,8 @@
     outs = dispatch_combine(red, xs, idxs, ws, run_locals, per_rank)   # per rank: x [n, H], idx / w [n, k]
 
 Written once over the ranks present, like every collective (parallel/comm.py): `red` is the
-expert-parallel group's Reducer, whose all-to-all is `dist.all_to_all_single` under torch.distributed
-(one rank present) and a permutation of the per-rank lists in the simulator (every rank present).
+expert-parallel group's Reducer, whose all-to-all is its world's (world/: torch.distributed's or a local world's;
+one rank present) and a permutation of the per-rank lists in the simulator (every rank present).
 Each of a rank's n * k (token, slot) pairs goes to its expert's owner (expert e: rank e // per_rank,
 `owner_of`) with one all-to-all of uneven splits (dropless: every pair is sent, however unbalanced
 the routing); the owner runs `run_local(x_recv [m, H], local ids [m, 1], weights [m, 1])` (the
@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from autoshard.parallel.comm import SIMULATED, CommHandle, ProcessGroupComm, Reducer, distributed_reducer
+from autoshard.parallel.comm import SIMULATED, CommHandle, GroupComm, Reducer, distributed_reducer
+from autoshard.world import Group
 
 __all__ = ["ExpertGroup", "RunLocal", "dispatch_combine", "owner_of"]
 
@@ -34,10 +34,10 @@ class ExpertGroup:
     experts. With a process group its exchanges are collectives on it; without one they are the
     simulator's (every rank of the group in one process, or a group of one)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, per_rank: int):
+    def __init__(self, group: Group, rank: int, size: int, per_rank: int):
         self.group, self.rank, self.size, self.per_rank = group, rank, size, per_rank
         self.handle = CommHandle(rank, size)
-        self.handle.comm = ProcessGroupComm(group) if group is not None else None
+        self.handle.comm = GroupComm(group) if group is not None else None
 
     def reducer(self) -> Reducer:
         return SIMULATED if self.handle.comm is None else distributed_reducer(self.handle)

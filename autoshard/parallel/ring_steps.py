@@ -17,6 +17,7 @@ plain forward), and the clock is not read.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -25,7 +26,7 @@ from autoshard.parallel.comm import Reducer
 
 __all__ = ["RingStep", "recording", "ring_loop"]
 
-_sink: list["RingStep"] | None = None
+_state = threading.local()     # per thread: each rank of a local world (world/local.py) records its own
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,18 @@ class RingStep:
     exchange: tuple[float, float] | None        # launch and arrival; None on forward's last step (no send)
 
 
+def _sink() -> list["RingStep"] | None:
+    return getattr(_state, "sink", None)
+
+
 @contextlib.contextmanager
 def recording(sink: list[RingStep]) -> Iterator[None]:
     """Ring steps run inside the block are appended to `sink`."""
-    global _sink
-    previous, _sink = _sink, sink
+    previous, _state.sink = _sink(), sink
     try:
         yield
     finally:
-        _sink = previous
+        _state.sink = previous
 
 
 def ring_loop(red: Reducer, blocks: list[tuple], cp: int, overlap: bool,
@@ -53,15 +57,15 @@ def ring_loop(red: Reducer, blocks: list[tuple], cp: int, overlap: bool,
     per rank, the gradients of the block it holds, sent on with the block after each step."""
     backward = travelling is not None
     for step in range(cp):
-        started = time.time() if _sink is not None else 0.0
+        started = time.time() if _sink() is not None else 0.0
         pending = red.shift(blocks) if step < cp - 1 and overlap else None
         yield blocks
-        computed = time.time() if _sink is not None else 0.0
+        computed = time.time() if _sink() is not None else 0.0
         if backward:
             travelling[:] = [tuple(g) for g in red.shift(travelling).wait()]
         if step < cp - 1:
             blocks = pending.wait() if pending is not None else red.shift(blocks).wait()
-        if _sink is not None:
+        if _sink() is not None:
             exchanged = backward or step < cp - 1
             launched = started if overlap else computed
-            _sink.append(RingStep(backward, step, (started, computed), (launched, time.time()) if exchanged else None))
+            _sink().append(RingStep(backward, step, (started, computed), (launched, time.time()) if exchanged else None))

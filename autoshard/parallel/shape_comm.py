@@ -1,5 +1,5 @@
 """A communicator that moves no data: every collective returns a new tensor of the shape, dtype and
-layout the real one returns (parallel/comm.py's ProcessGroupComm), on the input's device.
+layout the real one returns (parallel/comm.py's GroupComm), on the input's device.
 
 It lets one rank's program run alone in one process on meta tensors, as planning/graph_memory.py
 does to read the rank's memory off its own graphs: each collective allocates what the real one

@@ -53,7 +53,6 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from autoshard.errors import ShardingError
 from autoshard.runtime.flat_params import FlatParams
@@ -204,7 +203,7 @@ class DistributedOptimizer:
             sample = next((s[k] for s in self.optimizer.state.values() if k in s), 0.0)
             value = torch.tensor(float(sample), dtype=torch.float64, device=self.params[0].device)
             if sharded:
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.runtime.groups.dp)
+                self.runtime.groups.world.all_reduce(value, op="max", group=self.runtime.groups.dp)
             for p in self.params:
                 state[p][k] = value.float() if isinstance(sample, torch.Tensor) else float(value)
         if self.scaler is not None:

@@ -14,7 +14,6 @@ import time
 from typing import Callable, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
@@ -23,7 +22,7 @@ from autoshard.module_paths import assign_attr, fetch_attr, has_attr
 from autoshard.parallel.ring_steps import RingStep, recording
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
-from autoshard.runtime.gradients import Gradients, refuse_changed
+from autoshard.runtime.gradients import Gradients, main_dtype, refuse_changed
 from autoshard.runtime.loss_tokens import loss_factors, loss_tokens_of
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 from autoshard.runtime.p2p import Transfer
@@ -65,7 +64,7 @@ class ProgramView(Protocol):
     shared_params: dict[tuple[int, ...], list[str]]
     experts_per_rank: int | None
 
-    def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None) -> RankView: ...
+    def rank(self, r: int, ep_rank: int | None = None, cp_rank: int | None = None, *, copy: int = 0) -> RankView: ...
     def stage_graphs(self, gm: fx.GraphModule) -> list[StageGraph]: ...
     def param_weight(self, name: str, tp_rank: int) -> torch.Tensor | float: ...
 
@@ -108,8 +107,8 @@ class MeshRuntime(nn.Module):
                     assign_attr(self, n.target, value)
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
         self.expert_params &= {name for name, _ in self.named_parameters()}     # those of this rank's stages
-        self.transfer = Transfer(self.n_stages, self.device, rank)
-        self.transfer.ahead = dist.is_initialized() and dist.get_backend() == "gloo"    # runtime/p2p.py
+        self.transfer = Transfer(self.n_stages, self.device, rank, groups.world)
+        self.transfer.ahead = groups.world.backend in ("gloo", "local")    # runtime/p2p.py
 
     def train(self, mode: bool = True) -> "MeshRuntime":
         """Training or evaluation mode, for this runtime and its rank program's graphs."""
@@ -200,7 +199,11 @@ class MeshRuntime(nn.Module):
         scales = [s * gain for s in scales]
         # per token, the loss factors already sum to one over the dp ranks; else each rank's sum to one
         averaged_over = 1 if per_token else self.dims.data
-        grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin)
+        uses: dict[str, int] = {}         # a V schedule's rank reads a tied embedding in two chunks
+        for _, _, params in chunks:
+            for name in params.names:
+                uses[name] = uses.get(name, 0) + 1
+        grads.begin(self.microbatches, 1.0 / averaged_over / gain, self._origin, uses)
         ring: list[RingStep] = []
         self.transfer.expect(receive_order(self))
         with recording(ring) if self.dims.cp > 1 else contextlib.nullcontext():
@@ -210,10 +213,11 @@ class MeshRuntime(nn.Module):
         self.last_grad_norm = grads.end(max_norm)
         self.records += [ActionRecord(self.global_rank, self.pp_rank, -1, Action(REDUCE, 0, k), r.launched, r.done)
                          for k, r in grads.records()]
-        total = torch.zeros((), device=self.device)
+        # every rank reduces in one dtype: the main weights' (an fp64 model's loss stays fp64)
+        total = torch.zeros((), dtype=main_dtype(next(self.parameters()).dtype), device=self.device)
         if losses and self.tp_rank == 0:           # the ranks holding the last stage
-            total = torch.stack(losses).sum() / averaged_over / gain
-        dist.all_reduce(total)          # the last stages' parts, on every rank
+            total = (torch.stack(losses).sum() / averaged_over / gain).to(total.dtype)
+        self.groups.world.all_reduce(total)          # the last stages' parts, on every rank
         return total
 
     def _loss_scales(self, gm: fx.GraphModule, flats: list[list], goals: list, loss_fn, reduction: str,

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from autoshard.runtime.gradients import GradPart, main_dtype
+from autoshard.world import current
 
 __all__ = ["FlatParams"]
 
@@ -57,7 +57,7 @@ class FlatParams:
         if self.shards > 1:
             for b in self.layout.buckets:
                 a, z = b.owned(self.shard_rank, self.shards)
-                dist.all_gather_into_tensor(self.flat[b.start: b.stop], self.flat[a:z].clone(), group=self.group)
+                current().all_gather(self.flat[b.start: b.stop], self.flat[a:z].clone(), group=self.group)
 
     def whole(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A flat tensor (main weights' dtype) over the layout holding `value_of(main)` at every owned
@@ -66,7 +66,7 @@ class FlatParams:
         for lo, hi, main in self.pieces.values():
             full[lo:hi] = value_of(main)
         if self.shards > 1:
-            dist.all_reduce(full, group=self.group)
+            current().all_reduce(full, group=self.group)
         return full
 
     def view(self, full: torch.Tensor, i: int) -> torch.Tensor:

@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from autoshard.world import Group, World, current
 
 __all__ = ["Bucket", "FlatLayout", "GradBuffer", "ReduceRecord", "plan_layout"]
 
@@ -107,10 +108,11 @@ class _Pending:
 class GradBuffer:
     """Gradients of `params` (in `dtype`) laid out by `layout`, reduced over `group` (see the module doc)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: dist.ProcessGroup | None,
-                 shard_rank: int, dp: int, tied_groups: dict[int, dist.ProcessGroup] | None = None,
-                 overlap: bool = True, dtype: torch.dtype = torch.float32):
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group,
+                 shard_rank: int, dp: int, tied_groups: dict[int, Group] | None = None,
+                 overlap: bool = True, dtype: torch.dtype = torch.float32, world: World | None = None):
         self.params, self.layout, self.group, self.dp = params, layout, group, dp
+        self.world = current() if world is None else world
         self.shard_rank, self.overlap, self.tied_groups = shard_rank, overlap, tied_groups or {}
         device = params[0].device if params else None
         self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
@@ -118,7 +120,8 @@ class GradBuffer:
         self.reduced = False          # reduce() ran and zero() did not since: the data is a reduced step's
         self._seen = [0] * len(params)
         self._stale = [True] * len(params)     # the slice holds no gradient of this step yet (zero())
-        self._expected, self._scale, self._origin = 0, 1.0, 0.0
+        self._expected: list[int] = []
+        self._scale, self._origin = 1.0, 0.0
         self._launched: set[int] = set()
         self._pending: list[_Pending] = []
         self._bucket_index = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
@@ -141,15 +144,18 @@ class GradBuffer:
             k = self._bucket_index[i]
             bucket = self.layout.buckets[k]
             if (self.overlap and self._expected and not bucket.tied and k not in self._launched
-                    and all(self._seen[j] >= self._expected for j in bucket.params)):
+                    and all(self._seen[j] >= self._expected[j] for j in bucket.params)):
                 self._launch(k)
         return add
 
-    def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float) -> None:
-        """A step starts (at time.time() = `origin`, what the records count from): each parameter's
-        gradient is final after `microbatches` backward passes; reduced gradients are multiplied by `scale`."""
+    def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float, uses: list[int] | None = None) -> None:
+        """A step starts (at time.time() = `origin`, what the records count from): parameter i's
+        gradient is final after `microbatches * uses[i]` backward passes (uses: how many of the rank's
+        stage chunks read it, default 1: a V schedule's rank runs the first and the last stage, which
+        both read a tied embedding); reduced gradients are multiplied by `scale`."""
         self._seen = [0] * len(self.params)
-        self._expected, self._scale, self._origin = microbatches, scale, origin
+        self._expected = [microbatches * k for k in (uses or [1] * len(self.params))]
+        self._scale, self._origin = scale, origin
         self._launched, self._pending, self.records = set(), [], []
 
     def _zero_stale(self, params) -> None:
@@ -168,10 +174,10 @@ class GradBuffer:
             return
         b = self.layout.buckets[k]
         if self.layout.shards == 1:
-            work, out = dist.all_reduce(self.data[b.start: b.stop], group=self.group, async_op=True), None
+            work, out = self.world.all_reduce(self.data[b.start: b.stop], group=self.group, async_op=True), None
         else:
             out = torch.empty((b.stop - b.start) // self.layout.shards, dtype=self.data.dtype, device=self.data.device)
-            work = dist.reduce_scatter_tensor(out, self.data[b.start: b.stop], group=self.group, async_op=True)
+            work = self.world.reduce_scatter(out, self.data[b.start: b.stop], group=self.group, async_op=True)
         self._pending.append(_Pending(work, self.records[-1], out))
 
     def _poll(self) -> None:
@@ -186,7 +192,7 @@ class GradBuffer:
         for all and scale: afterwards this rank's owned ranges hold the data-parallel result."""
         for i, group in self.tied_groups.items():
             self._zero_stale((i,))
-            dist.all_reduce(self.view(i), group=group)
+            self.world.all_reduce(self.view(i), group=group)
         for k in range(len(self.layout.buckets)):
             if k not in self._launched:
                 self._launch(k)

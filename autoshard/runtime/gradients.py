@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from autoshard.errors import ShardingError
 from autoshard.runtime.grad_buffer import GradBuffer, ReduceRecord, plan_layout
 from autoshard.runtime.loss_scale import LossScaler
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
+from autoshard.world import Group, current
 
 __all__ = ["GradPart", "Gradients", "global_grad_norm", "main_dtype", "refuse_changed"]
 
@@ -68,8 +68,7 @@ def global_grad_norm(weighted: list[tuple[torch.Tensor, torch.Tensor | float]], 
     for g, w in weighted:
         w = w.to(device) if isinstance(w, torch.Tensor) else w
         total += (g.detach().double().pow(2) * w).sum()
-    if dist.is_initialized():
-        dist.all_reduce(total)
+    current().all_reduce(total)
     return (total / replicas).sqrt()
 
 
@@ -79,7 +78,7 @@ class GradPart:
 
     names: list[str]
     params: list[torch.nn.Parameter]
-    group: dist.ProcessGroup | None
+    group: Group
     size: int                      # ranks in the group
     rank: int                      # this rank's place in it
     buffer: GradBuffer
@@ -112,12 +111,12 @@ class Gradients:
     """The gradients of `trainable` (name, parameter) pairs; see the module doc."""
 
     def __init__(self, trainable: list[tuple[str, torch.nn.Parameter]], groups: MeshGroups, *,
-                 tied: dict[str, dist.ProcessGroup], experts: set[str], weight_of: WeightOf,
+                 tied: dict[str, Group], experts: set[str], weight_of: WeightOf,
                  shard: bool = False, bucket_bytes: int = 25 * 2 ** 20, overlap: bool | None = None):
         dims = groups.dims
         self.dims, self.sharded, self.weight_of = dims, shard, weight_of
         if overlap is None:      # on gloo the reduction costs the cores backward runs on (benchmarks/RESULTS.md)
-            overlap = dims.data > 1 and dist.get_backend(groups.dp) != "gloo"
+            overlap = dims.data > 1 and groups.world.backend != "gloo"
         dp_rank = dims.coords(groups.rank)[1]
         spans = [([(n, p) for n, p in trainable if n not in experts], groups.dp, dims.data, dp_rank)]
         if dims.ep > 1:           # experts: over the ranks holding the same experts (data / ep of them)
@@ -173,14 +172,17 @@ class Gradients:
         return sum(len(part.buffer.layout.buckets) for part in self.parts)
 
     # ---- one call -------------------------------------------------------------------------------
-    def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float) -> None:
+    def begin(self, microbatches: int, scale: float | torch.Tensor, origin: float,
+              uses: dict[str, int] | None = None) -> None:
         """A train_step call starts (at time.time() = `origin`): keep aside what earlier calls
         accumulated, then zero the buffers; each gradient is final after `microbatches` backward
-        passes and is multiplied by `scale` once reduced."""
+        passes of each of the `uses[name]` stage chunks reading it (default 1) and is multiplied by
+        `scale` once reduced."""
         self._earlier = [self._take_earlier(part) for part in self.parts]
+        uses = uses or {}
         for part in self.parts:
             part.buffer.zero()
-            part.buffer.begin(microbatches, scale, origin)
+            part.buffer.begin(microbatches, scale, origin, [uses.get(n, 1) for n in part.names])
 
     def _take_earlier(self, part: GradPart) -> dict[int, torch.Tensor]:
         if self.sharded:

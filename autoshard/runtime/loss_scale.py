@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from autoshard.errors import ShardingError
+from autoshard.world import current
 
 __all__ = ["LossScaler"]
 
@@ -41,8 +41,7 @@ class LossScaler:
             if not torch.isfinite(g).all():
                 bad.fill_(1.0)
                 break
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        current().all_reduce(bad, op="max")
         return bool(bad.item())
 
     def update(self, found_inf: bool) -> None:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from autoshard.world import Group, current
 
 __all__ = ["LossTokens", "loss_factors", "loss_tokens", "loss_tokens_of"]
 
@@ -101,7 +102,7 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 
 
 def loss_factors(counter: LossTokens | None, flats: list[list], goals: list, has_loss_fn: bool, reduction: str,
-                 ignore_index: int, dp_group: dist.ProcessGroup | None, device: torch.device | None
+                 ignore_index: int, dp_group: Group | None, device: torch.device | None
                  ) -> tuple[list[torch.Tensor | float], bool]:
     """Each microbatch's loss factor, and whether they average per token over the global batch (then
     they sum to one over all data-parallel ranks, whose counts are summed over `dp_group`; else
@@ -119,7 +120,7 @@ def loss_factors(counter: LossTokens | None, flats: list[list], goals: list, has
     counts_t = torch.stack(counts).to(device)
     total = counts_t.sum()
     if dp_group is not None:
-        dist.all_reduce(total, group=dp_group)
+        current().all_reduce(total, group=dp_group)
     if not has_loss_fn:        # the model's mean over n_i tokens, weighted n_i / N
         return [c / total for c in counts_t], True
     return [1.0 / total] * m, True       # loss_fn's sum, over N

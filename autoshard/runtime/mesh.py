@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from autoshard.errors import expert_split_problem, require_positive_int
+from autoshard.world import Group, World, current
 
 __all__ = ["ParallelDims", "MeshGroups"]
 
@@ -66,8 +65,9 @@ class ParallelDims:
 
 
 class MeshGroups:
-    """This process's groups. Every rank creates every group, in the same order, as
-    torch.distributed requires; each keeps the ones it belongs to.
+    """This rank's groups, made in its world (`world`, default: the calling thread's; world/). Every
+    rank creates every group, in the same order, as torch.distributed requires; each keeps the ones
+    it belongs to.
 
     tp: its tensor-parallel ranks. dp: the ranks holding the same shards in other data-parallel
     replicas and context-parallel ranks (gradients are summed over it). cp (cp > 1): its
@@ -77,8 +77,9 @@ class MeshGroups:
     holding the same experts (experts' gradients are summed over it).
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, shared_pp_sets: list[tuple[int, ...]]):
+    def __init__(self, dims: ParallelDims, rank: int, shared_pp_sets: list[tuple[int, ...]], world: World | None = None):
         self.dims, self.rank = dims, rank
+        self.world = current() if world is None else world
         p, d, t = dims.coords(rank)
         self.tp = self._make([[dims.rank_of(i, j, k) for k in range(dims.tp)]
                               for i in range(dims.pp) for j in range(dims.data)])
@@ -89,7 +90,7 @@ class MeshGroups:
             c = dims.cp
             self.cp = self._make([[dims.rank_of(i, g * c + j, k) for j in range(c)]
                                   for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.dp)])
-        self.shared: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.shared: dict[tuple[int, ...], Group] = {}
         for pps in sorted(set(shared_pp_sets)):
             group = self._make([[dims.rank_of(i, j, k) for i in pps] for j in range(dims.data) for k in range(dims.tp)])
             if p in pps:
@@ -102,10 +103,10 @@ class MeshGroups:
             self.expert_dp = self._make([[dims.rank_of(i, g * e + j, k) for g in range(dims.data // e)]
                                          for i in range(dims.pp) for k in range(dims.tp) for j in range(e)])
 
-    def _make(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+    def _make(self, rank_lists: list[list[int]]) -> Group:
         mine = None
         for ranks in rank_lists:
-            group = dist.new_group(ranks)
+            group = self.world.new_group(ranks)
             if self.rank in ranks:
                 mine = group
         return mine

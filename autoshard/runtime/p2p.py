@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from autoshard.world import P2P, Work, World, current
 
 __all__ = ["Transfer", "Receive", "FORWARD", "BACKWARD"]
 
@@ -62,9 +63,11 @@ class Receive:
 class Transfer:
     """Sends and receives of one pipeline rank; keeps in-flight sends alive until `wait_sends`."""
 
-    def __init__(self, n_stages: int, device: torch.device | str = "cpu", rank: int | None = None):
+    def __init__(self, n_stages: int, device: torch.device | str = "cpu", rank: int | None = None,
+                 world: World | None = None):
         self.n_stages, self.device = n_stages, torch.device(device)
-        self._works: list[dist.Work] = []
+        self.world = current() if world is None else world
+        self._works: list[Work] = []
         self._buffers: list[torch.Tensor] = []        # what in-flight sends read
         self._shapes: dict[int, list[tuple[list[int], torch.dtype]]] = {}   # stage -> its inputs' shapes
         self.bytes_sent = self.messages_sent = 0
@@ -96,14 +99,14 @@ class Transfer:
             payload = t.detach().contiguous()
             if direction == FORWARD and microbatch == 0:
                 head = _header(payload).to(self.device)
-                ops.append(dist.P2POp(dist.isend, head, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i)))
+                ops.append(P2P(True, head, dst, _tag(stage, microbatch, self.n_stages, direction, 2 * i)))
                 self._buffers.append(head)
-            ops.append(dist.P2POp(dist.isend, payload, dst, tag=_tag(stage, microbatch, self.n_stages, direction, 2 * i + 1)))
+            ops.append(P2P(True, payload, dst, _tag(stage, microbatch, self.n_stages, direction, 2 * i + 1)))
             self._buffers.append(payload)
             self.bytes_sent += payload.numel() * payload.element_size()
         self.messages_sent += len(ops)
         if ops:
-            self._works += dist.batch_isend_irecv(ops)
+            self._works += self.world.p2p(ops)
 
     def recv_forward(self, count: int, src: int, stage: int, microbatch: int) -> list[torch.Tensor]:
         """Receive the `count` activations `stage` takes from global rank `src`."""
@@ -130,8 +133,7 @@ class Transfer:
     def _receive_headers(self, count: int, src: int, stage: int) -> list[tuple[list[int], torch.dtype]]:
         """The shapes and dtypes of `stage`'s `count` inputs, from the headers of microbatch 0."""
         heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
-        self._wait([dist.P2POp(dist.irecv, h, src, tag=_tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i))
-                    for i, h in enumerate(heads)])
+        self._wait([P2P(False, h, src, _tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i)) for i, h in enumerate(heads)])
         return [(sizes[:ndim], _DTYPES[code]) for ndim, code, *sizes in (h.tolist() for h in heads)]
 
     def expect(self, receives: list[Receive]) -> None:
@@ -149,9 +151,9 @@ class Transfer:
     def _post(self, r: Receive, shapes: list[tuple[list[int], torch.dtype]]) -> tuple[list, list[torch.Tensor]]:
         sender = r.stage - 1 if r.direction == FORWARD else r.stage + 1
         out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
-        ops = [dist.P2POp(dist.irecv, t, r.src, tag=_tag(sender, r.microbatch, self.n_stages, r.direction, 2 * i + 1))
+        ops = [P2P(False, t, r.src, _tag(sender, r.microbatch, self.n_stages, r.direction, 2 * i + 1))
                for i, t in enumerate(out)]
-        return (dist.batch_isend_irecv(ops) if ops else []), out
+        return self.world.p2p(ops), out
 
     def _post_next(self) -> None:
         if self.ahead and self._plan and self._plan[0] not in self._posted:
@@ -175,11 +177,9 @@ class Transfer:
         self._post_next()
         return out
 
-    @staticmethod
-    def _wait(ops: list) -> None:
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+    def _wait(self, ops: list[P2P]) -> None:
+        for w in self.world.p2p(ops):
+            w.wait()
 
     def wait_sends(self) -> None:
         for work in self._works:

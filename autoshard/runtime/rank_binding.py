@@ -3,6 +3,8 @@
 A mesh rank (pp, data, tp) runs tensor-parallel rank tp's program; at ep > 1 the one cut to its
 expert-parallel rank's experts, their exchanges on its expert-parallel group; at cp > 1 the graph of
 its context-parallel rank (data_rank % cp), keys and values gathered on its context-parallel group.
+In a local world every mesh rank runs from the same program in one process, so each takes a copy of
+its own (parameters of its own: `prog.rank(..., copy=global rank + 1)`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ def bound_rank_program(prog, groups: MeshGroups, data_rank: int, tp_rank: int):
     dims = groups.dims
     e = dims.ep_rank(data_rank) if dims.ep > 1 else None        # ep > 1: only its experts are cut
     c = data_rank % dims.cp if dims.cp > 1 else None             # cp > 1: its tokens' graph
-    program = prog.rank(tp_rank, ep_rank=e, cp_rank=c).bind(groups.tp)
+    copy = groups.rank + 1 if groups.world.backend == "local" else 0
+    program = prog.rank(tp_rank, ep_rank=e, cp_rank=c, copy=copy).bind(groups.tp)
     if c is not None:
         program.bind_context(groups.cp)
     if e is not None:

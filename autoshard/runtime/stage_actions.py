@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.stages import StageGraph
 from autoshard.runtime.backward_split import WeightWork, backward_input, backward_weight
+from autoshard.runtime.gradients import main_dtype
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Receive
 from autoshard.runtime.trace import ActionRecord
 
@@ -161,7 +162,7 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
                 empty = isinstance(scale, torch.Tensor) and not bool(scale)
                 outs = [torch.zeros_like(loss) if empty and rt.dims.ep == 1 and rt.dims.cp == 1 else loss * scale]
                 counted = torch.zeros_like(outs[0]) if empty else outs[0]
-                losses.append(counted.detach().to(rt.device, torch.float32))
+                losses.append(counted.detach().to(rt.device, main_dtype(counted.dtype)))     # bf16: fp32; fp64 stays
             else:
                 rt.transfer.send(outs, rt.rank_of_stage(stage + 1), stage, i, FORWARD)
             # the first stage of a split schedule: its taps stand for the inputs B runs down to

@@ -20,12 +20,11 @@ import json
 import os
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from autoshard import png
 from autoshard.parallel.ring_steps import RingStep
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.schedules import Action, Timeline
+from autoshard.world import current
 
 __all__ = ["REDUCE", "RING_BLOCK", "RING_EXCHANGE", "ActionRecord", "records_of", "ring_records", "chrome_trace",
            "write_png", "text_timeline", "export_trace"]
@@ -136,12 +135,13 @@ def _label(img: png.Image, text: str, x0: int, x1: int, ymid: int, px: int = 2) 
 def export_trace(records: list[ActionRecord], prefix: str) -> None:
     """Gather every rank's records (inside torchrun) and write `prefix`.json and `prefix`.png on rank 0."""
     everyone = [records]
-    if dist.is_initialized():
+    world = current()
+    if world.size() > 1:
         rows = [[r.rank, r.row, r.stage, r.action.kind, r.action.chunk, r.action.microbatch, r.start, r.end]
                 for r in records]
         everyone = [[ActionRecord(a, b, c, Action(k, ch, m), s, e) for a, b, c, k, ch, m, s, e in part]
                     for part in all_gather_json(rows)]
-        if dist.get_rank() != 0:
+        if world.rank() != 0:
             return
     flat = [r for part in everyone for r in part]
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)

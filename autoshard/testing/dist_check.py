@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import autoshard
@@ -28,6 +27,7 @@ from autoshard.testing.models import (
     label_name,
     logits_of,
 )
+from autoshard.world import current
 
 
 def _loss(model, name: str, ids: torch.Tensor, labels: torch.Tensor, in_graph: bool) -> torch.Tensor:
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     args = ap.parse_args()
     def checks() -> bool:
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = current().rank(), current().size()
         ok = True
         for name in args.models:
             shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads)

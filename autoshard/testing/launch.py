@@ -3,6 +3,9 @@ the one way tests and the demo launch them (torchrun, torchrun_lines; tests/laun
 checkers in one launch through it)."""
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
@@ -12,16 +15,18 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "init_gloo", "json_lines", "leave", "run_checker", "shared_ok", "start_shared", "torchrun",
-           "torchrun_lines"]
+from autoshard.world import LocalWorld, current
+
+__all__ = ["agree", "init_gloo", "json_lines", "leave", "run_checker", "run_local", "shared_ok", "start_shared",
+           "torchrun", "torchrun_lines"]
 
 
 def agree(result: dict, good: bool) -> bool:
     """True when every rank's check passed; rank 0 prints `result` as one JSON line."""
     flags = torch.tensor([0 if good else 1])
-    dist.all_reduce(flags)
+    current().all_reduce(flags)
     everyone = int(flags.item()) == 0
-    if dist.get_rank() == 0:
+    if current().rank() == 0:
         print(json.dumps({**result, "all_ranks_ok": everyone}), flush=True)
     return everyone
 
@@ -59,10 +64,29 @@ def run_checker(main: Callable[[], bool]) -> None:
     is recorded and the process goes on to the next check."""
     if _SHARED:
         _SHARED.append(bool(main()))
-        dist.barrier()
+        current().barrier()
         return
     init_gloo()
     leave(0 if main() else 1)
+
+
+def run_local(module: str, argv: list[str], world: int) -> tuple[str, bool]:
+    """The checker `module` (its `main()`, or "module:function") on `world` ranks of a LocalWorld in
+    this process, each rank a thread running what a torchrun process runs: what its ranks printed,
+    and whether every rank's check passed. A rank that raises raises here, noted with its rank."""
+    name, _, entry = module.partition(":")
+    fn = getattr(importlib.import_module(name), entry or "main")
+    argv_before, verdicts_before = sys.argv, list(_SHARED)
+    sys.argv = [name, *argv]
+    _SHARED[:] = [True]                   # run_checker records each rank's verdict (as in a shared launch)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            LocalWorld(world).run(lambda rank: fn())
+        return out.getvalue(), all(_SHARED)
+    finally:
+        sys.argv = argv_before
+        _SHARED[:] = verdicts_before
 
 
 def leave(code: int) -> NoReturn:

@@ -25,7 +25,6 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.compile.rank import slice_layout
@@ -34,6 +33,7 @@ from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import norm_rel
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.world import current
 
 LR, SEQ, MAX_NORM = 3e-3, 16, 1.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -108,7 +108,7 @@ def check(name: str, precision: str, args) -> dict:
     # gradients summed in fp32 here, in half precision by autograd in one process: compared apart
     tied = {n for names in prog.shared_params.values() for n in names}
     apart = {n for n in mine if n in tied}
-    result = {"model": name, "precision": precision, "rank": dist.get_rank(), "tp": args.tp, "pp": args.pp,
+    result = {"model": name, "precision": precision, "rank": current().rank(), "tp": args.tp, "pp": args.pp,
               "dp": args.dp, "loss_rel_vs_fp32": max(abs(a - b) / abs(b) for a, b in zip(runs[precision], runs["fp32"])),
               "main_rel_step1": norm_rel({n: t for n, t in mine.items() if n not in apart},
                                          {n: t for n, t in want.items() if n not in apart}),
@@ -125,7 +125,7 @@ def _inject_inf(name: str, example: dict, batches: list, args) -> dict:
     rt = prog.distributed(mesh=True)
     opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=LR)
     poisoned = {"on": False}
-    if dist.get_rank() == dist.get_world_size() - 1:
+    if current().rank() == current().size() - 1:
         p = next(iter(rt.parameters()))
         p.register_hook(lambda g: torch.full_like(g, float("inf")) if poisoned["on"] else g)
     scales, changed, skipped = [], [], []

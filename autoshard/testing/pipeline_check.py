@@ -17,7 +17,6 @@ import argparse
 import os
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.compile.rank import slice_layout
@@ -27,6 +26,7 @@ from autoshard.testing.graphs import fused_ops
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.world import current
 
 
 def _kw(name: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -86,7 +86,7 @@ def write_references(path: str, argv: list[str]) -> None:
 
 
 def check_model(name: str, optim: str, fuse: bool, args: argparse.Namespace, want: dict) -> dict:
-    rank = dist.get_rank()
+    rank = current().rank()
     model = build_model(name, layers=args.layers, hidden=args.hidden, heads=args.heads)
     steps = global_batches(optim, args)
     example = _kw(name, steps[0][0][: args.micro_size], steps[0][1][: args.micro_size])

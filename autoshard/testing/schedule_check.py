@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.models import MOE_NAMES, VOCAB, build_model, build_moe, input_name, label_name
+from autoshard.world import current
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,8 +54,7 @@ def train(name: str, schedule: str, args: argparse.Namespace) -> tuple[list[floa
         opt.step()
         opt.zero_grad()
     mine = {f"tp{rt.tp_rank}.data{rt.dp_rank}/{n}": p.detach().clone() for n, p in rt.named_parameters()}
-    everyone: list[dict] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: list[dict] = current().gather_objects(mine)
     params = {k: v for part in everyone for k, v in part.items()}
     kinds = [r.action.kind for r in rt.records]
     return losses, params, {"actions": sum(k in "FBW" for k in kinds), "w_actions": kinds.count("W")}

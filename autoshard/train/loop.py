@@ -30,6 +30,7 @@ from autoshard.train.options import TrainError, TrainOptions
 from autoshard.train.plot import loss_curve
 from autoshard.train.run_hardware import hardware_name, run_hardware
 from autoshard.train.verify_first import verify_first
+from autoshard.world import current
 
 # what --plan plans for where no preset describes the machine (the CPU): said on the run's first line
 PLAN_DEFAULT = "a100-80gb"
@@ -56,12 +57,12 @@ def _init(backend: str) -> None:
 def _on_rank0(fn):
     """fn() on rank 0, its result (or its TrainError) given to every rank."""
     box: list = [None, None]
-    if dist.get_rank() == 0:
+    if current().rank() == 0:
         try:
             box[0] = fn()
         except TrainError as e:
             box[1] = str(e)
-    dist.broadcast_object_list(box, src=0)
+    box = current().broadcast_object(box, src=0)
     if box[1] is not None:
         raise TrainError(box[1])
     return box[0]
@@ -153,13 +154,13 @@ def _resume(opts: TrainOptions, ckdir: str, prog, rt, optimizer, run_info: dict)
             if key in saved and saved[key] != run_info[key]:
                 raise TrainError(f"{found} was written by a run with {key}={saved[key]!r}; this run has "
                                  f"{run_info[key]!r} (a resumed run must keep the data and schedule)")
-        if dist.get_rank() == 0:
+        if current().rank() == 0:
             passed = f" (skipped, unreadable on some rank: {'; '.join(skipped)})" if skipped else ""
             print(f"resumed from {found} at step {info['step']}{passed}", flush=True)
         return int(info["step"])
     if skipped:
         raise TrainError(f"--resume: no checkpoint under {ckdir} loads on every rank: {'; '.join(skipped)}")
-    if dist.get_rank() == 0:
+    if current().rank() == 0:
         print(f"--resume: no complete checkpoint under {ckdir}; starting at step 0", flush=True)
     return 0
 
@@ -195,7 +196,7 @@ def run(opts: TrainOptions) -> int:
     if place.is_cuda:
         torch.cuda.set_device(place.device)     # before NCCL's group: each rank its own GPU
     _init(place.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = current().rank(), current().size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     ckdir = os.path.join(opts.out, "checkpoints")
@@ -294,5 +295,5 @@ def run(opts: TrainOptions) -> int:
                   f"{opts.out}/metrics.csv, {opts.out}/loss.png, checkpoints in {ckdir}", flush=True)
         if opts.export:
             _export(opts, source, tokenizer, ck.latest(ckdir))
-    dist.barrier()
+    current().barrier()
     return 0

@@ -7,11 +7,11 @@ measured before here (one to two minutes the first time, then nothing), and hand
 """
 from __future__ import annotations
 
-import torch.distributed as dist
 
 from autoshard.planning.hardware import Hardware
 from autoshard.train.device import Placement, running_hardware
 from autoshard.train.options import TrainOptions
+from autoshard.world import current
 
 __all__ = ["run_hardware", "hardware_name"]
 
@@ -23,11 +23,11 @@ def run_hardware(opts: TrainOptions, place: Placement, config, microbatch: int) 
     if name != "cpu":
         return name
     box: list[Hardware | None] = [None]
-    if dist.get_rank() == 0:
+    if current().rank() == 0:
         from autoshard.cpu_profile import measure_cpu
         box[0] = measure_cpu(hidden=config.hidden_size, heads=config.num_attention_heads, seq=opts.seq_len,
                              microbatch=microbatch)
-    dist.broadcast_object_list(box, src=0)
+    box = current().broadcast_object(box, src=0)
     return box[0]
 
 

@@ -1,12 +1,12 @@
 """`autoshard train --verify`: the split certified before the first step (autoshard/verify/)."""
 from __future__ import annotations
 
-import torch.distributed as dist
 
 from autoshard.train.model_source import ModelSource
 from autoshard.train.options import TrainError
 from autoshard.verify.source import VerifyError, model_to_verify
 from autoshard.verify.run import verify_model
+from autoshard.world import current
 
 __all__ = ["verify_first"]
 
@@ -24,6 +24,6 @@ def verify_first(source: ModelSource, prog, rank: int) -> None:
             verdict = [None if cert.passed else cert.verdict()]
         except VerifyError as e:
             verdict = [str(e)]
-    dist.broadcast_object_list(verdict, src=0)
+    verdict = current().broadcast_object(verdict, src=0)
     if verdict[0] is not None:
         raise TrainError(f"--verify: {verdict[0]}; no step was taken")

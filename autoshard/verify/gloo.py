@@ -23,7 +23,6 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 from autoshard.api import autoshard
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
@@ -37,6 +36,7 @@ from autoshard.verify.dropout import without_dropout
 from autoshard.verify.perturb import perturb_weights
 from autoshard.verify.run import rows_and_seq
 from autoshard.verify.source import model_from_args
+from autoshard.world import current
 
 __all__ = ["run_in_processes", "worker", "local_slice"]
 
@@ -79,7 +79,7 @@ def _worst(kind: str, errors: dict[str, float], where_of) -> list[tuple[str, str
 
 def worker(spec: dict) -> list[tuple[str, str, float, str]]:
     """One process's comparisons (see the module doc); call inside a gloo process group."""
-    split, rank = spec["split"], dist.get_rank()
+    split, rank = spec["split"], current().rank()
     model, _ = model_from_args(spec["model_args"], split)
     perturb_weights(model)                    # as the simulation does: every process moves them alike
     without_dropout(model)
@@ -126,9 +126,8 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
 
 def gather_and_write(rows: list[tuple[str, str, float, str]], path: str) -> None:
     """Every rank's rows to rank 0, which keeps the worst per (kind, group) and writes them."""
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, rows)
-    if dist.get_rank() == 0:
+    every = current().gather_objects(rows)
+    if current().rank() == 0:
         worst: dict[tuple[str, str], tuple[str, str, float, str]] = {}
         for kind, group, err, where in (r for rs in every for r in rs):
             key = (kind, group)

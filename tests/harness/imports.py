@@ -19,13 +19,14 @@ _DIRS = {"autoshard": "autoshard", "passes": "autoshard.passes", "kernels": "aut
 # subsystem -> the subsystems it may import (besides itself and the leaf modules below)
 LEAVES = {"errors", "bounds", "module_paths", "factory", "png"}
 ALLOWED: dict[str, set[str]] = {
+    "world": set(),
     "kernels": set(),
-    "parallel": set(),
+    "parallel": {"world"},
     "passes": {"parallel", "kernels"},
-    "runtime": {"parallel", "passes"},
-    "compile": {"parallel", "passes", "runtime", "kernels"},
-    "planning": {"compile", "runtime"},
-    "checkpoint": {"compile", "runtime", "parallel", "passes"},
+    "runtime": {"parallel", "passes", "world"},
+    "compile": {"parallel", "passes", "runtime", "kernels", "world"},
+    "planning": {"compile", "runtime", "world"},
+    "checkpoint": {"compile", "runtime", "parallel", "passes", "world"},
     "models": set(),
     **{leaf: set() for leaf in LEAVES},
 }

@@ -4,7 +4,7 @@ bytes the runtime's all-to-all counts, and the planner's search over ep."""
 import pytest
 import torch
 
-from autoshard.parallel.comm import ProcessGroupComm
+from autoshard.parallel.comm import GroupComm
 from autoshard.parallel.expert_parallel import ExpertGroup, dispatch_combine
 from autoshard.planning.cost_formulas import evaluate
 from autoshard.planning.costmodel import estimate
@@ -60,7 +60,7 @@ def test_distributed_optimizer_divides_expert_state_over_dp_over_ep_only():
     assert saved == pytest.approx(want, rel=1e-6)
 
 
-class _Loopback(ProcessGroupComm):
+class _Loopback(GroupComm):
     """Rank 0 of a group of two whose peer routes exactly as it does: it receives what it sends."""
 
     def all_to_all(self, t, send, recv):
