@@ -31,12 +31,14 @@ import pathlib
 import re
 import subprocess
 import tempfile
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 
-from autoshard.testing.launch import json_lines, torchrun
+from autoshard.testing.launch import json_lines, run_local, torchrun
 
 __all__ = ["Job", "Scheduler", "job_params", "launched", "needs"]
 
@@ -50,6 +52,7 @@ class Job:
     folder: str | None = None     # "{dir}" in argv: this scratch folder, shared by jobs naming it
     before: Callable[[pathlib.Path], None] | None = None     # run with the folder before the launch
     seconds: int = 300            # this job's share of the launch's timeout
+    local: bool = True            # on a LocalWorld in this process (autoshard/world/local.py); False: torchrun, gloo
 
     def args(self, folder: pathlib.Path) -> list[str]:
         return [a.replace("{dir}", str(folder)) for a in self.argv]
@@ -108,15 +111,40 @@ class Scheduler:
         import filelock
 
         path = self._result(job)
+        if job.local and not path.exists():
+            with filelock.FileLock(str(self.root / f"{_file_name(job.folder or job.name)}.lock")):
+                if not path.exists():        # with the jobs sharing its folder declared before it, in order
+                    kin = [j for j in _SELECTED if j.local and j.folder and j.folder == job.folder]
+                    for j in (kin[: kin.index(job) + 1] if job in kin else [job]):
+                        if not self._result(j).exists():
+                            self._run_local(j)
         if not path.exists():
             with filelock.FileLock(str(self.root / f"world-{job.world}.lock")):
                 if not path.exists():
-                    batch = [j for j in _SELECTED if j.world == job.world and not self._result(j).exists()]
+                    batch = [j for j in _SELECTED if j.world == job.world and not j.local and not self._result(j).exists()]
                     self._launch(batch if job in batch else [*batch, job])
         result = json.loads(path.read_text())
         if "error" in result:
             pytest.fail(result["error"], pytrace=False)
         return result["lines"]
+
+    def _run_local(self, job: Job) -> None:
+        """`job` on a LocalWorld of its world size, in this process (its lines filed as a launch's)."""
+        if job.before is not None:
+            job.before(self.folder(job))
+        start = time.perf_counter()
+        try:
+            stdout, ok = run_local(job.module, job.args(self.folder(job)), job.world)
+            result = {"lines": json_lines(stdout), "seconds": round(time.perf_counter() - start, 1)}
+            if not ok:
+                result = {"error": f"local job {job.name} failed on some rank ({job.module} {' '.join(job.argv)})\n"
+                                   f"{stdout[-3000:]}"}
+        except Exception:           # noqa: BLE001 (filed for every test reading the job)
+            result = {"error": f"local job {job.name} raised ({job.module} {' '.join(job.argv)}):\n"
+                               f"{traceback.format_exc()[-4000:]}"}
+        partial = self._result(job).with_suffix(".partial")
+        partial.write_text(json.dumps(result))
+        os.replace(partial, self._result(job))
 
     def _launch(self, batch: list[Job]) -> None:
         world = batch[0].world

@@ -81,10 +81,10 @@ def test_planner_speed_times_a_search_from_each_checkout(tmp_path):
 # the scripts' command lines (cli()) as jobs of the suite's world-2 launch (tests/launches.py)
 PIPELINE_OVERHEAD = Job("benchmarks/pipeline-overhead", "benchmarks.pipeline_overhead:cli",
                         ("--layers", "4", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "2",
-                         "--warmup", "0"), 2)
+                         "--warmup", "0"), 2, local=False)     # timings of real processes
 EXPERT_PARALLEL = Job("benchmarks/expert-parallel", "benchmarks.expert_parallel:cli",
                       ("--layers", "2", "--hidden", "64", "--ffn", "64", "--vocab", "256", "--seq", "32", "--rounds",
-                       "2", "--warmup", "0"), 2)
+                       "2", "--warmup", "0"), 2, local=False)
 
 
 @needs(PIPELINE_OVERHEAD)

@@ -19,7 +19,8 @@ MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
 # every mode at tp=2; at tp=4 the vocabulary-parallel loss (the other modes at tp=4 run in simulation:
 # tests/simulation)
 WORLD_MODES = [(2, mode) for mode in sorted(MODES)] + [(4, "vocab-parallel-loss")]
-TRAINING = {f"{w}-{m}": Job(f"training/{w}-{m}", "autoshard.testing.dist_check", ("--steps", "3", *MODES[m]), w)
+TRAINING = {f"{w}-{m}": Job(f"training/{w}-{m}", "autoshard.testing.dist_check", ("--steps", "3", *MODES[m]), w,
+                            local=(w, m) != (2, "vocab-parallel-loss"))
             for w, m in WORLD_MODES}
 
 
@@ -33,6 +34,21 @@ def test_gloo_training_matches_single_device(launched, key):
         assert r["world"] == world and r["all_ranks_ok"], r
         assert r["loss_rel"] <= 1e-5 and r["param_rel"] <= 1e-5, r
         assert r["sharded"] > 0, r
+
+
+# the same checker on gloo (above) and in a local world: the same numbers to the bit (every group has
+# two ranks, whose sums gloo and the local world add in the same order)
+LOCAL_TWIN = Job("training/2-vocab-parallel-loss-local", "autoshard.testing.dist_check",
+                 TRAINING["2-vocab-parallel-loss"].argv, 2)
+
+
+@pytest.mark.slow
+@needs(TRAINING["2-vocab-parallel-loss"], LOCAL_TWIN)
+def test_the_local_world_computes_what_gloo_computes(launched):
+    real, local = launched(TRAINING["2-vocab-parallel-loss"]), launched(LOCAL_TWIN)
+    assert len(real) == len(local) == 4
+    for a, b in zip(real, local):
+        assert a == b, (a, b)
 
 
 DROPOUT = Job("dropout", "tests.harness.dropout_check", (), 2)
@@ -82,7 +98,7 @@ def _pipeline_job(config: str) -> Job:
     if config == FUSED_TOO:
         args += ["--fuse", "both"]
     return Job(f"pipelines/{config}", "autoshard.testing.pipeline_check", tuple(args), tp * pp * dp, seconds=600,
-               before=functools.partial(_references, args))
+               before=functools.partial(_references, args), local=config != "tp2-pp2-dp2-v1")   # world 8 on gloo
 
 
 PIPELINE_JOBS = {config: _pipeline_job(config) for config in PIPELINES}

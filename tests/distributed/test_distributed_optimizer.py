@@ -14,13 +14,17 @@ pytestmark = pytest.mark.slow
 ZERO = "tests.harness.zero_check"
 # dp2-tp2 also trains each model on one device (--one-device; every op in float64): the distributed
 # optimizer's difference from one device in fp32 is rounding that Adam amplifies, nothing else
+# dp2-tp2 is the suite's world-4 run on gloo (its float64 patches are process-wide: one rank per process)
 MESHES = {"dp2-tp2": Job("zero/dp2-tp2", ZERO, ("--dp", "2", "--tp", "2", "--models", "gpt2", "qwen2", "--one-device"),
-                         4),
+                         4, local=False),
           "dp2-pp2": Job("zero/dp2-pp2", ZERO, ("--dp", "2", "--pp", "2", "--models", "llama"), 4),
           "dp4": Job("zero/dp4", ZERO, ("--dp", "4"), 4)}
+# Llama computes its norms and loss in float32 whatever its dtype, so the continuation on another mesh
+# (other summation orders) differs from the recorded losses by ~2.4e-8; train_step returned float32
+# losses before, whose rounding hid that under the float64 tolerance of 1e-10
 SAVE_DP4 = Job("zero/save-dp4", ZERO, ("--dp", "4", "--models", "llama", "--save", "{dir}"), 4, folder="zero-dp4")
-LOAD_TP2_DP2 = Job("zero/load-tp2-dp2", ZERO, ("--dp", "2", "--tp", "2", "--models", "llama", "--load", "{dir}"), 4,
-                   folder="zero-dp4")
+LOAD_TP2_DP2 = Job("zero/load-tp2-dp2", ZERO, ("--dp", "2", "--tp", "2", "--models", "llama", "--load", "{dir}",
+                                               "--tol", "1e-7"), 4, folder="zero-dp4")
 BF16 = ("--dp", "2", "--models", "llama", "--dtype", "bfloat16")
 SAVE_BF16 = Job("zero/save-bf16", ZERO, (*BF16, "--save", "{dir}"), 2, folder="zero-bf16")
 LOAD_BF16 = Job("zero/load-bf16", ZERO, (*BF16, "--load", "{dir}"), 2, folder="zero-bf16")
@@ -45,7 +49,7 @@ def test_sharded_adamw_equals_plain_adamw(launched, mesh):
 def test_checkpoint_at_dp4_continues_at_tp2_dp2(launched):
     saved, loaded = launched(SAVE_DP4), launched(LOAD_TP2_DP2)
     assert saved[0]["all_ranks_ok"] and loaded[0]["all_ranks_ok"]
-    assert loaded[0]["loss_rel"] <= 1e-10 and len(loaded[0]["losses"]) == 3, loaded
+    assert loaded[0]["loss_rel"] <= 1e-7 and len(loaded[0]["losses"]) == 3, loaded     # 2.4e-8: see LOAD_TP2_DP2
 
 
 @needs(SAVE_BF16, LOAD_BF16)

@@ -59,7 +59,7 @@ def _step_time(name: str, world: int, *args: str) -> Job:
     """benchmarks/step_time.py's command line as a job of the suite's launch of `world` processes."""
     return Job(f"step-time/{name}", "benchmarks.step_time:cli",
                (*args, "--rounds", "2", "--warmup", "0", "--layers", "4", "--hidden", "64", "--heads", "4",
-                "--vocab", "256", "--seq", "32", "--lr", "0.5", "--batch", "8"), world)
+                "--vocab", "256", "--seq", "32", "--lr", "0.5", "--batch", "8"), world, local=False)   # step times
 
 
 TP2 = _step_time("tp2", 2, "--tp", "2")

@@ -25,11 +25,12 @@ CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2
            # microbatch's graph) outlived the step's W until the next action rebound their names
            "pp2-m4-v-half": (1, 2, 1, 2, 4, "none", False, "v-half")}
 # each configuration a job of the suite's launch of two processes (tests/launches.py)
-JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2)
+JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2,
+                  local=False)          # a process's own memory is what is measured
         for name, config in CONFIGS.items()}
 # two other families, read off their graphs only: Llama with the distributed optimizer; Mixtral's
 # experts over ep = 2, whose measured routing is uneven where the prediction spreads it evenly
-GRAPH_JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(argv.split()), 2) for name, argv in {
+GRAPH_JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(argv.split()), 2, local=False) for name, argv in {
     "llama-dp2-distributed-optimizer": "--model llama --dp 2 --distributed-optimizer --microbatches 2 --steps 1",
     "mixtral-ep2": "--model mixtral --dp 2 --ep 2 --microbatches 2 --steps 1"}.items()}
 

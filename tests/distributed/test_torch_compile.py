@@ -7,7 +7,8 @@ import pytest
 from tests.launches import Job, needs
 
 pytestmark = pytest.mark.slow
-COMPILE = Job("torch-compile", "tests.harness.compile_check", ("--cases", "gpt2:4", "llama:2"), 4)
+# real processes: dynamo traces torch.distributed's collectives, not a local world's Python
+COMPILE = Job("torch-compile", "tests.harness.compile_check", ("--cases", "gpt2:4", "llama:2"), 4, local=False)
 
 
 @needs(COMPILE)

@@ -19,13 +19,13 @@ import os
 import signal
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard import checkpoint as ck
 from autoshard.checkpoint.materialize import materialize
 from autoshard.testing.launch import run_checker
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.world import current
 
 
 def batch(name: str, step: int, size: int) -> dict:
@@ -68,12 +68,12 @@ def main() -> None:
             start = ck.load(resume, prog, rt, opt)["step"]
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         for step in range(start, args.steps):
-            if step == args.kill_at and attempt == index and dist.get_rank() == 1:
+            if step == args.kill_at and attempt == index and current().rank() == 1:
                 os.kill(os.getpid(), signal.SIGKILL)       # a node dies mid-run
             loss = rt.train_step(**batch(model_name, step, 2 * micro), max_norm=1.0)
             opt.step()
             opt.zero_grad()
-            if dist.get_rank() == 0:
+            if current().rank() == 0:
                 with open(os.path.join(root, "losses.jsonl"), "a") as fh:
                     fh.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
                                          "resumed_from": resume}) + "\n")

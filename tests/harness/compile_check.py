@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import grad_errors, max_rel
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.world import Group, current
 
 
 def _batch(name: str) -> dict[str, torch.Tensor]:
@@ -38,7 +38,7 @@ def _loss_and_grads(run, rank, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
     return loss.detach(), {n: p.grad.clone() for n, p in rank.named_parameters()}
 
 
-def check(name: str, tp: int, group: dist.ProcessGroup) -> dict:
+def check(name: str, tp: int, group: Group) -> dict:
     torch._dynamo.reset()
     batch = _batch(name)
     prog = autoshard(build_model(name), tp=tp, example_kwargs=batch)
@@ -55,7 +55,7 @@ def check(name: str, tp: int, group: dist.ProcessGroup) -> dict:
         raised = ""
     except RuntimeError as e:
         raised = str(e)
-    return {"model": name, "tp": tp, "rank": dist.get_rank(), "loss_rel": max_rel(loss, eager_loss),
+    return {"model": name, "tp": tp, "rank": current().rank(), "loss_rel": max_rel(loss, eager_loss),
             "grad_rel": max(errs.values()), "out_of_range_raised": "out of range" in raised}
 
 
@@ -66,14 +66,14 @@ def main() -> None:
     args = ap.parse_args()
 
     def checks() -> bool:
-        world, me = dist.get_world_size(), dist.get_rank()
-        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]       # every rank makes every group
+        world, me = current().size(), current().rank()
+        pairs = [current().new_group([r, r + 1]) for r in range(0, world, 2)]       # every rank makes every group
         ok = True
         for case in args.cases:
             name, tp = case.split(":")[0], int(case.split(":")[1])
             if tp not in (world, 2):
                 raise SystemExit(f"--cases {case}: tp must be the world size ({world}) or 2")
-            group = dist.group.WORLD if tp == world else pairs[me // 2]
+            group = None if tp == world else pairs[me // 2]
             res = check(name, tp, group)
             ok &= agree(res, res["loss_rel"] <= 1e-6 and res["grad_rel"] <= 1e-5 and res["out_of_range_raised"])
         return ok

@@ -27,7 +27,6 @@ import functools
 import os
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.checkpoint.convert import load_full_state_dict
@@ -38,6 +37,7 @@ from autoshard.runtime.trace import RING_BLOCK, RING_EXCHANGE
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import MOE_NAMES, VOCAB, build_model, build_moe
+from autoshard.world import current
 
 MESHES = {"cp2xdp2": dict(cp=2, dp=2), "cp2xtp2": dict(cp=2, tp=2),
           "cp2xdp2xep4": dict(cp=2, dp=2, ep=4),     # experts over all four data ranks, cp and dp alike
@@ -111,13 +111,13 @@ def check(name: str, mesh: str, steps: int, attention: str, zero_to: str | None 
     saved = None
     if zero_to:
         save(zero_to, prog, rt, opt, step=steps)
-        dist.barrier()                  # rank 0 writes the index last
+        current().barrier()                  # rank 0 writes the index last
         full = load_full_state_dict(zero_to)
         saved = norm_rel(full, {n: p.detach() for n, p in ref.named_parameters()})
     ring_steps, ring_ok = _ring_steps(rt.records, MESHES[mesh]["cp"])
     return {"model": name, "mesh": mesh, "attention": attention, "distributed_optimizer": bool(zero_to),
             "ring_steps": ring_steps, "ring_steps_ok": ring_ok,
-            "checkpoint_rel": saved, "rank": dist.get_rank(), "steps": steps, "loss_rel": worst_loss,
+            "checkpoint_rel": saved, "rank": current().rank(), "steps": steps, "loss_rel": worst_loss,
             "param_rel": norm_rel(local, want), "element_rel": worst_element, "worst_element": where}
 
 

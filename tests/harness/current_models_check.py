@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.testing.current_models import CURRENT_MODELS, build_current
 from autoshard.testing.dist_check import shard_error, train_alongside
 from autoshard.testing.launch import agree, run_checker
+from autoshard.world import current
 
 
 def _batches(steps: int) -> list[dict]:
@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     def checks() -> bool:
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = current().rank(), current().size()
         ok = True
         for name in args.models:
             res = check(name, args.steps, rank, world, args.optim)

@@ -14,24 +14,24 @@ rank 0 prints one line per configuration.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import autoshard
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.models import VOCAB, build_model
+from autoshard.world import current
 
 P_DROP = 0.3
 
 
 def _same_on_every_rank(t: torch.Tensor) -> bool:
-    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, t.contiguous())
+    got = t.new_empty((current().size(), *t.shape))             # [world, *t]
+    current().all_gather(got, t.contiguous()[None])
     return all(torch.equal(g, got[0]) for g in got)
 
 
 def check(fuse: bool, sequence_parallel: bool, steps: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = current().rank(), current().size()
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen))
                for _ in range(steps)]

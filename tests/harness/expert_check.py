@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.checkpoint import sharded as ck
@@ -49,6 +48,7 @@ from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.testing.models import MOE_NAMES, VOCAB, build_moe
+from autoshard.world import current
 
 ROWS, SEQ, LR = 8, 16, 1e-3
 
@@ -125,7 +125,7 @@ def _reference(name: str, args: argparse.Namespace, batches: list[dict], folder:
     if key in _REFERENCES:
         return _REFERENCES[key]
     record = None
-    if dist.get_rank() == 0:
+    if current().rank() == 0:
         ref = build_moe(name, aux_loss=args.aux_loss, device="meta" if args.meta else "cpu")
         if args.meta:
             materialize_full(ref, seed=0)
@@ -137,10 +137,9 @@ def _reference(name: str, args: argparse.Namespace, batches: list[dict], folder:
         record = {"steps": steps[args.skip:], "params": {n: p.detach() for n, p in ref.named_parameters()},
                   "paths": list(expert_modules(ref)),
                   "experts": [m.num_experts for m in expert_modules(ref).values()]}
-    box = [record]
-    dist.broadcast_object_list(box, src=0)
-    _REFERENCES[key] = box[0]
-    return box[0]
+    record = current().broadcast_object(record, src=0)
+    _REFERENCES[key] = record
+    return record
 
 
 def check(name: str, args: argparse.Namespace, optimizer: str = "adamw") -> dict:
@@ -232,8 +231,7 @@ def main() -> None:
         for name in args.models:
             for optimizer in args.optimizers:
                 res = check(name, args, optimizer)
-                rows = [None] * dist.get_world_size()
-                dist.all_gather_object(rows, res)
+                rows = current().gather_objects(res)
                 good = (res["loss_rel"] <= args.tol and res["grad_norm_rel"] <= args.tol and res["param_rel"] <= 1e-6
                         and res["param_max_rel"] <= 1e-4 and res["only_own_experts"]
                         and res["all_to_all_bytes"] == res["formula_bytes"])

@@ -17,9 +17,8 @@ import json
 import sys
 import time
 
-import torch.distributed as dist
-
 from autoshard.testing import launch
+from autoshard.world import current
 
 
 def main() -> None:
@@ -27,13 +26,13 @@ def main() -> None:
         jobs = json.load(f)
     launch.start_shared()
     for i, (module, argv) in enumerate(jobs):
-        if dist.get_rank() == 0:
+        if current().rank() == 0:
             print(json.dumps({"job": i}), flush=True)
         name, _, entry = module.partition(":")
         sys.argv = [name, *argv]
         start = time.perf_counter()
         getattr(importlib.import_module(name), entry or "main")()
-        if dist.get_rank() == 0:
+        if current().rank() == 0:
             print(json.dumps({"done": i, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     launch.leave(0 if launch.shared_ok() else 1)
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autoshard import autoshard
 from autoshard.testing.launch import agree, run_checker
 from autoshard.testing.models import VOCAB, build_model, input_name, label_name
+from autoshard.world import current
 
 __all__ = ["compare_simulated", "recompute_calls", "worst"]
 
@@ -110,7 +110,7 @@ def _check_distributed(name: str, mode: str, args: argparse.Namespace) -> dict:
             opt.zero_grad()
         runs[rc] = (losses, grads, recompute_calls(rt))
     (l0, g0, _), (l1, g1, calls) = runs["none"], runs[mode]
-    return {"model": name, "mode": mode, "rank": dist.get_rank(), "tp": args.tp, "pp": args.pp, "dp": args.dp,
+    return {"model": name, "mode": mode, "rank": current().rank(), "tp": args.tp, "pp": args.pp, "dp": args.dp,
             "virtual": args.virtual, "sp": args.sp, "regions": calls,
             "loss_rel": max(((a - b).abs() / a.abs()).item() for a, b in zip(l0, l1)),
             "grad_rel": max(worst(a, b) for a, b in zip(g0, g1))}

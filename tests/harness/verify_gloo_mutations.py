@@ -18,7 +18,6 @@ import pathlib
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 import autoshard.runtime.loss_tokens as loss_tokens
 from autoshard.runtime.executor import MeshRuntime
@@ -27,6 +26,7 @@ from autoshard.runtime.grad_buffer import GradBuffer
 from autoshard.runtime.p2p import Transfer
 from autoshard.testing.launch import init_gloo, leave, torchrun
 from autoshard.verify.gloo import gather_and_write, worker
+from autoshard.world import current
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
@@ -43,8 +43,8 @@ def _tied_not_summed():
 def _dp_scale_doubled():
     original = GradBuffer.begin
 
-    def begin(self, microbatches, scale, origin):
-        return original(self, microbatches, scale * 2, origin)
+    def begin(self, microbatches, scale, origin, uses=None):
+        return original(self, microbatches, scale * 2, origin, uses)
     return mock.patch.object(GradBuffer, "begin", begin)
 
 
@@ -122,7 +122,7 @@ def main() -> None:
                "distributed_optimizer": name.endswith("+do"), "result": f"{spec['result']}.{name}"}
         with patch():
             gather_and_write(worker(one), one["result"])
-        dist.barrier()
+        current().barrier()
     leave(0)
 
 

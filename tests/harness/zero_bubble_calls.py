@@ -14,10 +14,10 @@ Rank 0 prints one JSON line per freeze and schedule.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.testing.launch import agree, run_checker
+from autoshard.world import current
 from tests.harness.frozen import freeze
 
 
@@ -56,8 +56,7 @@ def _train(how: str, schedule: str, batches: list[dict]) -> tuple[list[float], d
         opt.zero_grad()
         losses.append(float(first + second))
     mine = {n: p.detach().clone() for n, p in rt.named_parameters()}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: list = current().gather_objects(mine)
     params = {k: v for part in everyone for k, v in part.items()}
     return losses, params, {n: t for n, t in frozen.items() if n in params}, rt.transfer.received_ahead
 

@@ -38,7 +38,6 @@ import os
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 from autoshard import autoshard
 from autoshard.checkpoint import sharded as ck
@@ -49,6 +48,7 @@ from autoshard.testing.metrics import norm_rel
 from autoshard.testing.context_models import build_context
 from autoshard.testing.models import MODEL_NAMES, VOCAB, build_model, input_name, label_name
 from autoshard.compile.rank import slice_layout
+from autoshard.world import current
 from tests.harness.recompute_check import worst
 
 LR, ROWS, SEQ = 1e-2, 8, 16
@@ -144,7 +144,7 @@ def compare(name: str, args: argparse.Namespace) -> dict:
     mine = {n: p.detach() for n, p in rt.named_parameters()}
     last_backward_end = max(r.end for r in rt.records if r.action.kind == "B")
     early = sum(r.start < last_backward_end for r in rt.records if r.action.kind == REDUCE)   # as traced
-    return {"model": name, "rank": dist.get_rank(), "tp": args.tp, "pp": args.pp, "dp": args.dp,
+    return {"model": name, "rank": current().rank(), "tp": args.tp, "pp": args.pp, "dp": args.dp,
             "loss_rel": max(((a - b).abs() / a.abs()).item() for a, b in zip(plain_losses, losses)),
             "param_rel": norm_rel(mine, want), "param_rel_worst_tensor": worst(want, mine),
             "state_bytes": opt.state_bytes()["optimizer_state"], "plain_state_bytes": _state_bytes(plain),
@@ -172,7 +172,7 @@ def resume(name: str, args: argparse.Namespace) -> dict:
         _train(rt, opt, _batches(name, args.steps, 1), args.max_norm)
         ck.save(folder, prog, rt, opt, step=args.steps)
         losses = [float(x) for x in _train(rt, opt, more, args.max_norm)]
-        if dist.get_rank() == 0:
+        if current().rank() == 0:
             with open(os.path.join(folder, "losses.json"), "w") as f:
                 json.dump(losses, f)
         return {"model": name, "saved_at": [args.tp, args.pp, args.dp], "losses": losses, "loss_rel": 0.0}
