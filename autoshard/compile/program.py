@@ -258,11 +258,11 @@ class ShardedProgram:
         (runtime/local_mesh.py). Each rank gets its own copy of this program."""
         return LocalMesh(self)
 
-    def _release(self, world: World) -> None:
+    def _release(self, world: World | None = None) -> None:
         """This process's rank is cut: hold nothing more of the model's weights (the captured
         graphs' copies of them become meta tensors; the model itself is held weakly). Not in a
         local world, whose other ranks are cut from the same program in this process."""
-        if world.backend == "local":
+        if world is not None and world.backend == "local":
             return
         self._source.release()
         for entry in self._compiler.compiled:

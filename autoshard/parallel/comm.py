@@ -10,6 +10,7 @@ is made here and nowhere else.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -81,7 +82,7 @@ class GroupComm:
         t = t.contiguous()
         out = t.new_empty((sum(recv), *t.shape[1:]))
         self.world.all_to_all(out, t, recv, send, group=self.group)
-        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+        row = math.prod(t.shape[1:]) * t.element_size()        # a rank may send no rows at all
         self.sent_bytes += row * (sum(send) - send[self.world.rank(self.group)])
         return out
 

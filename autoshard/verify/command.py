@@ -59,9 +59,9 @@ def parser() -> argparse.ArgumentParser:
     twin = ap.add_mutually_exclusive_group()
     twin.add_argument("--twin", action="store_true", help="verify the reduced twin even of a small model")
     twin.add_argument("--full", action="store_true", help="never reduce the model (it must fit here)")
-    ap.add_argument("--gloo", action="store_true", help="also run the split in real processes (torchrun, gloo): "
-                    "the runtime's schedule, transfers, gradient reductions and an AdamW step on each rank's shards")
-    ap.add_argument("--distributed-optimizer", action="store_true", help="with --gloo: step with the runtime's "
+    ap.add_argument("--gloo", action="store_true", help="also run the runtime's steps in real processes (torchrun, "
+                    "gloo), as verify runs them on a local world in this process by default")
+    ap.add_argument("--distributed-optimizer", action="store_true", help="the runtime steps with its "
                     "DistributedOptimizer (AdamW's state sharded over data-parallel ranks), as autoshard train does")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
@@ -80,8 +80,6 @@ def certify(args) -> Certificate:
     if args.plan and ((args.tp, args.pp, args.dp, args.ep, args.cp) != (1,) * 5 or args.microbatches or args.virtual):
         raise VerifyError("--plan verifies the split the planner chooses; give none of --tp --pp --virtual --dp --ep "
                           "--cp --microbatches with it")
-    if args.distributed_optimizer and not args.gloo:
-        raise VerifyError("--distributed-optimizer is the runtime's: give --gloo with it")
     split = _split(args)
     model, twin = model_from_args(args, split)
     notes = []
@@ -90,7 +88,7 @@ def certify(args) -> Certificate:
                      f"compared in the widest float type, the {args.precision} arithmetic itself is not")
     if args.plan:
         split = _planned(model, args)
-    cert = verify_model(model, split, seq=args.seq, twin=twin, notes=notes)
+    cert = verify_model(model, split, seq=args.seq, twin=twin, notes=notes, distributed_optimizer=args.distributed_optimizer)
     if args.gloo and not cert.refusals:
         model_args = {k: getattr(args, k) for k in ("model", *SIZES, "factory_args", "twin", "full", "seed")}
         spec = {"model_args": model_args, "split": split, "seq": args.seq, "tolerance": cert.tolerance,

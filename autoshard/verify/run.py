@@ -17,6 +17,7 @@ from autoshard.verify.certificate import Certificate, Fallback
 from autoshard.verify.compare import compare_steps
 from autoshard.verify.dropout import dropout_items, recompute_items, without_dropout
 from autoshard.verify.perturb import perturb_weights
+from autoshard.verify.runtime import local_items
 
 __all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "TOLERANCES"]
 
@@ -82,12 +83,15 @@ def rows_and_seq(split: dict, seq: int | None) -> tuple[int, int]:
 
 
 def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | None = None, seq: int | None = None,
-                 twin: list[str] | None = None, notes: list[str] | None = None) -> Certificate:
+                 twin: list[str] | None = None, notes: list[str] | None = None, runtime: bool = True,
+                 distributed_optimizer: bool = False) -> Certificate:
     """Certify `split` (autoshard()'s tp, pp, ... as a dict) of `model` (left untouched): compile a
     float64 (else float32) copy with every weight moved off its initial value (verify/perturb.py),
     run it against another copy for several steps on batches with padding and without, ignored
-    labels and every vocabulary shard's edge ids (verify/batch.py), and return the certificate.
-    `twin`: what was reduced, when `model` stands in for a larger one (verify/twin.py)."""
+    labels and every vocabulary shard's edge ids (verify/batch.py), in simulation and (`runtime`)
+    in the runtime of every rank on a local world (verify/runtime.py; `distributed_optimizer`:
+    stepping with the runtime's DistributedOptimizer), and return the certificate. `twin`: what
+    was reduced, when `model` stands in for a larger one (verify/twin.py)."""
     started = time.perf_counter()
     vocab = vocab or vocab_of(model)
     rows, seq = rows_and_seq(split, seq)
@@ -109,6 +113,7 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
         cert.notes.append(f"dropout set to 0 in {dropped} module(s) for the comparison (its masks are random); its "
                           "regions are checked on their own (the dropout items)")
     reference = copy.deepcopy(wide)
+    runtime_reference = copy.deepcopy(wide)            # the simulation steps `reference`
     pieces = split.get("dp", 1) * split.get("microbatches", 1)
     example = {k: v[: rows // pieces] for k, v in batch.inputs.items()}
     try:
@@ -128,8 +133,19 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     cert.fallbacks = _fallbacks(prog)
     steps = step_batches(wide, rows, seq, vocab, boundary_ids(prog, vocab), classes)
     cert.batch = f"{len(steps)} steps: " + "; ".join(f"{label}: {b.description}" for label, b in steps)
+    ran: list = []
+    if runtime:      # first: compare_steps loads its stepped weights into every rank cut, then or later
+        cert.runs.append(f"the runtime, {prog.world_size} ranks on a local world in this process (schedule, "
+                         f"transfers, gradient buckets, token counts"
+                         + (", the distributed optimizer)" if distributed_optimizer else ")"))
+        try:
+            ran = local_items(prog, runtime_reference, [(label, b.inputs) for label, b in steps], cert.tolerance,
+                              sharded=distributed_optimizer)
+        except Exception as e:      # the runtime raising is not verified; the simulation still says what differs
+            cert.refusals.append(f"the runtime raised {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+    cert.items = list(ran)
     try:
-        cert.items = compare_steps(prog, reference, [(label, b.inputs) for label, b in steps], cert.tolerance)
+        cert.items = compare_steps(prog, reference, [(label, b.inputs) for label, b in steps], cert.tolerance) + ran
         cert.items += dropout_items(original, split, example,
                                     lambda m, ex: autoshard(m, example_kwargs=ex, **split))
         cert.items += recompute_items(original, split, example, lambda m, ex, s: autoshard(m, example_kwargs=ex, **s),

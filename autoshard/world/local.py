@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from autoshard.world.protocol import DONE, P2P, Work
-from autoshard.world.select import use
+from autoshard.world.select import alone_with, use
 
 __all__ = ["LocalWorld", "LocalGroup", "DeadlockError", "run_ranks"]
 
@@ -368,3 +368,6 @@ class _LocalRank:
 def run_ranks(size: int, fn: Callable[[int], Any]) -> list:
     """`fn(rank)` on every rank of a new local world of `size` ranks; their results in rank order."""
     return LocalWorld(size).run(fn)
+
+
+alone_with(lambda: LocalWorld(1).rank_world(0))         # current() outside torchrun and a local world

@@ -3,14 +3,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 from autoshard.world.protocol import World
 
-__all__ = ["current", "use"]
+__all__ = ["current", "use", "alone_with"]
 
 _state = threading.local()
 _solo: list = []
+_make_solo: list[Callable[[], World]] = []
+
+
+def alone_with(make: Callable[[], World]) -> None:
+    """How to make the world of one rank (world/local.py registers a LocalWorld of one on import)."""
+    _make_solo[:] = [make]
 
 
 def current() -> World:
@@ -23,8 +29,7 @@ def current() -> World:
     if torch_world.initialized():
         return torch_world.TorchWorld()
     if not _solo:
-        from autoshard.world.local import LocalWorld
-        _solo.append(LocalWorld(1).rank_world(0))
+        _solo.append(_make_solo[0]())
     return _solo[0]
 
 

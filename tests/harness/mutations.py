@@ -231,16 +231,19 @@ def _experts_to_wrong_owner():
 
 def _embedding_partial_sums_kept():
     """Vocabulary-parallel embedding's partial rows (zeros outside the shard) not summed: g skipped
-    only there (the first g of the program)."""
+    only there (the first g the lockstep simulation runs). Planted in the simulation's path: "the
+    first call" means nothing to ranks that run on their own; skipping a g on one rank of the
+    runtime is a collective the others wait on, which the local world names as a mismatch."""
     calls = {"n": 0}
-    original = tensor_parallel.ReduceFromTensorParallelRegion.run
+    cls = tensor_parallel.ReduceFromTensorParallelRegion
+    original = cls.simulate.__func__
 
-    def run(red, mods, rank_args):
+    def simulate(klass, mods, rank_args):
         calls["n"] += 1
         if calls["n"] == 1:
             return [a[0].clone() for a in rank_args]
-        return original(red, mods, rank_args)
-    return mock.patch.object(tensor_parallel.ReduceFromTensorParallelRegion, "run", staticmethod(run))
+        return original(klass, mods, rank_args)
+    return mock.patch.object(cls, "simulate", classmethod(simulate))
 
 
 def _logits_gather_valid_ignored():

@@ -15,7 +15,7 @@ from autoshard.runtime.trace import REDUCE
 from autoshard.testing.context_models import build_context, context_batch
 from autoshard.testing.metrics import max_rel, norm_rel
 from autoshard.testing.models import VOCAB, build_model
-from autoshard.verify.gloo import local_slice
+from autoshard.verify.runtime import local_slice
 from autoshard.world import DeadlockError
 
 LR = 1e-2

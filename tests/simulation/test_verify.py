@@ -126,8 +126,6 @@ def test_cli_verifies_the_twin_of_a_7b_llama_config():
 def test_cli_refuses_bad_input_in_one_line():
     run = _cli("--model", "not-a-model", "--tp", "2")
     assert run.returncode == 2 and "not a transformers model type" in run.stderr
-    run = _cli("--model", "llama", "--dp", "2", "--distributed-optimizer")
-    assert run.returncode == 2 and "give --gloo with it" in run.stderr
 
 
 def test_cli_verifies_a_v_schedule_on_the_twin_with_a_stage_per_layer():

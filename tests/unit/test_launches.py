@@ -23,8 +23,8 @@ def _own_selection(monkeypatch):
     monkeypatch.setattr(launches, "_SELECTED", [])
 
 
-A2, B2 = Job("a", "m.a", ("--x", "{dir}"), 2), Job("b", "m.b", (), 2)
-C4 = Job("c", "m.c", (), 4)
+A2, B2 = Job("a", "m.a", ("--x", "{dir}"), 2, local=False), Job("b", "m.b", (), 2, local=False)
+C4 = Job("c", "m.c", (), 4, local=False)
 
 
 def _select(*items):
@@ -65,3 +65,31 @@ def test_a_job_the_launch_died_in_fails_its_test_and_those_after_it(tmp_path, mo
 def test_two_jobs_of_one_name_are_refused():
     with pytest.raises(pytest.UsageError, match="two launch jobs are named 'a'"):
         _select(_Item(A2), _Item(Job("a", "m.other", (), 2)))
+
+
+def tiny_checker() -> None:
+    """A checker as run_checker runs one: every rank sums its rank over the world, rank 0 prints;
+    rank 1 fails its check when asked to (--fail)."""
+    import sys
+
+    import torch
+
+    from autoshard.testing.launch import agree, run_checker
+    from autoshard.world import current
+
+    def main() -> bool:
+        total = torch.tensor([float(current().rank())])
+        current().all_reduce(total)
+        return agree({"sum": total.item(), "argv": sys.argv[1:]}, "--fail" not in sys.argv or current().rank() != 1)
+    run_checker(main)
+
+
+def test_a_local_job_runs_its_checker_on_a_local_world_in_this_process(tmp_path, monkeypatch):
+    good, bad = (Job(name, "tests.unit.test_launches:tiny_checker", argv, 3) for name, argv in
+                 (("good", ("--x",)), ("bad", ("--fail",))))
+    _select(_Item(good, bad))
+    monkeypatch.setattr(launches, "torchrun", lambda *a, **k: pytest.fail("a local job launched torchrun"))
+    run = Scheduler(tmp_path)
+    assert run(good) == [{"sum": 3.0, "argv": ["--x"], "all_ranks_ok": True}]
+    with pytest.raises(pytest.fail.Exception, match="local job bad failed on some rank"):
+        run(bad)

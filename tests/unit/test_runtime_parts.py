@@ -1,5 +1,5 @@
-"""The runtime's parts on their own: Transfer over a fake wire (receiving ahead too), MeshGroups' rank
-lists, the Reducer switch (distributed and simulated give each rank the same), and the global
+"""The runtime's parts on their own: Transfer over a fake world's wire (receiving ahead too), MeshGroups'
+rank lists, the Reducer switch (distributed and simulated give each rank the same), and the global
 gradient norm."""
 import functools
 import types
@@ -8,35 +8,29 @@ import pytest
 import torch
 
 from autoshard.parallel.comm import SIMULATED, CommHandle, distributed_reducer
-from autoshard.runtime import mesh as mesh_module
 from autoshard.runtime import p2p
 from autoshard.runtime.gradients import global_grad_norm
 from autoshard.runtime.mesh import MeshGroups, ParallelDims
 
 
 class _Wire:
-    """torch.distributed's p2p calls, in process: a send lands in a mailbox under its tag."""
+    """A world's point-to-point transfers, in process: a send lands in a mailbox under its tag."""
 
     def __init__(self):
         self.box: dict[int, torch.Tensor] = {}
-        self.isend, self.irecv = object(), object()
 
-    def P2POp(self, op, tensor, peer, tag=0):     # noqa: N802  (torch's name)
-        return (op, tensor, peer, tag)
-
-    def batch_isend_irecv(self, ops):
-        for op, t, peer, tag in ops:
-            if op is self.isend:
-                self.box[tag] = t.clone()
+    def p2p(self, ops):
+        for o in ops:
+            if o.send:
+                self.box[o.tag] = o.tensor.clone()
             else:
-                t.copy_(self.box.pop(tag))
+                o.tensor.copy_(self.box.pop(o.tag))
         return [types.SimpleNamespace(wait=lambda: None) for _ in ops]
 
 
-def test_transfer_sends_headers_once_and_receives_shapes_and_dtypes(monkeypatch):
+def test_transfer_sends_headers_once_and_receives_shapes_and_dtypes():
     wire = _Wire()
-    monkeypatch.setattr(p2p, "dist", wire)
-    sender, receiver = p2p.Transfer(n_stages=2), p2p.Transfer(n_stages=2)
+    sender, receiver = p2p.Transfer(n_stages=2, world=wire), p2p.Transfer(n_stages=2, world=wire)
     acts = [torch.randn(2, 3, 4), torch.arange(6).view(2, 3)]
     sender.send(acts, dst=1, stage=0, microbatch=0, direction=p2p.FORWARD)
     assert sender.messages_sent == 4                          # a header and a payload each
@@ -53,10 +47,9 @@ def test_transfer_sends_headers_once_and_receives_shapes_and_dtypes(monkeypatch)
     assert wire.box == {}
 
 
-def test_transfer_refuses_a_microbatch_before_the_first(monkeypatch):
-    monkeypatch.setattr(p2p, "dist", _Wire())
+def test_transfer_refuses_a_microbatch_before_the_first():
     with pytest.raises(RuntimeError, match="stage 1 received microbatch 1 before microbatch 0"):
-        p2p.Transfer(n_stages=2).recv_forward(1, src=0, stage=1, microbatch=1)
+        p2p.Transfer(n_stages=2, world=_Wire()).recv_forward(1, src=0, stage=1, microbatch=1)
 
 
 class _LateWire(_Wire):
@@ -67,34 +60,33 @@ class _LateWire(_Wire):
         super().__init__()
         self.posted: list[int] = []
 
-    def batch_isend_irecv(self, ops):
+    def p2p(self, ops):
         works = []
-        for op, t, peer, tag in ops:
-            if op is self.isend:
-                self.box[tag] = t.clone()
+        for o in ops:
+            if o.send:
+                self.box[o.tag] = o.tensor.clone()
                 works.append(types.SimpleNamespace(wait=lambda: None))
             else:
-                self.posted.append(tag)
-                works.append(types.SimpleNamespace(wait=functools.partial(self._fill, t, tag)))
+                self.posted.append(o.tag)
+                works.append(types.SimpleNamespace(wait=functools.partial(self._fill, o.tensor, o.tag)))
         return works
 
     def _fill(self, t: torch.Tensor, tag: int) -> None:
         t.copy_(self.box.pop(tag))
 
 
-def _pair(monkeypatch, ahead: bool) -> tuple[_LateWire, p2p.Transfer, p2p.Transfer]:
+def _pair(ahead: bool) -> tuple[_LateWire, p2p.Transfer, p2p.Transfer]:
     """Stage 0 on rank 0 and stage 1 on rank 1, each told its three receives of a step."""
     wire = _LateWire()
-    monkeypatch.setattr(p2p, "dist", wire)
-    first, last = p2p.Transfer(n_stages=2, rank=0), p2p.Transfer(n_stages=2, rank=1)
+    first, last = p2p.Transfer(n_stages=2, rank=0, world=wire), p2p.Transfer(n_stages=2, rank=1, world=wire)
     first.ahead = last.ahead = ahead
     first.expect([p2p.Receive(p2p.BACKWARD, 0, i, 1) for i in range(3)])
     last.expect([p2p.Receive(p2p.FORWARD, 1, i, 0) for i in range(3)])
     return wire, first, last
 
 
-def test_the_next_receive_is_posted_before_its_action_asks(monkeypatch):
-    wire, first, last = _pair(monkeypatch, ahead=True)
+def test_the_next_receive_is_posted_before_its_action_asks():
+    wire, first, last = _pair(ahead=True)
     acts = [torch.randn(2, 3) + i for i in range(3)]
     first.send([acts[0]], dst=1, stage=0, microbatch=0, direction=p2p.FORWARD)
     assert len(wire.posted) == 1              # the gradient of microbatch 0, once its shape went forward
@@ -112,8 +104,8 @@ def test_the_next_receive_is_posted_before_its_action_asks(monkeypatch):
         first.recv_backward([torch.randn(4, 3)], src=1, stage=0, microbatch=1)
 
 
-def test_without_ahead_each_receive_is_posted_by_its_own_call(monkeypatch):
-    wire, first, last = _pair(monkeypatch, ahead=False)
+def test_without_ahead_each_receive_is_posted_by_its_own_call():
+    wire, first, last = _pair(ahead=False)
     for i in range(3):
         first.send([torch.randn(2, 3)], dst=1, stage=0, microbatch=i, direction=p2p.FORWARD)
         before = len(wire.posted)
@@ -122,11 +114,10 @@ def test_without_ahead_each_receive_is_posted_by_its_own_call(monkeypatch):
     assert first.received_ahead == last.received_ahead == 0 and wire.box == {}
 
 
-def test_mesh_groups_hold_megatrons_rank_order(monkeypatch):
-    monkeypatch.setattr(mesh_module.dist, "new_group", lambda ranks: tuple(ranks))
+def test_mesh_groups_hold_megatrons_rank_order():
     dims = ParallelDims(tp=2, pp=2, dp=2)
     assert dims.coords(5) == (1, 0, 1) and dims.rank_of(1, 0, 1) == 5
-    groups = MeshGroups(dims, 5, [(0, 1)])
+    groups = MeshGroups(dims, 5, [(0, 1)], world=types.SimpleNamespace(new_group=lambda ranks: tuple(ranks)))
     assert groups.tp == (4, 5) and groups.dp == (5, 7) and groups.shared == {(0, 1): (1, 5)}
     with pytest.raises(IndexError, match="rank 8 out of range for world size 8"):
         dims.coords(8)

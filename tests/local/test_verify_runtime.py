@@ -1,0 +1,46 @@
+"""`autoshard verify` runs the runtime itself on a local world (verify/runtime.py): bugs of the
+runtime's own code, which the lockstep simulation never runs, fail the certificate without --gloo."""
+import contextlib
+from unittest import mock
+
+import pytest
+
+from autoshard.compile.experts_call import _CountedOnce
+from autoshard.testing.current_models import build_current
+from autoshard.testing.models import build_model
+from autoshard.verify import verify_model
+from tests.harness.verify_gloo_mutations import CONTROLS, GLOO_MUTATIONS
+
+
+def test_the_gpt_oss_bias_counted_tp_times_fails_verify():
+    """The gpt-oss bug round four fixed (down_proj_bias, added inside the experts module before g, kept
+    on every tp rank of an expert-parallel rank), planted back, fails the runtime's rows (from step 1:
+    verify moves the bias off 0 first). Regression: without the plant, the runtime run raised
+    (an all-to-all's byte count read row 0 of a rank that sent no rows)."""
+    split = dict(tp=2, dp=2, ep=2)
+    with mock.patch.object(_CountedOnce, "forward", staticmethod(lambda ctx, x, first: x.clone())):
+        planted = verify_model(build_current("GptOss"), split)
+    runtime_failures = [i for i in planted.items if not i.holds and "runtime rank" in i.where]
+    assert not planted.passed and runtime_failures and not planted.refusals
+    fixed = verify_model(build_current("GptOss"), split)
+    assert fixed.passed, [i for i in fixed.items if not i.holds]
+    assert any("local world" in run for run in fixed.runs)
+
+
+@pytest.mark.parametrize("name", [*GLOO_MUTATIONS, *CONTROLS])
+def test_runtime_bugs_fail_verify_without_gloo_and_their_controls_pass(name):
+    """tests/harness/verify_gloo_mutations.py's runtime bugs, each planted while verify runs (no flag):
+    only the runtime's rows fail, the simulation's all hold; the same runs without a bug pass."""
+    if name in CONTROLS:
+        changes, split = CONTROLS[name]
+        patch = contextlib.nullcontext()         # nothing planted
+    else:
+        _, changes, split, plant = GLOO_MUTATIONS[name]
+        patch = plant()
+    with patch:
+        cert = verify_model(build_model(changes["model"], layers=2), split, distributed_optimizer=name.endswith("+do"))
+    failing = [i for i in cert.items if not i.holds]
+    if name in CONTROLS:
+        assert cert.passed, failing
+    else:
+        assert failing and all("runtime rank" in i.where for i in failing), failing
