@@ -1,6 +1,8 @@
-"""One pipeline rank's training step run on meta tensors: the runtime's own action loop
-(runtime/stage_actions.py's `run_actions`) over the rank's own stage graphs, in its schedule's
-order, with the messages to other ranks replaced by tensors of their shapes.
+"""One pipeline rank's training step run on meta tensors: the runtime itself (a `MeshRuntime` over
+the rank's meta copy, its `Transfer` and action loop, runtime/stage_actions.py's `run_actions`)
+over the rank's own stage graphs, in its schedule's order, in a ShapeWorld (world/shapes.py): the
+rank runs alone, a receive's buffer is shaped by its receiver and a header is answered with the
+shapes the sending stage makes.
 
     gm, flat, out_spec = rank.graph_for((), meta_inputs)
     bytes = step_bytes(rank, prog, pp_rank=1, graphs=prog.stage_graphs(gm), flat=flat, out_spec=out_spec)
@@ -26,9 +28,13 @@ from autoshard.errors import ShardingError
 from autoshard.planning.live_bytes import LiveBytes
 from autoshard.planning.op_cost import OpCost, OpWork
 from autoshard.runtime.batching import pick_loss
-from autoshard.runtime.p2p import Receive, Transfer
-from autoshard.runtime.schedules import splits_backward, stage_index, stage_owner
+from autoshard.runtime.executor import MeshRuntime
+from autoshard.runtime.mesh import MeshGroups
+from autoshard.runtime.p2p import FORWARD, header, read_tag
+from autoshard.runtime.schedules import splits_backward, stage_index
 from autoshard.runtime.stage_actions import build_chunk, receive_order, run_actions
+from autoshard.world import P2P
+from autoshard.world.shapes import ShapeWorld
 
 __all__ = ["ActionWork", "StepBytes", "step_bytes"]
 
@@ -53,77 +59,6 @@ class StepBytes:
     actions: tuple[ActionWork, ...] = ()
 
 
-class _Transfer(Transfer):
-    """runtime/p2p.py's Transfer without the other ranks: a receive's buffers are empty tensors of
-    the shapes the sender's stage makes, posted when the runtime on gloo posts them (receiving ahead:
-    on NCCL, which does not, a rank holds up to one receive's buffers fewer than counted here); a
-    send keeps its tensors to the step's end, as the real one keeps what its in-flight sends read;
-    a transfer to this rank goes through the mailbox as a copy, as there."""
-
-    def __init__(self, me: int, n_stages: int, inputs_of: dict[int, list[tuple[torch.Size, torch.dtype]]]):
-        super().__init__(n_stages, "meta", me)
-        self.ahead = True
-        self._inputs_of = inputs_of
-
-    def _send_remote(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
-        kept = [t.detach().contiguous() for t in tensors]
-        self._buffers += kept
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in kept)
-
-    def _receive_headers(self, count: int, src: int, stage: int) -> list[tuple[list[int], torch.dtype]]:
-        return [(list(shape), dtype) for shape, dtype in self._inputs_of[stage][:count]]
-
-    def _post(self, r: Receive, shapes: list[tuple[list[int], torch.dtype]]) -> tuple[list, list[torch.Tensor]]:
-        return [], [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes]
-
-
-class _Sampler(list):
-    """run_actions appends one record after each action: the moment to read what is held between
-    actions and what the action did."""
-
-    def __init__(self, live: LiveBytes, cost: OpCost, collectives: list, transfer: "_Transfer"):
-        super().__init__()
-        self.live, self.cost, self.collectives, self.transfer = live, cost, collectives, transfer
-        self.held, self.actions, self._seen, self._sent = 0, [], 0, 0
-
-    def append(self, record) -> None:
-        self.held = max(self.held, self.live.live)
-        a = record.action
-        self.actions.append(ActionWork(a.kind, record.stage, a.microbatch, self.cost.take(),
-                                       tuple(self.collectives[self._seen:]), self.transfer.bytes_sent - self._sent))
-        self._seen, self._sent = len(self.collectives), self.transfer.bytes_sent
-        super().append(record)
-
-
-class _Rank:
-    """What run_actions reads of a MeshRuntime: the rank's actions, where stages live, its transfers
-    and the list it records actions in (kept: run_actions starts the step by assigning a new one)."""
-
-    device = torch.device("meta")
-    _origin = 0.0
-
-    def __init__(self, prog, pp_rank: int, split: bool, transfer: _Transfer, sampler: _Sampler):
-        self.pp, self.pp_rank, self.placement, self.dims = prog.pp, pp_rank, prog.placement, prog.dims
-        self.global_rank = pp_rank        # this walk's ranks are the pipeline's (rank_of_stage)
-        self.n_stages = prog.pp * prog.virtual
-        self.actions, self.split, self.transfer = prog.schedule[pp_rank], split, transfer
-        self._sampler = sampler
-
-    @property
-    def records(self) -> _Sampler:
-        return self._sampler
-
-    @records.setter
-    def records(self, value: list) -> None:
-        self._sampler[:] = value
-
-    def stage_of(self, action) -> int:
-        return action.stage(self.pp_rank, self.pp, self.placement)
-
-    def rank_of_stage(self, stage: int) -> int:
-        return stage_owner(stage, self.pp, self.placement)[0]
-
-
 def _stage_inputs(stages: list[fx.GraphModule], flat: list) -> dict[int, list[tuple[torch.Size, torch.dtype]]]:
     """Each stage's received values (the previous stage's outputs), from one forward of every stage."""
     shapes, received = {}, []
@@ -141,29 +76,49 @@ def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) 
     (prog.stage_graphs), every microbatch `flat` (that graph's inputs, on meta; `out_spec` its
     outputs' structure), and count what it allocates."""
     microbatches = [flat] * prog.microbatches
-    pp, placement = prog.pp, prog.placement
+    pp, placement, n_stages = prog.pp, prog.placement, prog.pp * prog.virtual
     split = splits_backward(prog.schedule)
     every = [fx.GraphModule(rank, sg.graph, class_name=f"Stage{sg.index}") for sg in graphs]
     with _grouped_mm_on_meta():
         inputs_of = _stage_inputs(every, microbatches[0])
+    me = prog.dims.rank_of(pp_rank, 0, rank.handle.rank)
+    world = ShapeWorld(prog.dims.world_size, me, answer=lambda op: _answer(op, inputs_of, n_stages))
+    rt = MeshRuntime(prog, me, MeshGroups(prog.dims, me, list(prog.shared_params), world), prog.schedule,
+                     program=rank)
     chunks = [build_chunk(rank, graphs[stage_index(pp_rank, c, pp, placement)], split) for c in range(prog.virtual)]
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in rank.parameters() if p.requires_grad]
     log = getattr(rank, "collective_log", [])
     try:
         with _grouped_mm_on_meta(), LiveBytes("meta") as live, OpCost() as cost:
-            transfer = _Transfer(pp_rank, prog.pp * prog.virtual, inputs_of)
             cost.take()
             del log[:]
-            rt = _Rank(prog, pp_rank, split, transfer, _Sampler(live, cost, log, transfer))
-            transfer.expect(receive_order(rt))
+            held, actions, seen = [0], [], [0, 0]
+
+            def after(record) -> None:
+                """Between two actions: what is held, and what the action did."""
+                held[0] = max(held[0], live.live)
+                a = record.action
+                actions.append(ActionWork(a.kind, record.stage, a.microbatch, cost.take(), tuple(log[seen[0]:]),
+                                          rt.transfer.bytes_sent - seen[1]))
+                seen[:] = [len(log), rt.transfer.bytes_sent]
+            rt.transfer.expect(receive_order(rt))
             losses = run_actions(rt, chunks, microbatches, out_spec, lambda outputs, i: _loss(outputs),
-                                 [1.0] * len(microbatches))
+                                 [1.0] * len(microbatches), after=after)
             rt.transfer.wait_sends()
             del losses
-            return StepBytes(live.peak, rt.records.held, tuple(rt.records.actions))
+            return StepBytes(live.peak, held[0], tuple(actions))
     finally:
         for h in hooks:
             h.remove()
+
+
+def _answer(op: P2P, inputs_of: dict[int, list[tuple[torch.Size, torch.dtype]]], n_stages: int) -> None:
+    """What the sending stage sends where a receiver reads a value: a header (slot 2i) holds the shape
+    of the i-th input of the stage after the sender; a payload's buffer is shaped already."""
+    stage, _, direction, slot = read_tag(op.tag, n_stages)
+    if direction == FORWARD and slot % 2 == 0:
+        shape, dtype = inputs_of[stage + 1][slot // 2]
+        op.tensor.copy_(header(shape, dtype))
 
 
 def _loss(outputs: object) -> torch.Tensor:

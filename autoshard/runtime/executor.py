@@ -77,7 +77,8 @@ class MeshRuntime(nn.Module):
     them to any torch.optim optimizer.
     """
 
-    def __init__(self, prog: ProgramView, rank: int, groups: MeshGroups, schedule: list[list[Action]]):
+    def __init__(self, prog: ProgramView, rank: int, groups: MeshGroups, schedule: list[list[Action]], *,
+                 program: RankView | None = None):
         super().__init__()
         self.dims: ParallelDims = prog.dims
         self.global_rank = rank
@@ -92,7 +93,9 @@ class MeshRuntime(nn.Module):
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         self._prog = prog
-        program = bound_rank_program(prog, groups, self.dp_rank, self.tp_rank)
+        # `program`: a rank program given whole (the planner's meta copy of one, walked in a ShapeWorld)
+        if program is None:
+            program = bound_rank_program(prog, groups, self.dp_rank, self.tp_rank)
         self.expert_group = program.expert_group      # ep > 1: its group, experts per rank, bytes sent
         self.expert_params = set(program.expert_params)
         # not a submodule: this runtime registers the tensors its chunks read itself (below)
@@ -108,7 +111,7 @@ class MeshRuntime(nn.Module):
         self.device = next(self.parameters()).device      # NCCL sends and reduces device tensors
         self.expert_params &= {name for name, _ in self.named_parameters()}     # those of this rank's stages
         self.transfer = Transfer(self.n_stages, self.device, rank, groups.world)
-        self.transfer.ahead = groups.world.backend in ("gloo", "local")    # runtime/p2p.py
+        self.transfer.ahead = groups.world.backend in ("gloo", "local", "shapes")    # runtime/p2p.py
 
     def train(self, mode: bool = True) -> "MeshRuntime":
         """Training or evaluation mode, for this runtime and its rank program's graphs."""

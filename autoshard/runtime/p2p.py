@@ -31,7 +31,7 @@ import torch
 
 from autoshard.world import P2P, Work, World, current
 
-__all__ = ["Transfer", "Receive", "FORWARD", "BACKWARD"]
+__all__ = ["Transfer", "Receive", "FORWARD", "BACKWARD", "header", "read_tag"]
 
 FORWARD, BACKWARD = 0, 1
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
@@ -43,11 +43,21 @@ def _tag(stage: int, microbatch: int, n_stages: int, direction: int, slot: int) 
     return (((microbatch * n_stages + stage) * 2 + direction) * 512 + slot) % (2 ** 31 - 1)
 
 
-def _header(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > _MAX_DIMS:
-        raise ValueError(f"cannot send a {t.dim()}-d tensor between stages (at most {_MAX_DIMS} dims)")
-    sizes = list(t.shape) + [0] * (_MAX_DIMS - t.dim())
-    return torch.tensor([t.dim(), _DTYPES.index(t.dtype), *sizes], dtype=torch.int64)
+def read_tag(tag: int, n_stages: int) -> tuple[int, int, int, int]:
+    """(sending stage, microbatch, direction, slot) of a tag below the modulus; slot 2i is the header
+    of the i-th tensor sent, 2i + 1 its payload."""
+    rest, slot = divmod(tag, 512)
+    rest, direction = divmod(rest, 2)
+    microbatch, stage = divmod(rest, n_stages)
+    return stage, microbatch, direction, slot
+
+
+def header(shape, dtype: torch.dtype) -> torch.Tensor:
+    """The header sent ahead of a tensor of `shape` and `dtype` on a step's first microbatch."""
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"cannot send a {len(shape)}-d tensor between stages (at most {_MAX_DIMS} dims)")
+    sizes = list(shape) + [0] * (_MAX_DIMS - len(shape))
+    return torch.tensor([len(shape), _DTYPES.index(dtype), *sizes], dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,12 @@ class Transfer:
         self._grad_shapes: dict[int, list[tuple[list[int], torch.dtype]]] = {}   # stage -> its sent floats
         self.received_ahead = 0   # receives whose message was posted before its action asked for it
 
+    @property
+    def _head_device(self) -> torch.device:
+        """Where headers live: with the tensors, except when those are shapes alone (meta: the
+        planner's walk), whose headers are read on the host."""
+        return torch.device("cpu") if self.device.type == "meta" else self.device
+
     def send(self, tensors: list[torch.Tensor], dst: int, stage: int, microbatch: int, direction: int) -> None:
         """Post sends of `tensors` (outputs of `stage` going forward, or gradients of `stage`'s
         inputs going back) to global rank `dst`; returns at once."""
@@ -98,7 +114,7 @@ class Transfer:
         for i, t in enumerate(tensors):
             payload = t.detach().contiguous()
             if direction == FORWARD and microbatch == 0:
-                head = _header(payload).to(self.device)
+                head = header(payload.shape, payload.dtype).to(self._head_device)
                 ops.append(P2P(True, head, dst, _tag(stage, microbatch, self.n_stages, direction, 2 * i)))
                 self._buffers.append(head)
             ops.append(P2P(True, payload, dst, _tag(stage, microbatch, self.n_stages, direction, 2 * i + 1)))
@@ -132,7 +148,7 @@ class Transfer:
 
     def _receive_headers(self, count: int, src: int, stage: int) -> list[tuple[list[int], torch.dtype]]:
         """The shapes and dtypes of `stage`'s `count` inputs, from the headers of microbatch 0."""
-        heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device) for _ in range(count)]
+        heads = [torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._head_device) for _ in range(count)]
         self._wait([P2P(False, h, src, _tag(stage - 1, 0, self.n_stages, FORWARD, 2 * i)) for i, h in enumerate(heads)])
         return [(sizes[:ndim], _DTYPES[code]) for ndim, code, *sizes in (h.tolist() for h in heads)]
 

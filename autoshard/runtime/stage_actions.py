@@ -130,10 +130,12 @@ def receive_order(rt) -> list[Receive]:
 
 
 def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]], flats: list[list], out_spec,
-                loss_of: Callable[[object, int], torch.Tensor], scales: list) -> list[torch.Tensor]:
+                loss_of: Callable[[object, int], torch.Tensor], scales: list,
+                after: Callable[[ActionRecord], None] | None = None) -> list[torch.Tensor]:
     """Run `rt`'s (a MeshRuntime's) actions for one step; returns the last stage's scaled microbatch
     losses. A microbatch whose scale is 0 (no token counted: its mean is 0/0) adds nothing and
-    back-propagates nothing."""
+    back-propagates nothing. `after(record)` is called as each action ends (the planner's walk reads
+    what is live between actions there)."""
     last = rt.n_stages - 1
     split = rt.split
     saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -192,6 +194,8 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
             backward_weight(pending.pop((stage, i)))
             saved.pop((stage, i))
         rt.records.append(ActionRecord(rt.global_rank, rt.pp_rank, stage, a, start - origin, time.time() - origin))
+        if after is not None:
+            after(rt.records[-1])
         # drop this action's tensors now: a split B's outputs hold its microbatch's whole graph, which
         # would otherwise live on until the next action of the same kind rebinds these names
         outs = received = pairs = floats = back = grads = sent = loss = None
