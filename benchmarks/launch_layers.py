@@ -29,7 +29,7 @@ from tabulate import tabulate  # noqa: E402
 
 from autoshard.kernels import cpu_executor, launch, ops  # noqa: E402
 from autoshard.kernels.dispatch import _KERNELS, _with_fallback  # noqa: E402
-from autoshard.kernels.row_ops import _norm  # noqa: E402
+from autoshard.kernels.ops import _norm  # noqa: E402
 
 _NS = "launch_layers"
 _LIBRARIES: list[torch.library.Library] = []      # a Library unregisters its ops when collected

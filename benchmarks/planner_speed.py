@@ -33,7 +33,7 @@ JOBS = {
     "gpt3-175b, 512 gpus": {"shape": dict(hidden=12288, layers=96, heads=96, vocab=51200, seq=2048),
                             "gpus": 512, "global_batch": 1536},
 }
-# the schedule simulator alone (runtime/schedule_run.check, most of a large search): one schedule of
+# the schedule simulator alone (runtime/schedules.check, most of a large search): one schedule of
 # 1,000-12,000 actions, the fastest of 5 runs
 JOBS.update({f"simulate {name}, pp {pp}, m {m}": {"schedule": [name, pp, v, m]}
              for name, pp, v, m in [("1f1b", 32, 1, 128), ("zb-h1", 32, 1, 128), ("interleaved", 16, 2, 64),

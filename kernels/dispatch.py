@@ -26,8 +26,9 @@ from autoshard.kernels.launch import (
     swiglu,
     swiglu_backward,
 )
-from autoshard.kernels.op_common import LIB
 from autoshard.kernels.reference import result_dtype
+
+LIB = "autoshard"          # the custom ops' namespace: torch.ops.autoshard.* (kernels/ops.py)
 
 __all__ = ["register_impls"]
 

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 # benchmarks that time compilation turn it off.
 os.environ.setdefault(trace_cache.ENV, "1")
 
-# Measured cpu profiles (autoshard/cpu_profile_cache.py) go to a folder of this test process, not
+# Measured cpu profiles (autoshard/cpu_profile/cache.py) go to a folder of this test process, not
 # the user's cache: a test measures afresh, and leaves nothing behind in the home directory.
 os.environ["AUTOSHARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
 

@@ -27,7 +27,7 @@ its 1/dp of the) parameters, and the profile's fixed cost per step.
 
 Rates: the profile's GEMM rate (`peak_tflops` x `matmul_efficiency`) and memory rate; the fused
 attention kernels' rate, the per-op overhead and the op-bytes rate where the profile measured them
-(`attention_tflops`, `op_overhead_s`, `op_bytes_gb_s`: autoshard/cpu_profile.py, on the same
+(`attention_tflops`, `op_overhead_s`, `op_bytes_gb_s`: autoshard/cpu_profile/__init__.py, on the same
 counts), else the GEMM rate, no overhead and the memory rate.
 """
 from __future__ import annotations

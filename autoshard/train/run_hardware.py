@@ -2,7 +2,7 @@
 
 `--hardware` names a GPU preset or `cpu`; without it, the preset of the GPU the run is on
 (device.running_hardware), and none on the CPU. `cpu` is this machine's measured profile
-(autoshard/cpu_profile.py) for the model's shapes: rank 0 measures it, or reads it back when it was
+(autoshard/cpu_profile/__init__.py) for the model's shapes: rank 0 measures it, or reads it back when it was
 measured before here (one to two minutes the first time, then nothing), and hands it to the others.
 """
 from __future__ import annotations

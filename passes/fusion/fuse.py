@@ -20,7 +20,7 @@ the low precision either way); `layer_norm`, so a LayerNorm of bf16 activations 
 unfused and bf16 fused (autocast's usual fp32 residual stream is not affected); and `softmax`, so
 bf16 attention scores give fp32 probabilities unfused and bf16 fused (fp32 math inside either
 way; the probabilities' matmul with v casts to bf16). The fused norm has no autocast rule:
-registering one crashed torch (kernels/row_ops.py says how).
+registering one crashed torch (kernels/ops.py says how).
 
 The ops broadcast like the torch code they replace, and their CUDA kernels fall back to the torch
 implementation outside the plain case, so most patterns need no shapes. One does: the causal

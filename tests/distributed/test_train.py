@@ -132,7 +132,7 @@ def test_hardware_cpu_estimates_with_this_machines_stored_profile(tmp_path, monk
     """Regression: --hardware cpu was refused ("invalid choice"). The profile for the run's shapes is
     read back from where measure_cpu keeps it (stored here beforehand: measuring takes minutes)."""
     from autoshard.cpu_profile import CPU_DEFAULTS
-    from autoshard.cpu_profile_cache import profile_key, save_profile
+    from autoshard.cpu_profile.cache import profile_key, save_profile
     from autoshard.planning.hardware import Hardware
     monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
     hw = Hardware("cpu", peak_tflops=0.05, hbm_gb_s=3.0, memory_gib=24, gpus_per_node=2, nvlink_gb_s=1.5,

@@ -30,8 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": set(),
     **{leaf: set() for leaf in LEAVES},
 }
-TOP_LEVEL = {"api", "cli", "demo", "testing", "train", "verify", "cpu_profile", "cpu_profile_cache", "cpu_profile_collectives",
-             "cpu_profile_rounds", "__init__"}     # the user-facing layer: may import anything
+TOP_LEVEL = {"api", "cli", "demo", "testing", "train", "verify", "cpu_profile", "__init__"}     # the user-facing layer: may import anything
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -1,4 +1,4 @@
-"""The measured cpu profile kept per machine and shape (autoshard/cpu_profile_cache.py), and what
+"""The measured cpu profile kept per machine and shape (autoshard/cpu_profile/cache.py), and what
 measure_cpu says of a doubtful measurement: tested with the measurement's processes replaced by
 fixed results (the real measurement takes one to two minutes; tests/distributed runs it once)."""
 import warnings
@@ -6,9 +6,9 @@ import warnings
 import pytest
 
 import autoshard.cpu_profile as cpu_profile
-import autoshard.cpu_profile_collectives as collectives
+import autoshard.cpu_profile.collectives as collectives
 from autoshard.cpu_profile import CPU_DEFAULTS
-from autoshard.cpu_profile_cache import load_profile, profile_key, profile_path, save_profile
+from autoshard.cpu_profile.cache import load_profile, profile_key, profile_path, save_profile
 from autoshard.errors import ShardingError
 from autoshard.planning.gemm_timing import LayerShape
 from autoshard.planning.hardware import Hardware
@@ -104,7 +104,7 @@ def test_a_value_under_its_floor_or_a_busy_machine_is_said_each_time(tmp_path, m
 def test_the_element_wise_remainder_has_a_floor_and_says_so():
     """The element-wise rate is the layer's time less its GEMMs and dispatch: a remainder under 5% of
     the layer is noise, floored there, and noted."""
-    from autoshard.cpu_profile_rounds import Round
+    from autoshard.cpu_profile.rounds import Round
     from autoshard.planning.gemm_timing import LayerShape
     x = LayerShape(2, 32, 64, 4, 1)
     rate, note, _ = cpu_profile._elementwise_rate(x, [Round(1e30, 1e30, 0.5e-3, 1e-3)])
@@ -125,7 +125,7 @@ def test_each_rate_is_derived_within_its_round(monkeypatch):
     speed midway, the remainder is one of the two speeds', not the mix."""
     import itertools
 
-    import autoshard.cpu_profile_rounds as rounds_mod
+    import autoshard.cpu_profile.rounds as rounds_mod
     from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
     tiny, x = LayerShape(1, 8, 16, 2, 1), LayerShape(2, 32, 64, 4, 1)
     flops = sum(3 * 2 * b * m * n * k for m, n, k, b in (shape(x) for _, shape, _ in GEMMS))
@@ -164,7 +164,7 @@ def test_the_gloo_pair_keeps_its_own_store_inside_a_torchrun_job(monkeypatch):
 
 
 def test_a_machine_whose_speed_moves_across_the_rounds_is_said():
-    from autoshard.cpu_profile_rounds import Round
+    from autoshard.cpu_profile.rounds import Round
     steady = [Round(1.0e11, 5e10, 1e-3, 3e-3), Round(1.2e11, 5e10, 1e-3, 3e-3)]
     assert cpu_profile._speed_note(steady) is None
     note = cpu_profile._speed_note(steady + [Round(0.7e11, 5e10, 1e-3, 3e-3)])
@@ -175,7 +175,7 @@ def test_the_op_rates_are_read_on_the_ops_counted(monkeypatch):
     """For step times read off a program's ops: seconds per aten op from the tiny layer's time over
     its op count, the other ops' bytes rate from what is left of the layer after its matmuls,
     attention kernels and ops; a remainder under 5% of the layer is floored and noted."""
-    from autoshard.cpu_profile_rounds import Round
+    from autoshard.cpu_profile.rounds import Round
     from autoshard.planning.gemm_timing import LayerShape
     from autoshard.planning.op_cost import OpWork
     tiny, x = LayerShape(1, 8, 16, 2, 1), LayerShape(2, 32, 64, 4, 1)

@@ -103,7 +103,7 @@ ALLOWED = {
     "autoshard/testing/launch.py": "init_process_group, destroy_process_group (launch)",
     "autoshard/train/loop.py": "init_process_group (launch)",
     "autoshard/train/__init__.py": "torchrun's elastic launcher (launch)",
-    "autoshard/cpu_profile_collectives.py": "measures gloo's own collectives for the cost model",
+    "autoshard/cpu_profile/collectives.py": "measures gloo's own collectives for the cost model",
 }
 
 

@@ -25,7 +25,7 @@ What is measured, each on the shapes given (fp32, denormals flushed as the runs 
   collectives run in a step.
 
 Robustness: the GEMMs, the attention kernel, the tiny layer and the layer are timed back to back
-in 7 rounds (autoshard/cpu_profile_rounds.py), each rate derived within one round and the median
+in 7 rounds (autoshard/cpu_profile/rounds.py), each rate derived within one round and the median
 over rounds taken: the machine's speed shifts for seconds at a time, and a remainder derived
 across two speeds is off by twice the shift. Each collective is the median over 5 fresh process
 pairs of medians of 9 rounds. benchmarks/profile_stability.py measures the profile twice and
@@ -43,10 +43,10 @@ import torch
 import torch.multiprocessing as mp
 
 from autoshard.planning.gemm_timing import GEMMS, LayerShape, layer_elementwise_bytes
-from autoshard.cpu_profile_cache import load_profile, profile_key, save_profile
-from autoshard.cpu_profile_collectives import PAIRS, gloo_costs, link_and_startups
+from autoshard.cpu_profile.cache import load_profile, profile_key, save_profile
+from autoshard.cpu_profile.collectives import PAIRS, gloo_costs, link_and_startups
 from autoshard.errors import require_positive_int
-from autoshard.cpu_profile_rounds import ROUNDS, Round, layer_work, measure_rounds, per_layer, timed
+from autoshard.cpu_profile.rounds import ROUNDS, Round, layer_work, measure_rounds, per_layer, timed
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["measure_cpu", "CPU_DEFAULTS"]
@@ -165,7 +165,7 @@ def measure_cpu(*, hidden: int, heads: int, seq: int, microbatch: int, memory_gi
     """The profile of this machine for a model of these shapes (see the module docstring); measured
     in spawned processes, one thread each, in 30-60 s on 2 cores. With `cache`, a profile
     measured before on this machine for these arguments is read back instead
-    (autoshard/cpu_profile_cache.py), and a new one stored. Warns when the machine was busy as it
+    (autoshard/cpu_profile/cache.py), and a new one stored. Warns when the machine was busy as it
     started (load average over half the cores) or a value fell under its floor, and again each
     time such a profile is read back: it is unreliable (measure it again on a quiet machine:
     delete the stored file). `rounds` (compute) and `pairs` (process pairs timing the collectives):

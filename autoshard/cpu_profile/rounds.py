@@ -1,4 +1,4 @@
-"""The `cpu` profile's compute measurements (autoshard/cpu_profile.py), taken in rounds.
+"""The `cpu` profile's compute measurements (autoshard/cpu_profile/__init__.py), taken in rounds.
 
     rounds = measure_rounds(x, tiny)           # [Round(gemm_rate, attention_rate, tiny_layer, layer), ...]
 

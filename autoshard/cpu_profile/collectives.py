@@ -1,4 +1,4 @@
-"""The `cpu` profile's collectives (autoshard/cpu_profile.py): what a gloo all-reduce, reduce-scatter,
+"""The `cpu` profile's collectives (autoshard/cpu_profile/__init__.py): what a gloo all-reduce, reduce-scatter,
 all-gather and send of a layer's activation cost two ranks of this machine where a training step pays
 them, between halves of a tensor-parallel layer's GEMMs, and the link rate and start-ups fitted to
 those costs as planning/graph_time.py charges them.

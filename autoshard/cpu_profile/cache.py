@@ -1,5 +1,5 @@
 """Measured `cpu` profiles kept on disk, one per machine and shape, so a profile is measured once
-(autoshard/cpu_profile.py's measure_cpu takes 30-60 s on 2 cores).
+(autoshard/cpu_profile/__init__.py's measure_cpu takes 30-60 s on 2 cores).
 
 A profile is keyed by what it depends on: the host name, the processor's model, the core count,
 torch's version and the shapes and options it was measured for. It is a JSON file in
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from autoshard.cpu_profile_collectives import PAIRS
-from autoshard.cpu_profile_rounds import ROUNDS
+from autoshard.cpu_profile.collectives import PAIRS
+from autoshard.cpu_profile.rounds import ROUNDS
 from autoshard.planning.hardware import Hardware
 
 __all__ = ["profile_key", "profile_path", "load_profile", "save_profile"]
