@@ -51,6 +51,22 @@ def test_the_local_world_computes_what_gloo_computes(launched):
         assert a == b, (a, b)
 
 
+# tests/local's two programs (interleaved tp2 x pp2 x dp2 with the distributed optimizer; cp2 x ep2
+# Mixtral) on gloo and in a local world: the same losses and the same parameters, to the bit
+PARITY = {f"{config}-{where}": Job(f"parity/{config}-{where}", "tests.harness.local_parity_check",
+                                   ("--config", config), world, local=where == "local")
+          for config, world in (("interleaved", 8), ("moe", 2)) for where in ("gloo", "local")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [pytest.param(c, marks=needs(PARITY[f"{c}-gloo"], PARITY[f"{c}-local"]))
+                                    for c in ("interleaved", "moe")])
+def test_the_runtime_steps_on_gloo_and_on_a_local_world_agree_to_the_bit(launched, config):
+    real, local = launched(PARITY[f"{config}-gloo"]), launched(PARITY[f"{config}-local"])
+    assert real[0]["all_ranks_ok"] and len(real[0]["params"]) == real[0]["world"]
+    assert real == local, (real, local)
+
+
 DROPOUT = Job("dropout", "tests.harness.dropout_check", (), 2)
 
 
