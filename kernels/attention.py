@@ -38,7 +38,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """SDPA of q [b, h, L, e] with k, v [b, h / repeat, S, e] (each key/value head serving `repeat`
     query heads, as repeat_kv repeats them) under `mask`; `causal` says `mask` is the lower triangle.
     `sdpa`: the SDPA to call (a rank read on meta tensors passes one that picks the backend its
-    device would: compile/meta_ops.py)."""
+    device would: planning/meta_ops.py)."""
     if causal and tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2]):
         return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa or repeat > 1)
     if repeat > 1:

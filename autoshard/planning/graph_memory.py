@@ -5,7 +5,7 @@ from the graphs the rank runs.
     mem.peak, mem.explain()
     [m.peak for m in program_memory(prog)]             # every pipeline rank
 
-The rank's program is copied onto meta tensors (compile/meta_rank.py) and its step is run there:
+The rank's program is copied onto meta tensors (planning/meta_rank.py) and its step is run there:
 the runtime's own action loop over its own stage graphs in its schedule's order
 (planning/meta_step.py), so the activations are the tensors autograd really saves, with their
 dtypes and shapes, under whatever recomputation, sequence parallelism, tensor or expert
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from autoshard.compile.meta_rank import meta_rank
+from autoshard.planning.meta_rank import meta_rank
 from autoshard.module_paths import fetch_attr
 from autoshard.planning.memory_model import RankMemory
 from autoshard.planning.meta_step import StepBytes, step_bytes

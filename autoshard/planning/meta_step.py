@@ -72,7 +72,7 @@ def _stage_inputs(stages: list[fx.GraphModule], flat: list) -> dict[int, list[tu
 
 def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) -> StepBytes:
     """Run pipeline rank `pp_rank`'s actions of `prog`'s schedule for one step of `rank` (a meta
-    rank program: compile/meta_rank.py) whose graph for the step's inputs is cut into `graphs`
+    rank program: planning/meta_rank.py) whose graph for the step's inputs is cut into `graphs`
     (prog.stage_graphs), every microbatch `flat` (that graph's inputs, on meta; `out_spec` its
     outputs' structure), and count what it allocates."""
     microbatches = [flat] * prog.microbatches

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "passes": {"parallel", "kernels"},
     "runtime": {"parallel", "passes", "world"},
     "compile": {"parallel", "passes", "runtime", "kernels", "world"},
-    "planning": {"compile", "runtime", "world"},
+    "planning": {"compile", "runtime", "world", "parallel", "passes", "kernels"},     # the meta copy of a rank
     "checkpoint": {"compile", "runtime", "parallel", "passes", "world"},
     "models": set(),
     **{leaf: set() for leaf in LEAVES},
@@ -133,4 +133,5 @@ if __name__ == "__main__":
         print(f"{m}: {', '.join(sorted(g[m])) or '-'}")
     print("cycles:", cycles(g) or "none")
     print("layer violations:", layer_violations(g) or "none")
-    print("files over 300 lines:", long_files(300) or "none")
+    # one concept per file; length is a hint to look, never a reason to split (STYLE.md)
+    print("files over 600 lines (worth a look):", long_files(600) or "none")

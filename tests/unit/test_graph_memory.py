@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autoshard import autoshard
-from autoshard.compile.meta_ops import sdpa_on
+from autoshard.planning.meta_ops import sdpa_on
 from autoshard.models import GPT, GPTConfig
 from autoshard.parallel.expert_parallel import dispatch_combine
 from autoshard.parallel.comm import CommHandle, distributed_reducer

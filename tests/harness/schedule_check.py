@@ -1,6 +1,6 @@
 """Run under torchrun: the zero-bubble schedules train exactly as 1F1B does.
 
-    torchrun --standalone --nproc-per-node 4 -m autoshard.testing.schedule_check --pp 4 --schedules zb-h1 zbv v-half
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.schedule_check --pp 4 --schedules zb-h1 zbv v-half
 
 For each model every rank builds the same seeded model, compiles it once per schedule (1F1B first,
 the baseline) and trains it 10 AdamW steps with gradient clipping on the same global batches. Each

@@ -1,5 +1,5 @@
 """What the ops of a rank graph that read values, or pick a kernel by device, become when the rank
-runs on meta tensors (compile/meta_rank.py): a meta tensor has a shape and no values, and torch
+runs on meta tensors (planning/meta_rank.py): a meta tensor has a shape and no values, and torch
 runs every op on it through its meta kernel, whatever device the rank will run on.
 
     swaps = on_meta(torch.device("cpu"))     # graph function -> stand-in, for a rank run on the CPU

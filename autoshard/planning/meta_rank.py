@@ -11,7 +11,7 @@ is made with `copy.deepcopy`, every tensor of the rank replaced by an empty meta
 shape, dtype and `requires_grad` first, so no weight is ever copied. It runs the graphs the program
 has compiled so far (a new input signature is refused: compile it by calling the program). The
 devices the graphs name (`arange(..., device=cpu)`) become meta (passes/rewrite/retarget.py), and
-the ops that read values or pick a kernel by device get compile/meta_ops.py's stand-ins.
+the ops that read values or pick a kernel by device get planning/meta_ops.py's stand-ins.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard.compile.rank import RankProgram
-from autoshard.compile.meta_ops import on_meta
+from autoshard.planning.meta_ops import on_meta
 from autoshard.compile.tables import TableCache
 from autoshard.errors import ShardingError
 from autoshard.parallel.comm import CommHandle
@@ -55,7 +55,7 @@ def _tensors(rank: RankProgram) -> list[torch.Tensor]:
 def meta_rank(prog, tp_rank: int, *, ep_rank: int | None = None, cp_rank: int | None = None,
               device: torch.device | None = None) -> RankProgram:
     """`prog.rank(tp_rank, ep_rank, cp_rank)` on meta tensors, its groups shape-only (see the module
-    doc); `device`: the one it stands for, whose kernels its ops pick (compile/meta_ops.py; default:
+    doc); `device`: the one it stands for, whose kernels its ops pick (planning/meta_ops.py; default:
     where the rank's weights are, the CPU for a model on meta)."""
     rank = prog.rank(tp_rank, ep_rank=ep_rank, cp_rank=cp_rank)
     tensors = _tensors(rank)
