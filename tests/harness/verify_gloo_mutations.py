@@ -1,12 +1,13 @@
-"""Runtime bugs planted in `autoshard verify --gloo`'s processes: each a patch of one part of the
-runtime that only real processes run (the gradient buffer's reductions, the loss's token counts over
-data-parallel ranks, the pipeline's backward transfers). One launch runs them all, each on its own
-split of 2 processes, and rank 0 prints one JSON line per bug with the certificate's items.
+"""Runtime bugs, each a patch of one part of the runtime that the lockstep simulation never runs (the
+gradient buffer's reductions, the loss's token counts over data-parallel ranks, the pipeline's
+backward transfers, the distributed optimizer's gathers). tests/local/test_verify_runtime.py plants
+each while `verify_model` runs (the runtime on a local world); here, one launch runs them all in
+`autoshard verify --gloo`'s processes, each on its own split of 2, and rank 0 prints one JSON line
+per bug with the certificate's items:
 
     torchrun --standalone --nproc-per-node 2 -m tests.harness.verify_gloo_mutations --spec FILE
 
-tests/distributed/test_verify_gloo.py launches it (`launch_all`, which writes FILE: the model and
-tolerance) and asserts each bug makes some item differ.
+`python -m tests.harness.mutations` launches it for its table (`launch_all`, which writes FILE).
 """
 from __future__ import annotations
 
