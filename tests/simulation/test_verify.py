@@ -1,7 +1,8 @@
 """`autoshard verify`: certificates that pass on correct programs, fail on planted bugs (naming what
 differs), reduced twins of large configs, and the command line's exit status."""
+import contextlib
+import io
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from autoshard import autoshard
 from autoshard.testing.current_models import build_current
 from autoshard.testing.models import build_model, build_moe
 from autoshard.verify import verify_model
+from autoshard.verify.command import main as verify_main
 from autoshard.verify.twin import twin_config
 from tests.harness.mutations import MUTATIONS, run_mutation
 
@@ -112,8 +114,12 @@ def test_twin_keeps_heads_and_layer_pattern():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "autoshard.cli", "verify", *args], capture_output=True, text=True,
-                          timeout=300)
+    """`autoshard verify ARGS` in this process (its main(), as the console script calls it; the
+    installed command itself is tests/unit/test_cli.py's): exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = verify_main(list(args))
+    return subprocess.CompletedProcess(["autoshard", "verify", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_cli_verifies_the_twin_of_a_7b_llama_config():
