@@ -5,7 +5,6 @@ reassembly and printing."""
 from __future__ import annotations
 
 import copy
-
 from typing import Mapping
 
 import torch

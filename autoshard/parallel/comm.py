@@ -23,6 +23,7 @@ from autoshard.world.protocol import Group
 __all__ = ["Communicator", "GroupComm", "CommHandle", "Reducer", "distributed_reducer", "SIMULATED",
            "Collective", "Pending", "write_rows", "scatter_into_full", "take_from_full"]
 
+
 class Communicator(Protocol):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the tensor-parallel group; returns a new tensor."""

@@ -131,7 +131,7 @@ class Gradients:
             tied_here = {i: tied[n] for i, n in enumerate(names) if n in tied}
             layout = plan_layout([p.numel() for p in params], shards, max(1, bucket_bytes // 4), set(tied_here))
             buffer = GradBuffer(params, layout, group, rank if shard else 0, size, tied_here, overlap,
-                                dtype=main_dtype(params[0].dtype))
+                                dtype=main_dtype(params[0].dtype), world=groups.world)
             self.parts.append(GradPart(names, params, group, size, rank, buffer))
         self.base_replicas = 1 if shard else dims.data        # ranks holding each non-expert element
         self.scaler: LossScaler | None = None

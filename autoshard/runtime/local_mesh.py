@@ -28,9 +28,6 @@ class LocalMesh:
         self.world = LocalWorld(prog.world_size)
         self.runtimes = self.world.run(lambda r: prog.distributed(mesh=True))
 
-    def __len__(self) -> int:
-        return len(self.runtimes)
-
     def each(self, fn: Callable[..., Any], *per_rank: list) -> list:
         """`fn(runtime, *(x[r] for x in per_rank))` on every rank, each in its rank's thread (so that
         its collectives meet); the results in rank order."""
@@ -39,7 +36,3 @@ class LocalMesh:
     def train_step(self, *args, **kwargs) -> list:
         """`runtime.train_step(*args, **kwargs)` on every rank; every rank's loss."""
         return self.each(lambda rt: rt.train_step(*args, **kwargs))
-
-    def named_parameters(self) -> list[dict]:
-        """Each rank's parameters by the model's names (what that rank holds)."""
-        return [dict(rt.named_parameters()) for rt in self.runtimes]

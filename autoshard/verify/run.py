@@ -113,7 +113,7 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
         cert.notes.append(f"dropout set to 0 in {dropped} module(s) for the comparison (its masks are random); its "
                           "regions are checked on their own (the dropout items)")
     reference = copy.deepcopy(wide)
-    runtime_reference = copy.deepcopy(wide)            # the simulation steps `reference`
+    runtime_reference = copy.deepcopy(wide) if runtime else None       # the simulation steps `reference`
     pieces = split.get("dp", 1) * split.get("microbatches", 1)
     example = {k: v[: rows // pieces] for k, v in batch.inputs.items()}
     try:
