@@ -44,6 +44,19 @@ class WeightSource:
         self._loaded: Mapping[str, torch.Tensor] | None = None
         self.released = False
 
+    def __deepcopy__(self, memo: dict) -> "WeightSource":
+        """The source of a copied program (`copy.deepcopy(prog)`): its model is a copy too, whose
+        tensors are new objects at version 0, so the state of the first cut is taken again from the
+        copy. If this model changed since that cut, no state of the copy is the right one: it stays
+        refused (an empty record matches no state)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            setattr(new, key, copy.deepcopy(value, memo))
+        if self._tokens is not None and new._model is not None:
+            new._tokens = state_tokens(new._model) if state_tokens(self.model) == self._tokens else {}
+        return new
+
     def for_capture(self) -> tuple[nn.Module, torch.device | None]:
         """The model to trace for a new input signature, and the device to retarget its graph to:
         the model while someone holds it, else its meta-device skeleton (graphs name the meta

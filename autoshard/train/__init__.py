@@ -85,6 +85,22 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
     return 0
 
 
+def _in_process(opts: TrainOptions) -> int:
+    """--in-process: the --nproc-per-node ranks as threads of this process on a local world. The data
+    is checked and tokenized once here, as the launcher does; a rank's TrainError stops every rank
+    and is said once."""
+    import dataclasses
+
+    from autoshard.train.data import tokenizer_for
+    from autoshard.train.loop import check_data, run, split_of
+    from autoshard.world import LocalWorld
+    opts = dataclasses.replace(opts, device="cpu")
+    if not opts.plan:
+        split_of(opts, opts.nproc_per_node)
+    check_data(opts, tokenizer_for(opts.model))
+    return max(LocalWorld(opts.nproc_per_node).run(lambda rank: run(opts)))
+
+
 def failure_line(codes: dict[int, int], folder: str) -> str:
     """What the launcher says when ranks failed (`codes`: rank -> exit code): the reason a rank
     wrote into `folder` (the lowest such rank), else which rank failed first."""
@@ -111,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         opts = parse(argv)
-        if opts.nproc_per_node and "RANK" not in os.environ:        # launch the ranks, which run us again
+        if opts.in_process:
+            code = _in_process(opts)
+        elif opts.nproc_per_node and "RANK" not in os.environ:      # launch the ranks, which run us again
             code = _launch(opts, argv)
         else:
             from autoshard.train.loop import run

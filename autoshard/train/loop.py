@@ -42,8 +42,15 @@ __all__ = ["run", "split_of", "check_data"]
 _RUN_KEYS = ("seq_len", "batch", "seed", "steps", "lr", "warmup", "min_lr_ratio", "data_key")
 
 
+def _in_process() -> bool:
+    """A rank thread of --in-process's local world (a lone process's default world is a local world
+    of one, and needs its process group all the same)."""
+    world = current()
+    return world.backend == "local" and world.size() > 1
+
+
 def _init(backend: str) -> None:
-    if dist.is_initialized():
+    if dist.is_initialized() or _in_process():      # --in-process: the local world is the group
         return
     if "RANK" in os.environ:
         dist.init_process_group(backend)
@@ -197,7 +204,7 @@ def run(opts: TrainOptions) -> int:
         torch.cuda.set_device(place.device)     # before NCCL's group: each rank its own GPU
     _init(place.backend)
     rank, world = current().rank(), current().size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = world if _in_process() else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))     # ranks on this machine
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     ckdir = os.path.join(opts.out, "checkpoints")
     # Everything that can be wrong with the options, data and tokenizer is found before the model is
@@ -215,7 +222,12 @@ def run(opts: TrainOptions) -> int:
     if source.weights is None:
         source.model.to(capture_device)
     hardware = run_hardware(opts, place, source.config, max(1, opts.batch // (given["dp"] * given["microbatches"])))
-    prog, split = _compile(opts, source, world, hardware, capture_device)
+    if _in_process():
+        # --in-process: rank 0 compiles, every other rank takes a deep copy (the local world's
+        # broadcast_object): one export instead of one per rank, and no state shared between ranks
+        prog, split = _on_rank0(lambda: _compile(opts, source, world, hardware, capture_device))
+    else:
+        prog, split = _compile(opts, source, world, hardware, capture_device)
     if opts.verify:
         verify_first(source, prog, rank)
     rt = prog.distributed(mesh=True)

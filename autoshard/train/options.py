@@ -57,6 +57,7 @@ class TrainOptions:
     log_every: int
     hardware: str | None
     nproc_per_node: int | None
+    in_process: bool
     halt_after: int | None
     verify: bool
 
@@ -109,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
                    help="before the first step, certify the split against the single-device model (autoshard verify, "
                         "on rank 0, in simulation; a large model on its reduced twin) and stop if it fails")
     p.add_argument("--nproc-per-node", type=int, default=None, help="launch torchrun with this many processes")
+    p.add_argument("--in-process", action="store_true",
+                   help="with --nproc-per-node N: run the N ranks as threads of this one process, their "
+                        "collectives meeting in a local world (autoshard/world/local.py) instead of gloo: the "
+                        "same schedule, buckets, optimizer and checkpoints, to try a split on one CPU; CPU only")
     o = ap.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
@@ -161,6 +166,9 @@ def parse(argv: list[str]) -> TrainOptions:
     if opts.seq_len % (2 * opts.cp):
         raise TrainError(f"--cp {opts.cp} cuts each sequence in 2 x cp = {2 * opts.cp} equal pieces: --seq-len "
                          f"{opts.seq_len} is not a multiple of {2 * opts.cp}")
+    if opts.in_process and (opts.nproc_per_node is None or opts.device == "cuda"):
+        raise TrainError("--in-process runs the --nproc-per-node ranks on this CPU: give --nproc-per-node, and "
+                         "not --device cuda")
     given = opts.dp is not None or opts.microbatches is not None or \
         (opts.tp, opts.pp, opts.cp, opts.virtual) != (1, 1, 1, 1)
     if opts.plan and given:

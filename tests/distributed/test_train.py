@@ -1,10 +1,14 @@
-"""`autoshard train` end to end on gloo processes: a 4-layer Llama at tp=2 x pp=2 trains 20 steps
-on the README as text and its loss falls; its folder as a crash after step 13 would leave it
-(checkpoints to step 10), resumed, gives the uninterrupted run's losses exactly; its checkpoint
-resumes at another split; the exported folder loads with from_pretrained and gives the trained
-program's logits; the planner's dp=2, whose losses the distributed optimizer's equal; GPT-2 with
-dropout resumes exactly too; Ctrl-C leaves no partial checkpoint; a Mixtral's experts divided over
-ep=2 give the replicated run's losses, and in bf16 (the distributed optimizer) track them."""
+"""`autoshard train` end to end: a 4-layer Llama at tp=2 x pp=2 trains 20 steps on the README as
+text and its loss falls; its folder as a crash after step 13 would leave it (checkpoints to step 10),
+resumed, gives the uninterrupted run's losses exactly; its checkpoint resumes at another split; the
+exported folder loads with from_pretrained and gives the trained program's logits; the planner's
+dp=2, whose losses the distributed optimizer's equal; GPT-2 with dropout resumes exactly too; Ctrl-C
+leaves no partial checkpoint; a Mixtral's experts divided over ep=2 give the replicated run's losses,
+and in bf16 (the distributed optimizer) track them.
+
+The multi-rank runs take --in-process (their ranks as threads of one process, on a local world):
+one gloo launch per world size (`test_gloo_and_in_process_runs_agree_to_the_bit`) shows that
+torchrun's processes train to the same losses, gradient norms and checkpoints, bit for bit."""
 import csv
 import os
 import shutil
@@ -21,9 +25,11 @@ LLAMA = ["--model", "llama", "--layers", "4", "--hidden", "64", "--heads", "4", 
          "--warmup", "5", "--lr", "1e-3"]
 
 
-def _train(out, *args, nproc=None, check=True) -> subprocess.CompletedProcess:
+def _train(out, *args, nproc=None, check=True, gloo=False) -> subprocess.CompletedProcess:
+    """One run; with `nproc`, its ranks in this process (--in-process) unless `gloo`."""
+    ranks = [] if not nproc else [f"--nproc-per-node={nproc}"] + ([] if gloo else ["--in-process"])
     cmd = [sys.executable, "-m", "autoshard.train", "--data", os.path.join(ROOT, "README.md"), "--out", str(out),
-           "--log-every", "10", *args] + ([f"--nproc-per-node={nproc}"] if nproc else [])
+           "--log-every", "10", *args, *ranks]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check:
@@ -34,6 +40,29 @@ def _train(out, *args, nproc=None, check=True) -> subprocess.CompletedProcess:
 def _rows(out) -> list[dict]:
     with open(os.path.join(out, "metrics.csv"), newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split,nproc", [(["--tp", "2", "--pp", "2"], 4), (["--dp", "2", "--ep", "2"], 2)],
+                         ids=["tp2-pp2", "dp2-ep2"])
+def test_gloo_and_in_process_runs_agree_to_the_bit(tmp_path, split, nproc):
+    """torchrun's processes on gloo and --in-process's threads on a local world: the same losses and
+    gradient norms (as text) and the same checkpointed weights and optimizer state, bit for bit (the
+    same reductions in the same order)."""
+    from safetensors.torch import load_file
+    model = LLAMA if "--tp" in split else ["--model", "mixtral", "--layers", "2", "--hidden", "64", "--heads", "4",
+                                          "--seq-len", "32", "--batch", "4", "--warmup", "2"]
+    args = [*model, *split, "--steps", "4", "--save-every", "4"]
+    _train(tmp_path / "gloo", *args, nproc=nproc, gloo=True)
+    _train(tmp_path / "local", *args, nproc=nproc)
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in _rows(tmp_path / "gloo")] == [r[key] for r in _rows(tmp_path / "local")], key
+    step = os.path.join("checkpoints", "step-00000004")
+    files = sorted(f for f in os.listdir(tmp_path / "gloo" / step) if f.endswith(".safetensors"))
+    assert files and files == sorted(f for f in os.listdir(tmp_path / "local" / step) if f.endswith(".safetensors"))
+    for f in files:
+        a, b = load_file(tmp_path / "gloo" / step / f), load_file(tmp_path / "local" / step / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
 
 
 @pytest.mark.slow

@@ -150,3 +150,19 @@ def test_pickling_a_program_is_refused_in_autoshard_words_and_deepcopy_still_wor
             save()
     ids = torch.randint(0, VOCAB, (2, 8))
     assert max_rel(copy.deepcopy(prog).simulate(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
+
+
+def test_a_copy_of_a_program_cuts_its_other_ranks_from_its_own_model():
+    """Regression (autoshard train --in-process --plan): a program with rank 0 cut, deep-copied (the
+    copy's model a copy, its tensors new objects at version 0), refused to cut rank 1 of the copy,
+    saying lm_head.weight had changed. A model changed before the copy is still refused."""
+    import copy
+    model = build_model("llama", layers=2)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    prog = autoshard(model, tp=2)
+    prog.rank(0)
+    assert max_rel(copy.deepcopy(prog).simulate(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    with pytest.raises(ShardingError, match=r"changed .* rank\(s\) \[0\]"):
+        copy.deepcopy(prog).rank(1)

@@ -43,6 +43,9 @@ def test_missing_files_and_bad_numbers_are_named(tmp_path, text):
         _opts(text, tmp_path, "--tp", "0")
     with pytest.raises(TrainError, match="--plan chooses tp, pp, dp, virtual and microbatches itself"):
         _opts(text, tmp_path, "--plan", "--tp", "2")
+    for bad in (["--in-process"], ["--in-process", "--nproc-per-node", "2", "--device", "cuda"]):
+        with pytest.raises(TrainError, match="--in-process runs the --nproc-per-node ranks on this CPU"):
+            _opts(text, tmp_path, *bad)
 
 
 def test_unknown_model_types_and_folders_without_weights_are_named(tmp_path, text):
