@@ -27,9 +27,9 @@ from launch_overhead import per_call_us  # noqa: E402
 from results import report  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from autoshard.kernels import cpu_executor, launch, ops  # noqa: E402
-from autoshard.kernels.dispatch import _KERNELS, _with_fallback  # noqa: E402
-from autoshard.kernels.ops import _norm  # noqa: E402
+from autoshard.kernels import cpu_executor, ops  # noqa: E402
+from autoshard.kernels.dispatch import _with_fallback  # noqa: E402
+from autoshard.kernels.fused.norm import _norm, norm_launch  # noqa: E402
 
 _NS = "launch_layers"
 _LIBRARIES: list[torch.library.Library] = []      # a Library unregisters its ops when collected
@@ -67,7 +67,7 @@ def rows(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, bool,
     w, b = (torch.randn(256, generator=gen, device=device).to(dtype) for _ in range(2))
     g = torch.randn(64, 256, generator=gen, device=device).to(dtype)
     xg, bg = x.clone().requires_grad_(), b.clone().requires_grad_()
-    run = _with_fallback("norm", _KERNELS["norm"], _norm._init_fn)
+    run = _with_fallback("norm", ops.KERNELS["norm"], _norm._init_fn)
     norm = torch.ops.autoshard.norm.default
     clone_op, plain_clone = _clone_ops("CUDA" if device.type == "cuda" else "CPU")
     tanh = "tanh"
@@ -76,7 +76,7 @@ def rows(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, bool,
         return lambda: torch.autograd.grad(f(), list(wrt), g)
     return [
         ("norm, no grad", "eager F.layer_norm", False, lambda: F.layer_norm(x, (256,), w, b)),
-        ("norm, no grad", "launch.norm (the launch alone)", False, lambda: launch.norm(x, w, b, 1e-5, False)),
+        ("norm, no grad", "norm_launch (the launch alone)", False, lambda: norm_launch(x, w, b, 1e-5, False)),
         ("norm, no grad", "dispatch (table, first-use key, launch)", False, lambda: run(x, w, b, 1e-5, False)),
         ("norm, no grad", "torch.ops.autoshard.norm (the op)", False, lambda: norm(x, w, b, 1e-5, False)),
         ("custom op", "eager clone", False, lambda: x.clone()),

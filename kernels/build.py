@@ -20,14 +20,11 @@ __all__ = ["KERNELS", "STORAGE", "source", "name_expressions", "compile_cubin", 
 
 _DIR = Path(__file__).with_name("cuda")
 
-# file -> the kernel templates it defines
+# file -> the kernel templates it defines, read off the sources (`__global__ void name(`): a new .cu
+# file in cuda/ is built, run by the CPU executor and checked with no list to extend here
 KERNELS: dict[str, tuple[str, ...]] = {
-    "bias_gelu.cu": ("bias_gelu_fwd", "bias_gelu_bwd"),
-    "swiglu.cu": ("swiglu_fwd", "swiglu_bwd"),
-    "softmax.cu": ("scaled_masked_softmax_fwd", "scaled_masked_softmax_bwd"),
-    "bias_dropout_add.cu": ("bias_dropout_add_fwd", "bias_dropout_add_bwd"),
-    "norm.cu": ("norm_fwd", "norm_bwd"),
-    "rope.cu": ("rope_apply",),
+    path.name: tuple(re.findall(r"__global__\s+void\s+(\w+)\s*\(", path.read_text()))
+    for path in sorted(_DIR.glob("*.cu"))
 }
 # torch dtype name -> the storage type the templates take
 STORAGE = {"float32": "float", "float16": "f16", "bfloat16": "bf16"}

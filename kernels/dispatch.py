@@ -1,8 +1,8 @@
-"""Which fused-op calls run a kernel: a table from op to its launch function (kernels/launch.py)
-and what it reads in each argument slot; every other call (an operand of another shape, an empty
-tensor, a dtype the kernels lack), a kernel that failed its first-use check
-(kernels/self_check.py), and any CPU tensor while the CPU executor is off run the op's exact
-torch implementation. `register_impls` puts this in front of each custom op for CUDA tensors (when
+"""Which fused-op calls run a kernel: each op's entry (kernels/fused/, listed in kernels/ops.py)
+names its launch function and what it reads in each argument slot; every other call (an operand of
+another shape, an empty tensor, a dtype the kernels lack), a kernel that failed its first-use check
+(kernels/self_check.py), and any CPU tensor while the CPU executor is off run the op's exact torch
+implementation. `register` puts this in front of each custom op for CUDA tensors (when
 CuPy imports) and for CPU tensors."""
 from __future__ import annotations
 
@@ -12,35 +12,12 @@ from typing import NamedTuple
 import torch
 
 from autoshard.kernels import cpu_executor, self_check
-from autoshard.kernels.launch import (
-    _KERNEL_DTYPES,
-    bias_dropout_add,
-    bias_dropout_add_backward,
-    bias_gelu,
-    bias_gelu_backward,
-    norm,
-    norm_backward,
-    rotary,
-    softmax,
-    softmax_backward,
-    swiglu,
-    swiglu_backward,
-)
+from autoshard.kernels.launch import KERNEL_DTYPES
 from autoshard.kernels.reference import result_dtype
 
 LIB = "autoshard"          # the custom ops' namespace: torch.ops.autoshard.* (kernels/ops.py)
 
-__all__ = ["register_impls"]
-
-
-def _rotary_takes(args: tuple) -> bool:
-    """The kernel rotates [b, heads, s, d] at the middle of d, in a dtype it has."""
-    x, cos, sin, _, half = args
-    return x.dim() == 4 and 2 * half == x.shape[-1] and result_dtype(x, cos, sin) in _KERNEL_DTYPES
-
-
-def _scores(args: tuple) -> bool:
-    return args[0].dim() == 4                        # [batch, heads, sq, sk]
+__all__ = ["LIB", "FusedOp", "Kernel", "register", "FULL", "VECTOR", "ROWS", "MASK", "TABLE"]
 
 
 # What a kernel reads in each tensor slot, given the first argument x (whose shape the kernel's
@@ -69,28 +46,25 @@ def _fits(kind: str, t: torch.Tensor, x: torch.Tensor) -> bool:
     raise KeyError(kind)
 
 
-class _Kernel(NamedTuple):
+class Kernel(NamedTuple):
+    """How one custom op (a forward or a backward) runs its kernel: the launch (kernels/launch.py's
+    `run_kernel` inside), what the kernel reads in each argument slot (above), whether inputs are
+    converted to their promoted dtype (the element-wise ops compute in it like the `x + bias` they
+    replace; else: one dtype or fall back), and a further test of the arguments."""
     impl: Callable
     slots: dict[int, str]           # argument index -> what the kernel reads there (above)
-    promote: bool                   # inputs converted to their promoted dtype (else: one dtype or fall back)
-    takes: Callable[[tuple], bool] | None = None      # a further test of the arguments
+    promote: bool
+    takes: Callable[[tuple], bool] | None = None
 
 
-# op -> its kernel. The element-wise ops compute in the promoted dtype like the `x + bias` they
-# replace, so their inputs are converted to it (for a bias, a vector, next to nothing).
-_KERNELS = {
-    "bias_gelu": _Kernel(bias_gelu, {1: VECTOR}, True),
-    "bias_gelu_backward": _Kernel(bias_gelu_backward, {1: FULL, 2: VECTOR}, True),
-    "swiglu": _Kernel(swiglu, {1: FULL, 2: VECTOR, 3: VECTOR}, True),
-    "swiglu_backward": _Kernel(swiglu_backward, {1: FULL, 2: FULL, 3: VECTOR, 4: VECTOR}, True),
-    "scaled_masked_softmax": _Kernel(softmax, {1: MASK}, False, _scores),
-    "scaled_masked_softmax_backward": _Kernel(softmax_backward, {1: FULL}, False),
-    "bias_dropout_add": _Kernel(bias_dropout_add, {1: VECTOR, 2: FULL}, True),
-    "bias_dropout_add_backward": _Kernel(bias_dropout_add_backward, {}, False),
-    "norm": _Kernel(norm, {1: VECTOR, 2: VECTOR}, False),
-    "norm_backward": _Kernel(norm_backward, {1: FULL, 2: VECTOR, 3: ROWS, 4: ROWS}, False),
-    "rotary": _Kernel(rotary, {1: TABLE, 2: TABLE}, False, _rotary_takes),
-}
+class FusedOp(NamedTuple):
+    """A fused op's entry in kernels/ops.py's table: its kernel source (kernels/cuda/), a Kernel per
+    custom op name (its forward and backward), and the custom ops themselves (kernels/fused/)."""
+    source: str
+    kernels: dict[str, Kernel]
+    ops: tuple
+
+
 _VALUES = (FULL, VECTOR)            # the slots that hold the op's values (dtype-converted with x)
 
 
@@ -109,12 +83,12 @@ def _kernel_args(args: tuple, slots: dict[int, str], promote: bool) -> tuple | N
         return None
     values = [i for i, kind in live.items() if kind in _VALUES]
     dtype = result_dtype(x, *(args[i] for i in values)) if promote else x.dtype
-    if dtype not in _KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in values)):
+    if dtype not in KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in values)):
         return None
     return tuple(a.to(dtype) if i == 0 or i in values else a for i, a in enumerate(args))
 
 
-def _with_fallback(name: str, kernel: _Kernel, reference: Callable):
+def _with_fallback(name: str, kernel: Kernel, reference: Callable):
     """Run the kernel when it takes these arguments (and passed its first-use check for their dtype,
     device, variant and layout), else the exact torch implementation."""
     def run(*args):
@@ -134,7 +108,7 @@ def _with_fallback(name: str, kernel: _Kernel, reference: Callable):
 _DISPATCH = torch.library.Library(LIB, "FRAGMENT")
 
 
-def register_impls(*ops) -> None:
+def register(op: FusedOp) -> None:
     """Register each custom op's kernel path: for CUDA tensors if CuPy is installed, and for CPU
     tensors, where it runs only while the CPU executor is on (else the torch implementation)."""
     try:
@@ -142,10 +116,10 @@ def register_impls(*ops) -> None:
         has_cupy = True
     except ImportError:
         has_cupy = False
-    for op in ops:
-        name = op._name.split("::")[-1]
-        # op._init_fn: the function the op was defined with, its exact torch implementation
-        run, reference = _with_fallback(name, _KERNELS[name], op._init_fn), op._init_fn
+    for custom in op.ops:
+        name = custom._name.split("::")[-1]
+        # custom._init_fn: the function the op was defined with, its exact torch implementation
+        run, reference = _with_fallback(name, op.kernels[name], custom._init_fn), custom._init_fn
         _DISPATCH.impl(name, lambda *args, run=run, reference=reference:
                        run(*args) if cpu_executor.active() else reference(*args), "CPU")
         if has_cupy:

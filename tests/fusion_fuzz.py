@@ -19,7 +19,10 @@ from torch import nn
 
 from autoshard import autoshard
 from autoshard.kernels import launch
-from autoshard.kernels.reference import bias_dropout_add_fwd, bias_gelu_fwd, norm_fwd, swiglu_fwd
+from autoshard.kernels.fused.bias_dropout_add import bias_dropout_add_fwd
+from autoshard.kernels.fused.bias_gelu import bias_gelu_fwd
+from autoshard.kernels.fused.norm import norm_fwd
+from autoshard.kernels.fused.swiglu import swiglu_fwd
 from autoshard.testing import fused_ops, grad_errors, max_rel
 from autoshard.testing.metrics import norm_rel
 

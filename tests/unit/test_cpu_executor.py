@@ -211,8 +211,8 @@ WRONG_GELU = ("bias_gelu.cu", "return 0.5f * u * (1.f + t);", "return 0.25f * u 
 
 
 def launch_ops() -> set[str]:
-    from autoshard.kernels.dispatch import _KERNELS
-    return set(_KERNELS)
+    from autoshard.kernels.ops import KERNELS
+    return set(KERNELS)
 
 
 @pytest.fixture

@@ -1,12 +1,14 @@
 """Fused ops: their sources build for sm_90, their torch implementations and autograd are exact and
 within tolerance of float64 (the CUDA kernels are held to the same: tests/gpu/test_cuda_kernels.py)."""
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from autoshard.kernels import build, ops, reference
+from autoshard.kernels import build, ops
+from autoshard.kernels.fused.bias_dropout_add import _mix32
 from tests.harness.kernel_accuracy import TOL, assert_within, errors_against_float64, rel_norm
 from autoshard.testing.kernel_cases import CASES
 
@@ -128,7 +130,7 @@ def _lowbias32(h: int) -> int:
 
 def test_dropout_hash_on_int64_tensors_is_the_kernels_32_bit_hash():
     vals = [0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0xDEADBEEF, 0xFFFFFFFF]
-    got = reference._mix32(torch.tensor(vals, dtype=torch.int64)).tolist()
+    got = _mix32(torch.tensor(vals, dtype=torch.int64)).tolist()
     assert got == [_lowbias32(v) for v in vals]
 
 
@@ -236,3 +238,17 @@ def test_element_wise_ops_promote_dtypes_like_the_code_they_replace(case):
     }[case]
     got, want = fused(), plain()
     assert got.dtype == want.dtype == torch.float32 and rel_norm(got, want) < 1e-6
+
+
+def test_the_fused_op_table_is_the_one_list_of_ops_and_sources():
+    """kernels/ops.py's FUSED: every kernel source in kernels/cuda/ belongs to one op, every custom op
+    of an entry has its Kernel (and no Kernel is left without an op), and each entry's launches
+    name kernels its own source defines."""
+    import inspect
+    assert sorted(op.source for op in ops.FUSED) == sorted(build.KERNELS)
+    for op in ops.FUSED:
+        names = {custom._name.split("::")[-1] for custom in op.ops}
+        assert names == set(op.kernels), op.source
+        for kernel in op.kernels.values():
+            launched = re.findall(r'run_kernel\("(\w+)"', inspect.getsource(kernel.impl))
+            assert launched and set(launched) <= set(build.KERNELS[op.source]), (op.source, launched)
