@@ -12,7 +12,7 @@ from torch import nn
 
 from autoshard.compile.capture import infer_example_inputs, normalize_inputs
 from autoshard.compile.compiler import Compiler
-from autoshard.compile.experts_call import EXPERT_MODULES, expert_modules
+from autoshard.regions.experts_call import EXPERT_MODULES, expert_modules
 from autoshard.compile.program import ShardedProgram
 from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import WeightSource
@@ -183,7 +183,7 @@ def _check_expert_parallel(model: nn.Module, ep: int, dp: int, cp: int, sequence
         raise ShardingError(f"{problem} (dp x cp = ep: one group of every replica)")
     if not expert_modules(model):
         raise ShardingError(f"ep={ep}: {type(model).__name__} has no experts module expert parallelism knows "
-                            f"(autoshard/compile/experts_call.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
+                            f"(autoshard/regions/experts_call.py's EXPERT_MODULES: {[f.name for f in EXPERT_MODULES]})")
     if sequence_parallel:
         raise ShardingError(f"ep={ep} is not built with sequence_parallel=True yet (untested: refused rather than "
                             "risk a wrong result)")

@@ -6,7 +6,7 @@ Hugging Face's MoE decoders (transformers 5) route through one experts module pe
 fixed contract: `experts(hidden [n, H], top_k_index [n, k], top_k_weights [n, k]) -> [n, H]`, the
 experts' weights stacked on a leading experts dim. The nodes the export made of that call (every
 node whose module stack holds the module's path, and the f / g between them) become one
-`call_module` node `experts_<path>` whose module (autoshard/compile/experts_call.py) runs the region's
+`call_module` node `experts_<path>` whose module (autoshard/regions/experts_call.py) runs the region's
 graph as it is when no expert-parallel group is bound (one process; expert parallelism of 1), and
 otherwise sends the (token, slot) pairs to the ranks that own their experts
 (autoshard/parallel/expert_parallel.py). The parameters stay outside as inputs, so each rank reads
@@ -85,7 +85,7 @@ def outline_experts(graph: fx.Graph, experts: dict[str, int], value_of: Callable
 
 def _after_reduce(body: fx.Graph, params: dict[str, int]) -> tuple[str, ...]:
     """The parameters of a tensor-parallel region none of whose uses reaches its g: added to the
-    reduced sum, so counted once (compile/experts_call.py runs them on one tp rank)."""
+    reduced sum, so counted once (regions/experts_call.py runs them on one tp rank)."""
     reaches_g = {n for n in body.nodes if n.op == "call_module" and n.target == "g"}
     if not reaches_g:
         return ()

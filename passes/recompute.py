@@ -13,7 +13,7 @@ A region is a set of nodes that runs again inside backward instead of keeping wh
   that runs dropout keeps the s x s probabilities and mask; flash kernels keep only a log-sum-exp).
 
 Each region becomes one `call_module` node `recompute_<layer path>` (`recompute_attention_...` for
-selective) whose module (autoshard/compile/recompute.py) runs the region's graph under
+selective) whose module (autoshard/regions/recompute.py) runs the region's graph under
 torch.utils.checkpoint; the rank code shows the call, and `module.body.code` the recomputed nodes.
 Parameters and buffers stay outside (`get_attr` nodes), so they are read as inputs. A region is
 closed under "between": a node with an ancestor and a descendant in the region joins it (the f / g

@@ -13,7 +13,7 @@ A node is size-only when its value follows from sizes and buffers alone:
 - a non-tensor input (an int, bool or None argument of the call);
 - a pure op (no mutated argument, not random) of size-only values.
 
-The computed size-only nodes become one `call_module` (autoshard/compile/tables.py's TableCache),
+The computed size-only nodes become one `call_module` (autoshard/regions/tables.py's TableCache),
 whose inputs are the sizes, buffers and non-tensor inputs they read: it runs its body once per
 distinct inputs (sizes equal, the same buffer objects at the same version) and hands back the same
 tensors afterwards. The values are those the graph computed (the same ops on the same inputs), so

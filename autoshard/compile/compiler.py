@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.compile.capture import Captured, capture
-from autoshard.compile.experts_call import expert_count, expert_modules, weightless_copy
+from autoshard.regions.experts_call import expert_count, expert_modules, weightless_copy
 from autoshard.compile.new_signature import new_plan_refusal, sharding_clash
 from autoshard.compile.static_shapes import sequence_length, symbolic_shapes, twin_length, with_length
 from autoshard.compile.weights import WeightSource

@@ -22,7 +22,6 @@ from autoshard.compile.rank import RankProgram
 from autoshard.compile.reassemble import assemble
 from autoshard.compile.simulate import ProgramSimulator, join_replicated
 from autoshard.compile.stage_layout import StageLayout
-from autoshard.compile.verifier import registered_verifier
 from autoshard.compile.weights import check_state_dict, copy_into_rank, meta_like
 from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr
@@ -133,7 +132,8 @@ class ShardedProgram:
         copy of the model compiled with the same split, every rank run in this process against
         another copy for outputs, gradients and one AdamW step on a batch with padding and ignored
         labels. This program is left untouched. `options`: verify_model's (seq=...)."""
-        return registered_verifier()(self, **options)
+        from autoshard.verify.run import verify_program       # the user layer, at call time (tests/harness/imports.py's CALLS_UP)
+        return verify_program(self, **options)
 
     # ---- compile and pipeline stages ---------------------------------------------------------
     def _compile(self, named: dict[str, object], training: bool | None = None) -> Compiled:

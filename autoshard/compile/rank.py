@@ -14,8 +14,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoshard.compile.capture import Signature, autocast_state
-from autoshard.compile.experts_call import ExpertsCall
-from autoshard.compile.region_modules import REGION_MODULES, build_region_module
+from autoshard.regions.experts_call import ExpertsCall
+from autoshard.regions.registry import REGION_MODULES, build_region_module
 from autoshard.module_paths import assign_attr, has_attr
 from autoshard.parallel.comm import CommHandle, Communicator, GroupComm
 from autoshard.world import Group
@@ -76,7 +76,7 @@ class RankProgram(nn.Module):
     def add_graph(self, sig: Signature, graph: fx.Graph, attrs: dict[str, object], specs: list[ModuleSpec], out_spec,
                   regions: list = ()) -> fx.GraphModule:
         """A graph for `sig`, with the modules it calls: the collectives of `specs`
-        (parallel/registry.py) and the outlined `regions` (compile/region_modules.py)."""
+        (parallel/registry.py) and the outlined `regions` (regions/registry.py)."""
         for name, value in attrs.items():
             if not has_attr(self, name):
                 assign_attr(self, name, value)

@@ -47,7 +47,7 @@ COLLECTIVES: dict[type, str] = {
 
 def row_for(table: dict, item: object, what: str, where: str):
     """`table[type(item)]`, or a TypeError saying that nothing is registered for `what` and which
-    table (`where`) takes the row (compile/region_modules.py's registry reads its rows this way too)."""
+    table (`where`) takes the row (regions/registry.py's registry reads its rows this way too)."""
     try:
         return table[type(item)]
     except KeyError:

@@ -23,7 +23,7 @@ from torch import nn
 
 from autoshard.compile.rank import RankProgram
 from autoshard.planning.meta_ops import on_meta
-from autoshard.compile.tables import TableCache
+from autoshard.regions.tables import TableCache
 from autoshard.errors import ShardingError
 from autoshard.parallel.comm import CommHandle
 from autoshard.parallel.expert_parallel import ExpertGroup

@@ -141,7 +141,7 @@ class MeshRuntime(nn.Module):
         return self._chunk_modules() + self._program.graph_modules()
 
     def expert_calls(self) -> list:
-        """The expert-parallel calls this rank's stages run (compile/experts_call.py's ExpertsCall)."""
+        """The expert-parallel calls this rank's stages run (regions/experts_call.py's ExpertsCall)."""
         mine = dict(self.named_parameters())
         return [c for c in self._program.expert_calls() if set(c.region.params) <= set(mine)]
 

@@ -19,7 +19,7 @@ def mixtral_routing(dp: int, experts: int) -> list[list[int]]:
     """The first MoE layer's routing of one microbatch per dp rank, from the small Mixtral the tests use."""
     import torch
 
-    from autoshard.compile.experts_call import expert_modules
+    from autoshard.regions.experts_call import expert_modules
     from autoshard.testing.models import VOCAB, build_moe
     model = build_moe("mixtral", experts=experts)
     seen: list = []

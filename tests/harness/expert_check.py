@@ -42,7 +42,7 @@ from autoshard import autoshard
 from autoshard.checkpoint import sharded as ck
 from autoshard.checkpoint.convert import load_from_file
 from autoshard.checkpoint.materialize import materialize, materialize_full
-from autoshard.compile.experts_call import expert_modules
+from autoshard.regions.experts_call import expert_modules
 from autoshard.compile.rank import slice_layout
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.launch import agree, run_checker

@@ -24,10 +24,10 @@ from unittest import mock
 
 import torch
 
-import autoshard.compile.recompute as recompute
+import autoshard.regions.recompute as recompute
 import autoshard.compile.compiler as compiler
 import autoshard.compile.trace_cache as trace_cache
-import autoshard.compile.simulate as simulate
+import autoshard.parallel.lockstep as lockstep
 import autoshard.parallel.expert_parallel as expert_parallel
 import autoshard.parallel.ring_pieces as ring_pieces
 import autoshard.parallel.rng as rng
@@ -308,7 +308,7 @@ def _stale_weight_copy():
     """Each rank's forward reads a copy of every weight taken at its first call (as a cast copy
     nobody refreshes), while gradients reach the weight: right until the first step moves it."""
     copies: dict[int, torch.Tensor] = {}
-    original = simulate.fetch_attr
+    original = lockstep.fetch_attr
 
     def fetch(gm, target):
         w = original(gm, target)
@@ -316,7 +316,7 @@ def _stale_weight_copy():
             return w
         held = copies.setdefault(id(w), w.detach().clone())
         return held + (w - w.detach())
-    return mock.patch.object(simulate, "fetch_attr", fetch)
+    return mock.patch.object(lockstep, "fetch_attr", fetch)
 
 
 def _packed_documents_joined():

@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 
-from autoshard.compile.experts_call import _CountedOnce
+from autoshard.regions.experts_call import _CountedOnce
 from autoshard.testing.current_models import build_current
 from autoshard.testing.models import build_model
 from autoshard.verify import verify_model

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from autoshard import autoshard
-from autoshard.compile.tables import TableCache
+from autoshard.regions.tables import TableCache
 from autoshard.testing import build_model, grad_errors, max_rel
 from autoshard.testing.models import VOCAB
 

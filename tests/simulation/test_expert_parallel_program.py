@@ -1,6 +1,6 @@
 """Expert parallelism's compile, in one process: each experts call outlined into one module
 (passes/outline_experts.py), the module's expert-parallel path (the model's own experts code on received
-tokens, compile/experts_call.py) against the exported graph, and the refusals. Training on real
+tokens, regions/experts_call.py) against the exported graph, and the refusals. Training on real
 processes is tests/distributed/test_expert_parallel.py."""
 import copy
 

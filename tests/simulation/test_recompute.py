@@ -4,7 +4,7 @@ recomputation really runs in backward."""
 import pytest
 import torch
 
-import autoshard.compile.recompute as recompute_module
+import autoshard.regions.recompute as recompute_module
 from autoshard import autoshard
 from autoshard.errors import ShardingError
 from autoshard.testing import build_model

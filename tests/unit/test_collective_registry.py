@@ -1,5 +1,5 @@
 """Every module spec the rewrite emits has a row in the registry (parallel/registry.py), every
-outlined region in compile/region_modules.py's, and a spec or region without one is refused naming it."""
+outlined region in regions/registry.py's, and a spec or region without one is refused naming it."""
 import pytest
 import torch
 
@@ -39,8 +39,8 @@ def test_an_unregistered_spec_is_refused_naming_the_registry():
 
 def test_an_unregistered_region_is_refused_naming_its_registry():
     """Outlined regions (experts calls, recomputed layers, tables) build their modules through
-    compile/region_modules.py's table, as the collectives do through theirs."""
-    from autoshard.compile.region_modules import REGION_MODULES, build_region_module
+    regions/registry.py's table, as the collectives do through theirs."""
+    from autoshard.regions.registry import REGION_MODULES, build_region_module
     from autoshard.passes.outline_experts import ExpertRegion
     from autoshard.passes.recompute import RecomputeRegion
     from autoshard.passes.tables import TableRegion

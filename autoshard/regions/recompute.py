@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autoshard.compile.simulate import run_lockstep
+from autoshard.parallel.lockstep import run_lockstep
 from autoshard.parallel.rng import RNGTracker
 
 __all__ = ["Recompute"]

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autoshard.compile.simulate import run_lockstep
+from autoshard.parallel.lockstep import run_lockstep
 from autoshard.parallel.expert_parallel import ExpertGroup, RunLocal, dispatch_combine
 from autoshard.passes.outline_experts import ExpertRegion
 

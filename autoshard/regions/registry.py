@@ -14,9 +14,9 @@ from typing import Callable, Protocol
 import torch.fx as fx
 from torch import nn
 
-from autoshard.compile.experts_call import ExpertsCall, weightless_copy
-from autoshard.compile.recompute import Recompute
-from autoshard.compile.tables import TableCache
+from autoshard.regions.experts_call import ExpertsCall, weightless_copy
+from autoshard.regions.recompute import Recompute
+from autoshard.regions.tables import TableCache
 from autoshard.parallel.registry import row_for
 from autoshard.parallel.rng import RNGTracker
 from autoshard.passes.outline_experts import ExpertRegion
@@ -68,5 +68,5 @@ class _RegionLike(Protocol):
 
 def build_region_module(region: _RegionLike, rank: RankForRegions) -> nn.Module:
     build = row_for(REGION_MODULES, region, f"the region {region.name} ({type(region).__name__})",
-                    "autoshard/compile/region_modules.py's REGION_MODULES")
+                    "autoshard/regions/registry.py's REGION_MODULES")
     return build(region, rank)
