@@ -1,5 +1,5 @@
 """bf16 and fp16 training with fp32 main weights against fp32, on CPU gloo: the full matrix of
-autoshard/testing/mixed_precision_check.py (GPT-2 and Llama, bf16 and fp16, 50 AdamW steps) at
+tests/harness/mixed_precision_check.py (GPT-2 and Llama, bf16 and fp16, 50 AdamW steps) at
 (tp, pp, dp) = (2,1,2), (1,2,2), (2,2,2). The test suite runs a rotation of it.
 
     .venv/bin/python benchmarks/mixed_precision.py [--steps 50] [--append]
@@ -19,7 +19,7 @@ MESHES = [(2, 1, 2), (1, 2, 2), (2, 2, 2)]
 
 def run(tp: int, pp: int, dp: int, steps: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
-           "-m", "autoshard.testing.mixed_precision_check", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+           "-m", "tests.harness.mixed_precision_check", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
            "--steps", str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

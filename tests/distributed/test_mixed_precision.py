@@ -5,7 +5,7 @@ bits; measured <= 0.44% over 50 steps, <= 0.19% over 30 at tp2-dp2) and fall by 
 equal a one-process reference with the same casts (<= 1e-6), and under fp16 an inf gradient on one
 rank skips the step on every rank and halves the loss scale.
 The suite runs each mesh with a rotation of models and precisions; benchmarks/RESULTS.md has the
-full matrix (autoshard/testing/mixed_precision_check.py)."""
+full matrix (tests/harness/mixed_precision_check.py)."""
 import pytest
 
 from tests.launches import Job, needs
@@ -17,7 +17,7 @@ MESHES = {"tp2-dp2": (["--tp", "2", "--dp", "2"], 4, [("gpt2", "bf16"), ("llama"
           # the four-process meshes cover every (model, precision); the full mesh (eight processes, the
           # slowest here) runs fp16's skipped inf step across tp, pp and dp with GPT-2's tied embedding
           "tp2-pp2-dp2": (["--tp", "2", "--pp", "2", "--dp", "2"], 8, [("gpt2", "fp16")])}
-JOBS = {mesh: [Job(f"mixed-precision/{mesh}/{model}-{precision}", "autoshard.testing.mixed_precision_check",
+JOBS = {mesh: [Job(f"mixed-precision/{mesh}/{model}-{precision}", "tests.harness.mixed_precision_check",
                    (*args, "--models", model, "--precisions", precision, "--steps", "20"), world, seconds=600)
                for model, precision in combos]
         for mesh, (args, world, combos) in MESHES.items()}

@@ -1,7 +1,7 @@
 """Mixed precision on real processes: a bf16 or fp16 model trained with DistributedOptimizer's fp32
 main weights, against the fp32 run and against a one-process reference with the same casts.
 
-    torchrun --standalone --nproc-per-node 4 -m autoshard.testing.mixed_precision_check --tp 2 --dp 2
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.mixed_precision_check --tp 2 --dp 2
 
 For each model and precision every rank:
 1. trains the fp32 model and the half-precision model (`model.to(dtype)`, as Megatron casts it)
