@@ -83,7 +83,7 @@ FAST = (
     "tests/simulation/test_shapes_and_capture.py::test_other_batch_and_sequence_sizes_reuse_the_graph",
     "tests/simulation/test_weights_and_modes.py::test_a_first_call_under_inference_mode",
     "tests/simulation/test_half_precision_programs.py::test_half_precision_program_matches_the_half_precision_model[llama-bf16-full]",
-    "tests/distributed/test_distributed.py::test_gloo_training_matches_single_device[2-vocab-parallel-loss]",
+    "tests/distributed/test_distributed.py::test_training_matches_single_device[2-vocab-parallel-loss]",
     "tests/local/test_local_runtime.py::test_interleaved_tp2_pp2_dp2",                    # the runtime, 8 ranks
     "tests/local/test_local_runtime.py::test_a_schedule_that_receives_before",
 )

@@ -17,16 +17,17 @@ MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
 
 
 # every mode at tp=2; at tp=4 the vocabulary-parallel loss (the other modes at tp=4 run in simulation:
-# tests/simulation)
+# tests/simulation). All on a local world: gloo runs this checker in `./run demo`, and the suite's
+# gloo smoke launches per world size are test_train.py's gloo-vs-in-process runs (2 and 4 ranks) and
+# the parity test below (4 and 8)
 WORLD_MODES = [(2, mode) for mode in sorted(MODES)] + [(4, "vocab-parallel-loss")]
-TRAINING = {f"{w}-{m}": Job(f"training/{w}-{m}", "autoshard.testing.dist_check", ("--steps", "3", *MODES[m]), w,
-                            local=(w, m) != (2, "vocab-parallel-loss"))
+TRAINING = {f"{w}-{m}": Job(f"training/{w}-{m}", "autoshard.testing.dist_check", ("--steps", "3", *MODES[m]), w)
             for w, m in WORLD_MODES}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", job_params(TRAINING))
-def test_gloo_training_matches_single_device(launched, key):
+def test_training_matches_single_device(launched, key):
     job = TRAINING[key]
     lines, world = launched(job), job.world
     assert {r["model"] for r in lines} == {"nanogpt", "gpt2", "llama", "bert"}
@@ -58,7 +59,7 @@ DROPOUT = Job("dropout", "tests.harness.dropout_check", (), 2)
 
 @pytest.mark.slow
 @needs(DROPOUT)
-def test_gloo_training_with_dropout_keeps_replicas_equal_fused_or_not(launched):
+def test_training_with_dropout_keeps_replicas_equal_fused_or_not(launched):
     """GPT-2 with dropout 0.3 at tp=2, plain and fused, with and without sequence parallelism: every
     rank computes the same losses and the replicated parameters stay bitwise equal (a fused dropout
     draws its mask in its region, as the plain one does)."""
@@ -100,7 +101,7 @@ def _pipeline_job(config: str) -> Job:
     if config == FUSED_TOO:
         args += ["--fuse", "both"]
     return Job(f"pipelines/{config}", "autoshard.testing.pipeline_check", tuple(args), tp * pp * dp, seconds=600,
-               before=functools.partial(_references, args), local=config != "tp2-pp2-dp2-v1")   # world 8 on gloo
+               before=functools.partial(_references, args))    # world 8 on gloo: the parity test above
 
 
 PIPELINE_JOBS = {config: _pipeline_job(config) for config in PIPELINES}
@@ -108,7 +109,7 @@ PIPELINE_JOBS = {config: _pipeline_job(config) for config in PIPELINES}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", job_params(PIPELINE_JOBS))
-def test_gloo_pipeline_training_matches_single_device(launched, config):
+def test_pipeline_training_matches_single_device(launched, config):
     """GPT-2 and Llama, 4 or 8 layers (_layers), 10 AdamW steps with gradient clipping on one global batch per step."""
     tp, pp, dp, v = _dims(config)
     lines, tmp_path = launched(PIPELINE_JOBS[config]), launched.folder(PIPELINE_JOBS[config])
@@ -202,7 +203,7 @@ RECOMPUTE_JOBS = {mesh: Job(f"recompute/{mesh}", "tests.harness.recompute_check"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", job_params(RECOMPUTE_JOBS))
-def test_gloo_recompute_matches_no_recompute(launched, mesh):
+def test_recompute_matches_no_recompute(launched, mesh):
     """GPT-2 and Llama, dropout 0.1, full and selective recompute against none on real processes (1F1B,
     interleaved, sequence parallelism): per-step losses and this rank's gradients equal."""
     lines = launched(RECOMPUTE_JOBS[mesh])

@@ -1,6 +1,6 @@
-"""Tier (c): the current models' new rules (issue 35) on real gloo collectives, not only in the
-simulator: OLMo 2, gpt-oss and JetMoE at tp=2 train three steps equal to one device.
-The job shares the suite's world-2 launch (tests/launches.py)."""
+"""The current models' new rules (issue 35) in the runtime, not only in the simulator: OLMo 2,
+gpt-oss and JetMoE at tp=2 (2 ranks on a local world) train three steps equal to one device.
+A job of the suite's launches (tests/launches.py)."""
 import pytest
 
 from tests.launches import Job, needs
@@ -10,7 +10,7 @@ CURRENT = Job("current-models", "tests.harness.current_models_check", ("--steps"
 
 @pytest.mark.slow
 @needs(CURRENT)
-def test_current_models_train_on_gloo_equal_to_one_device(launched):
+def test_current_models_train_equal_to_one_device(launched):
     lines = launched(CURRENT)
     assert {r["model"] for r in lines} == {"Olmo2", "GptOss", "JetMoe"}
     for r in lines:

@@ -1,9 +1,9 @@
-"""Tier (c): context parallelism on real gloo processes, not only in the simulator: GPT-2 and Llama at
-cp=2 x dp=2 and cp=2 x tp=2 (4 processes) train 10 AdamW steps equal to one device with ring
-attention (real point-to-point sends), a rank with no counted token included; Llama again with the
+"""Context parallelism in the runtime, not only in the simulator: GPT-2 and Llama at cp=2 x dp=2 and
+cp=2 x tp=2 (4 ranks on a local world, the runtime a torchrun job runs) train 10 AdamW steps equal
+to one device with ring attention (point-to-point sends), a rank with no counted token included; Llama again with the
 key/value all-gather and the distributed optimizer, its checkpoint read back whole; Mixtral at
 cp=2 x dp=2 x ep=4 (experts over all four data ranks, tokens exchanged across cp and dp ranks);
-GPT-2 at cp=2 x tp=2 with sequence parallelism. The job shares the suite's world-4 launch (tests/launches.py)."""
+GPT-2 at cp=2 x tp=2 with sequence parallelism. A job of the suite's launches (tests/launches.py)."""
 import pytest
 
 from tests.launches import Job, needs
@@ -15,7 +15,7 @@ CONTEXT = Job("context-parallel", "tests.harness.context_check",
 
 @pytest.mark.slow
 @needs(CONTEXT)
-def test_context_parallel_trains_on_gloo_equal_to_one_device(launched):
+def test_context_parallel_trains_equal_to_one_device(launched):
     lines = launched(CONTEXT)
     runs = {(r["model"], r["mesh"], r["attention"], r["distributed_optimizer"]) for r in lines}
     assert runs == {(m, mesh, "ring", False) for m in ("gpt2", "llama") for mesh in ("cp2xdp2", "cp2xtp2")} | \
