@@ -46,17 +46,20 @@ def _rows(out) -> list[dict]:
 @pytest.mark.parametrize("split,nproc", [(["--tp", "2", "--pp", "2"], 4), (["--dp", "2", "--ep", "2"], 2)],
                          ids=["tp2-pp2", "dp2-ep2"])
 def test_gloo_and_in_process_runs_agree_to_the_bit(tmp_path, split, nproc):
-    """torchrun's processes on gloo and --in-process's threads on a local world: the same losses and
-    gradient norms (as text) and the same checkpointed weights and optimizer state, bit for bit (the
-    same reductions in the same order)."""
+    """torchrun's processes on gloo and --in-process's threads on a local world: the same losses (as
+    text) and the same checkpointed weights and optimizer state, bit for bit (two-rank groups: both
+    worlds sum in the same order). The gradient norm's sum over all 4 ranks of tp2 x pp2 is the one
+    reduction of more than two whose order gloo chooses (it differed in the 16th digit in one run of
+    five), so the norms agree to 1e-12 and no clipping feeds it back into the weights (--clip 0)."""
     from safetensors.torch import load_file
     model = LLAMA if "--tp" in split else ["--model", "mixtral", "--layers", "2", "--hidden", "64", "--heads", "4",
                                           "--seq-len", "32", "--batch", "4", "--warmup", "2"]
-    args = [*model, *split, "--steps", "4", "--save-every", "4"]
+    args = [*model, *split, "--steps", "4", "--save-every", "4", "--clip", "0"]
     _train(tmp_path / "gloo", *args, nproc=nproc, gloo=True)
     _train(tmp_path / "local", *args, nproc=nproc)
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in _rows(tmp_path / "gloo")] == [r[key] for r in _rows(tmp_path / "local")], key
+    gloo, local = _rows(tmp_path / "gloo"), _rows(tmp_path / "local")
+    assert [r["loss"] for r in gloo] == [r["loss"] for r in local]
+    assert all(abs(float(a["grad_norm"]) / float(b["grad_norm"]) - 1) <= 1e-12 for a, b in zip(gloo, local))
     step = os.path.join("checkpoints", "step-00000004")
     files = sorted(f for f in os.listdir(tmp_path / "gloo" / step) if f.endswith(".safetensors"))
     assert files and files == sorted(f for f in os.listdir(tmp_path / "local" / step) if f.endswith(".safetensors"))
