@@ -22,18 +22,35 @@ def op_name(target: object) -> str:
 
 
 def param_read(arg: object, param_names: dict[str, str]) -> tuple[str, bool] | None:
-    """(parameter name, transposed) when `arg` reads a parameter directly or through a transpose of
-    its last two dims (2-D, or a stacked [experts, out, in] weight)."""
+    """(parameter name, transposed) when `arg` reads a parameter directly, through a transpose of
+    its last two dims (2-D, or a stacked [experts, out, in] weight), or through a squeeze of a
+    size-1 dim that an unsqueeze puts back (LFM2's `conv.weight.squeeze(1)` handed to a helper that
+    unsqueezes it again: the same tensor, element for element)."""
     if not isinstance(arg, fx.Node):
         return None
     if arg.op == "get_attr" and arg.target in param_names:
         return param_names[arg.target], False
     name = getattr(arg.target, "__name__", "")
+    if arg.op == "call_function" and name == "unsqueeze.default" and _undoes_a_squeeze(arg):
+        inner = param_read(arg.args[0].args[0], param_names)
+        return inner if inner and not inner[1] else None
     if arg.op == "call_function" and (name in ("t.default", "numpy_T.default") or
                                       (name == "transpose.int" and _swaps_last_two(arg))):
         inner = param_read(arg.args[0], param_names)
         return (inner[0], not inner[1]) if inner else None
     return None
+
+
+def _undoes_a_squeeze(unsqueeze: fx.Node) -> bool:
+    """unsqueeze(squeeze(x, d), d) with x's dim d of size 1: x itself."""
+    inner = unsqueeze.args[0]
+    if not (isinstance(inner, fx.Node) and inner.op == "call_function"
+            and getattr(inner.target, "__name__", "") == "squeeze.dim" and isinstance(inner.args[0], fx.Node)):
+        return False
+    before, after = inner.args[0].meta.get("val"), unsqueeze.meta.get("val")
+    nd = before.dim() if before is not None else 0
+    return (before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
+            and inner.args[1] % max(nd, 1) == unsqueeze.args[1] % max(nd, 1))
 
 
 def _swaps_last_two(node: fx.Node) -> bool:

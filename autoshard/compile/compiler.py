@@ -36,6 +36,7 @@ from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
 from autoshard.passes.context.split import split_context
 from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
+from autoshard.passes.op_aliases import rewrite_op_aliases
 from autoshard.passes.outline_experts import outline_experts
 from autoshard.passes.per_head_norms import rewrite_per_head_norms
 from autoshard.passes.fusion.fuse import fuse
@@ -86,6 +87,7 @@ class Compiler:
         cap = capture(model, named, dynamic=not self.options.sequence_parallel, training=training)
         if device is not None:       # traced from the released model's meta skeleton
             retarget_device(cap.gm, device)
+        rewrite_op_aliases(cap.gm)                          # torch.multiply as mul, torch.concatenate as cat, ...
         rewrite_expert_matmuls(cap.gm, cap.param_names)     # experts' bmm / einsum: ops the analysis knows
         rewrite_per_head_norms(cap.gm)                      # a LayerNorm module per head: one op
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)
@@ -110,6 +112,7 @@ class Compiler:
                                 f"over tp={self.tp} ranks; pad it to a multiple of {2 * self.cp * self.tp}")
         other = twin_length(seq, 2 * self.cp * self.tp)
         twin = capture(model, with_length(named, seq, other), dynamic=False, training=training)
+        rewrite_op_aliases(twin.gm)
         rewrite_expert_matmuls(twin.gm, twin.param_names)
         rewrite_per_head_norms(twin.gm)
         return symbolic_shapes(cap.gm, twin.gm, seq, other)

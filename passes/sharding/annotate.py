@@ -263,7 +263,12 @@ class _Analysis:
             self.uses.setdefault(use.name, {})[i] = use
 
     def _is_param_view(self, node: fx.Node) -> bool:
-        return self.param(node) is not None
+        """A view of a parameter that its readers read as the parameter (graph_reading.param_read):
+        a transpose, or the squeeze of a squeeze-unsqueeze pair (each of its users reads it back
+        as the parameter)."""
+        if self.param(node) is not None:
+            return True
+        return bool(node.users) and all(self.param(u) is not None and u.args[0] is node for u in node.users)
 
 
 def _region(ctx: _Analysis, node: fx.Node, result: NodeSharding) -> frozenset[str]:

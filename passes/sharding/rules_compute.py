@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autoshard.errors import ShardingError
-from autoshard.passes.sharding.index_sets import is_partition, token_tiles
+from autoshard.passes.sharding.index_sets import is_partition, local_size, token_tiles
 from autoshard.passes.sharding.placement import (
     REPLICATE,
     Abandon,
+    ArgEdit,
     ColumnInput,
     GatherTokens,
     NodeSharding,
@@ -206,8 +207,51 @@ _ELEMENTWISE = (
     "bitwise_and", "bitwise_or", "hypot", "xlogy", "gelu_backward", "threshold",
 )
 
+_GROUPS = 6          # conv1d(input, weight, bias, stride, padding, dilation, groups): both overloads
+
+
+def depthwise_conv1d(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """A depthwise convolution (groups == channels, weight [channels, 1, k]: Mamba's and the short
+    convolutions' causal conv over the sequence) of input [batch, channels, length] sharded by
+    channel: each channel is its own convolution, so each rank convolves its channels with its rows
+    of the weight and bias, and its `groups` is its channel count. Any other convolution of a
+    sharded input mixes channels across ranks and is refused, saying which it is."""
+    x, w = node.args[0], node.args[1]
+    p = ctx.place(x)
+    if not isinstance(p, Shard):
+        return default(ctx, node)
+    shape, w_shape = ctx.shape(x), ctx.shape(w)
+    channel = len(shape) - 2                                # [batch, C, L], or [C, L] unbatched
+    channels = int(shape[channel])
+    groups = node.args[_GROUPS] if len(node.args) > _GROUPS else node.kwargs.get("groups", 1)
+    depthwise = groups == channels and int(w_shape[0]) == channels and int(w_shape[1]) == 1
+    if p.dim != channel or not depthwise:
+        what = (f"its input is split along dim {p.dim}, not its channels" if p.dim != channel else
+                f"not depthwise: groups={groups}, weight {[int(s) for s in w_shape]} for {channels} channels, so "
+                f"each output channel reads input channels other ranks hold")
+        raise Abandon(p.roots, f"{ctx.where(node)}: a convolution splits by channel only when depthwise; "
+                               + what)
+    w_prm = ctx.param(w)
+    local = local_size(p.layout)
+    if w_prm is None or w_prm[1] or local is None or len(node.args) <= _GROUPS:
+        why = ("its weight is not a parameter read as stored" if w_prm is None or w_prm[1] else
+               "ranks would hold different channel counts" if local is None else "its groups is not a positional argument")
+        raise Abandon(p.roots, f"{ctx.where(node)}: a depthwise convolution split by channel, but {why}")
+    res = NodeSharding(Shard(channel, p.size, p.layout, p.roots, p.origin))
+    res.params.append(ParamUse(w_prm[0], 0, p.layout))
+    bias = node.args[2] if len(node.args) > 2 else None
+    if isinstance(bias, fx.Node):
+        b_prm = ctx.param(bias)
+        if b_prm is not None:
+            res.params.append(ParamUse(b_prm[0], 0, p.layout))
+        else:
+            res.edits.append(Restrict(2, 0, p.layout))
+    res.edits.append(ArgEdit(_GROUPS, (local,) * ctx.tp))
+    return res
+
+
 COMPUTE_RULES = {
     **{name: elementwise for name in _ELEMENTWISE},
     "cat": cat, "stack": stack, "linear": linear, "addmm": addmm, "mm": mm, "matmul": mm, "bmm": mm,
-    "sym_size": sym_size,
+    "sym_size": sym_size, "conv1d": depthwise_conv1d,
 }

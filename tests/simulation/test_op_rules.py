@@ -113,6 +113,20 @@ def _per_head_norms(m, h):
     return _flat(torch.cat(normed, dim=1).transpose(1, 2))
 
 
+def _alias_spellings(m, h):
+    """torch.multiply and torch.concatenate (aten.multiply / aten.concatenate), as * and torch.cat:
+    regression, both were "no sharding rule" and kept the linears whole."""
+    q = _heads(h)
+    k = torch.concatenate([q, m.shared.expand(*q.shape[:-1], 2)], dim=-1)     # (B, T, nh, hs + 2)
+    return _flat(torch.multiply(k[..., 2:], torch.subtract(k[..., :HD], 1.0).sum(-1, keepdim=True)))
+
+
+def _depthwise_conv(m, h):
+    """Mamba's and the short convolutions' causal depthwise conv over the sequence, channels split."""
+    c = F.conv1d(h.transpose(1, 2), m.conv_w, m.conv_b, padding=2, groups=H * HD)     # (B, C, T + 2)
+    return c[..., :h.shape[1]].transpose(1, 2)
+
+
 CASES = {
     "max.dim": (_max_over_head_features, {}),
     "min.other": (_min_with_a_tensor, {"cap": torch.tensor(0.3)}),
@@ -126,6 +140,8 @@ CASES = {
     "strided slice": (_every_other_column, {}),
     "pad": (_pad_features_of_heads, {}),
     "distributed norm": (_norm_over_all_heads, {"scale": torch.rand(H * HD) + 0.5}),
+    "alias ops": (_alias_spellings, {"shared": torch.randn(2)}),
+    "depthwise conv1d": (_depthwise_conv, {"conv_w": torch.randn(H * HD, 1, 3), "conv_b": torch.randn(H * HD)}),
 }
 
 
@@ -277,3 +293,16 @@ def test_a_refusal_names_the_op_without_a_rule_first():
     text = str(e.value)
     assert text.startswith("node cumsum") and "no sharding rule for aten.cumsum" in text
     assert "tp=4 cannot split the input of node linear_3" in text
+
+
+def test_a_convolution_that_mixes_channels_stays_whole_saying_why():
+    """groups=1: every output channel reads every input channel, so the projection before it stays
+    whole (exact), and the fallback says the convolution is not depthwise."""
+    torch.manual_seed(0)
+    conv = lambda m, h: F.conv1d(h.transpose(1, 2), m.conv_w, padding=1).transpose(1, 2)    # noqa: E731
+    model = _Around(conv, conv_w=torch.randn(H * HD, H * HD, 3) / 8)
+    x = torch.randn(2, 6, D)
+    prog = autoshard(model, tp=2, example_inputs=(x,))
+    (fallback,) = prog.sharding.fallbacks
+    assert "not depthwise: groups=1, weight [32, 32, 3] for 32 channels" in fallback.reason, fallback
+    assert max_rel(prog.simulate(x), model(x)) <= 1e-5
