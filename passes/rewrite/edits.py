@@ -75,7 +75,8 @@ def _set(container, edit_item, value):
 
 def _arg_edit(rw: RankRewrite, call: NodeCall, e: ArgEdit) -> None:
     """A literal argument (a size, a split) that differs per rank."""
-    call.args[e.arg] = _set(call.args[e.arg], e.item, e.values[rw.r])
+    where = call.kwargs if isinstance(e.arg, str) else call.args
+    where[e.arg] = _set(where[e.arg], e.item, e.values[rw.r])
 
 
 def _restrict(rw: RankRewrite, call: NodeCall, e: Restrict) -> None:

@@ -87,6 +87,9 @@ class _Analysis:
     def param(self, arg: object) -> tuple[str, bool] | None:
         return param_read(arg, self.param_names)
 
+    def node(self, name: str) -> fx.Node:
+        return self.by_name[name]
+
     def where(self, node: fx.Node | str) -> str:
         node = self.by_name[node] if isinstance(node, str) else node
         return f"node {node.name} (module {module_path(node)})"

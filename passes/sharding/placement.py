@@ -122,9 +122,10 @@ class PartialStatistic:
 
 @dataclass(frozen=True)
 class ArgEdit:
-    """Replace a literal: positional `arg` (and `item` inside a list argument) gets per-rank values."""
+    """Replace a literal: positional `arg`, or the keyword argument named `arg` (and `item` inside a
+    list argument), gets per-rank values."""
 
-    arg: int
+    arg: int | str
     values: tuple[object, ...]     # one per rank
     item: int | None = None
 

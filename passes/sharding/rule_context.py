@@ -44,5 +44,7 @@ class RuleContext(Protocol):
         """Whether this reshape should put the shard on a leading size-1 dim (one kv head)."""
     def note_alternative(self, node: fx.Node, roots: frozenset[str]) -> None:
         """This reshape could also read the other way; try that before abandoning `roots`."""
+    def node(self, name: str) -> fx.Node:
+        """The captured graph's node of this name (a region's root)."""
     def where(self, node: fx.Node | str) -> str:
         """'node view_3 (module transformer.h.0.attn)' for messages (a node, or a node's name)."""

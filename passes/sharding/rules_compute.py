@@ -173,10 +173,30 @@ def addmm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
 
 
 def mm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
-    b = node.args[1]
+    a, b = node.args[:2]
     if ctx.param(b) is not None and len(ctx.shape(b)) == 2:
         return param_matmul(ctx, node, 0, 1, 1, None)
+    if ctx.param(a) is not None and len(ctx.shape(a)) == 2 and not isinstance(ctx.place(b), Shard) \
+            and len(ctx.shape(node)) >= 2:
+        return _weight_first(ctx, node)
     return _activation_matmul(ctx, node, transposed_b=False)
+
+
+def _weight_first(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """W @ x with W [out, in] a parameter and x [.., in, n] replicated (Mamba-1's
+    `dt_proj.weight @ time_step.transpose(1, 2)`): a column-parallel root whose output features are
+    the result's dim -2, W split by its rows."""
+    w_name, transposed = ctx.param(node.args[0])
+    nd = len(ctx.shape(node))
+    size = int(ctx.shape(node)[nd - 2])
+    found = ctx.root_layout(node, size, (w_name, int(transposed)))
+    if found is None or found[1] is not None:
+        return NodeSharding(REPLICATE)
+    layout = found[0]
+    res = NodeSharding(Shard(nd - 2, size, layout, frozenset([node.name]), Origin(node.name, 0, 1)),
+                       role="column", edits=[ColumnInput(1)])
+    res.params.append(ParamUse(w_name, int(transposed), layout))
+    return res
 
 
 def _activation_matmul(ctx: RuleContext, node: fx.Node, *, transposed_b: bool) -> NodeSharding:
@@ -206,6 +226,45 @@ _ELEMENTWISE = (
     "remainder", "clamp_min", "clamp_max", "copysign", "atan2", "lerp", "addcmul", "addcdiv",
     "bitwise_and", "bitwise_or", "hypot", "xlogy", "gelu_backward", "threshold",
 )
+
+def einsum(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """einsum over activations (and parameters) where the split dim is a batch-like subscript: one
+    that every operand holding it keeps and the output keeps (Mamba-2's chunked scan, "bclhn,bcshn->
+    bclsh", split by the heads h). Operands that hold the subscript unsplit are read at this rank's
+    indices (a parameter split with it); a split subscript summed over, or two operands split on
+    different subscripts, is refused."""
+    equation, operands = node.args[0], list(node.args[1])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return default(ctx, node)
+    ins, out = equation.replace(" ", "").split("->")
+    subs = ins.split(",")
+    if len(subs) != len(operands):
+        return default(ctx, node)
+    split = [(i, ctx.place(v)) for i, v in enumerate(operands) if isinstance(ctx.place(v), Shard)]
+    if not split:
+        return NodeSharding(REPLICATE)
+    roots = frozenset().union(*(p.roots for _, p in split))
+    letters = {subs[i][p.dim] for i, p in split}
+    p0 = split[0][1]
+    if len(letters) != 1 or any(p.layout != p0.layout for _, p in split):
+        raise Abandon(roots, f"{ctx.where(node)} ({equation}) combines operands split along different dims")
+    (letter,) = letters
+    if letter not in out:
+        raise Abandon(roots, f"{ctx.where(node)} ({equation}) sums over its split subscript {letter!r}")
+    res = NodeSharding(Shard(out.index(letter), p0.size, p0.layout, roots, p0.origin))
+    for i, v in enumerate(operands):
+        if isinstance(ctx.place(v), Shard) or letter not in subs[i]:
+            continue
+        d = subs[i].index(letter)
+        if ctx.shape(v)[d] != p0.size:
+            raise Abandon(roots, f"{ctx.where(node)} ({equation}) would cut operand {i} at padded positions")
+        prm = ctx.param(v)
+        if prm is not None and not prm[1]:
+            res.params.append(ParamUse(prm[0], d, p0.layout))
+        else:
+            res.edits.append(Restrict(1, d, p0.layout, item=i))
+    return res
+
 
 _GROUPS = 6          # conv1d(input, weight, bias, stride, padding, dilation, groups): both overloads
 
@@ -253,5 +312,5 @@ def depthwise_conv1d(ctx: RuleContext, node: fx.Node) -> NodeSharding:
 COMPUTE_RULES = {
     **{name: elementwise for name in _ELEMENTWISE},
     "cat": cat, "stack": stack, "linear": linear, "addmm": addmm, "mm": mm, "matmul": mm, "bmm": mm,
-    "sym_size": sym_size, "conv1d": depthwise_conv1d,
+    "sym_size": sym_size, "conv1d": depthwise_conv1d, "einsum": einsum,
 }

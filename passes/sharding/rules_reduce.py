@@ -4,13 +4,15 @@ A reduction over a dim that is not sharded keeps the shard where it is (moved le
 drops). One over the sharded dim is refused, except a mean or sum over the sharded feature dim that
 a norm takes of all heads' features (OLMo 2's q/k RMSNorm): each rank reduces its own features and
 the statistic is summed over the ranks through g (`PartialStatistic`), so the projections before
-it stay split. Where the normalized value goes straight into another weight's matmul (MLA's q_a and
-kv_a latents, DeepSeek), the projection before the norm is a low-rank down-projection; Megatron
-keeps those whole, and so does this table, saying so ("by design"). A router's top-k over its
-experts is kept whole for the same reason.
+it stay split; so is a norm between two projections of full width (BitNet's sub-norms, a norm over
+an MLP's hidden features). Where the normalized value goes straight into another weight's matmul
+from a projection narrower than its input (MLA's q_a and kv_a latents, DeepSeek), that projection is
+a low-rank down-projection: Megatron keeps those whole, and so does this table, saying so ("by
+design"). A router's top-k over its experts is kept whole for the same reason.
 """
 from __future__ import annotations
 
+import sympy
 import torch.fx as fx
 
 from autoshard.passes.graph_reading import op_name
@@ -76,6 +78,19 @@ def _feeds_weight(ctx: RuleContext, node: fx.Node) -> bool:
     return _reaches(node, weight_matmul, heads_or_attention)
 
 
+def _low_rank(ctx: RuleContext, roots: frozenset[str]) -> bool:
+    """Whether every projection that starts the region narrows its input (MLA's q_a: hidden ->
+    q_lora_rank): a down-projection Megatron keeps whole. A norm between two projections of full
+    width (BitNet's attn_sub_norm before o_proj, ffn_sub_norm before down_proj) is a distributed norm."""
+    def narrows(name: str) -> bool:
+        root = ctx.node(name)
+        if op_name(root.target) not in _MATMULS or not isinstance(root.args[0], fx.Node):
+            return False
+        out, x = ctx.shape(root), ctx.shape(root.args[0])
+        return bool(out and x and (out[-1] < x[-1]) is sympy.true)
+    return bool(roots) and all(narrows(r) for r in roots)
+
+
 def _splits_features(node: fx.Node) -> bool:
     src, dst = node.args[0].meta["val"].shape, node.meta["val"].shape
     return len(dst) == 0 or len(src) == 0 or dst[-1] != src[-1]
@@ -87,7 +102,7 @@ def _statistic(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], mean:
     local = local_size(p.layout)
     if dims != [p.dim] or p.dim != nd - 1 or local is None or not is_partition(p.layout, p.size):
         raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
-    if _feeds_weight(ctx, node):
+    if _feeds_weight(ctx, node) and _low_rank(ctx, p.roots):
         raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a low-rank down-projection that "
                                f"feeds another weight; kept whole, as Megatron keeps these", by_design=True)
     return NodeSharding(REPLICATE, role="statistic", edits=[PartialStatistic(local / p.size if mean else 1.0)])
@@ -174,10 +189,22 @@ def per_head_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return NodeSharding(p, edits=[Restrict(i, 0, p.layout) for i in (1, 2) if node.args[i] is not None])
 
 
+def scan(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """cumsum / cumprod / logcumsumexp along a dim (Mamba-2's segment sums over a chunk's positions):
+    each element depends on its predecessors along that dim only, so a shard on another dim (the
+    heads) stays where it is; along the sharded dim it would need the other ranks' prefixes."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    if norm_dim(node.args[1], len(ctx.shape(node.args[0]))) == p.dim:
+        raise Abandon(p.roots, f"{ctx.where(node)} scans along sharded dim {p.dim}")
+    return NodeSharding(p)
+
+
 REDUCE_RULES = {
     "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction, "var": reduction,
     "std": reduction, "prod": reduction, "max": max_min, "min": max_min, "argmax": arg_reduction,
     "argmin": arg_reduction, "topk": topk, "_softmax": softmax, "softmax": softmax, "log_softmax": softmax,
     "_log_softmax": softmax, "layer_norm": layer_norm, "native_layer_norm": layer_norm, "rms_norm": layer_norm,
-    "per_head_layer_norm": per_head_norm,
+    "per_head_layer_norm": per_head_norm, "cumsum": scan, "cumprod": scan, "logcumsumexp": scan,
 }

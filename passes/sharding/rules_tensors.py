@@ -58,7 +58,14 @@ def repeat_interleave(ctx: RuleContext, node: fx.Node) -> NodeSharding:
         raise Abandon(p.roots, f"{ctx.where(node)} repeats a sharded value by a tensor or over all dims")
     if norm_dim(dim, len(ctx.shape(node.args[0]))) != p.dim:
         return NodeSharding(p)
-    return NodeSharding(Shard(p.dim, p.size * k, expand(p.layout, k), p.roots, None))
+    res = NodeSharding(Shard(p.dim, p.size * k, expand(p.layout, k), p.roots, None))
+    if node.kwargs.get("output_size") is not None:      # the whole dim's size: each rank's own (Bamba's B, C)
+        local = local_size(p.layout)
+        if local is None:
+            raise Abandon(p.roots, f"{ctx.where(node)} gives repeat_interleave an output_size that ranks "
+                                   f"holding different counts cannot share")
+        res.edits.append(ArgEdit("output_size", (local * k,) * ctx.tp))
+    return res
 
 
 def view_as_complex(ctx: RuleContext, node: fx.Node) -> NodeSharding:

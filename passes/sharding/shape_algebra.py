@@ -47,6 +47,23 @@ def _prefix(shape: list[sympy.Expr]) -> list[sympy.Expr]:
 
 def map_reshape_dim(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim: int,
                     *, unit_outer: bool = False) -> ReshapeMap | None:
+    """The sharded dim's place after a reshape (`_by_prefix` below), or, where the leading dims
+    regroup by sizes sympy cannot equate, by the suffix: when the sharded dim and every dim after it
+    end the output unchanged, the reshape only regroups the dims in front of it (Mamba-2's chunked
+    scan: [b, L, heads, d] -> [b, L // c, c, heads, d] with a padded, symbolic L)."""
+    found = _by_prefix(in_shape, out_shape, dim, unit_outer=unit_outer)
+    if found is not None:
+        return found
+    tail = len(in_shape) - dim
+    inner = prod(in_shape[dim + 1:], start=sympy.Integer(1))
+    if (tail <= len(out_shape) and list(out_shape[len(out_shape) - tail:]) == list(in_shape[dim:])
+            and in_shape[dim].is_Integer and inner.is_Integer):
+        return ReshapeMap(dim, len(out_shape) - tail, int(inner), int(inner), 1, int(in_shape[dim]))
+    return None
+
+
+def _by_prefix(in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], dim: int,
+               *, unit_outer: bool = False) -> ReshapeMap | None:
     """None when the sharded dim is not the outermost non-unit dim of its reshape group.
 
     The shard goes to the group's first non-unit output dim, or with `unit_outer` to its first

@@ -127,6 +127,36 @@ def _depthwise_conv(m, h):
     return c[..., :h.shape[1]].transpose(1, 2)
 
 
+def _norm_between_projections(m, h):
+    """BitNet's attn_sub_norm / ffn_sub_norm: an RMSNorm over the whole width between two projections
+    of full width. Before: kept whole as "a low-rank down-projection"; now a distributed norm."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * m.scale
+
+
+def _chunked(m, h):
+    """Mamba-2's chunks: positions regrouped in front of the heads, [B, T, nh, hs] -> [B, T/2, 2, nh,
+    hs] (sizes sympy cannot equate to T's), the heads kept."""
+    b, t = h.shape[:2]
+    return _flat(torch.tanh(_heads(h).reshape(b, t // 2, 2, H, HD)).reshape(b, t, H, HD))
+
+
+def _cumsum_within_heads(m, h):
+    """Mamba-2's segment sums: a scan along the positions (and one along a head's features)."""
+    return _flat(torch.cumsum(_heads(h), dim=1) - torch.cumsum(_heads(h), dim=-1))
+
+
+def _einsum_over_heads(m, h):
+    """Mamba-2's einsums over activations, the heads a subscript every operand and the output keep."""
+    q = _heads(h)
+    return _flat(torch.einsum("bthd,bthe->bthde", q, q.tanh()).mean(-1))
+
+
+def _groups_to_heads(m, h):
+    """Bamba's B and C: groups repeated to heads with output_size (the whole heads count)."""
+    g = _heads(h)[:, :, ::2]                                              # (B, T, nh/2, hs): a group per 2 heads
+    return _flat(g.repeat_interleave(2, dim=2, output_size=H) * _heads(h))
+
+
 CASES = {
     "max.dim": (_max_over_head_features, {}),
     "min.other": (_min_with_a_tensor, {"cap": torch.tensor(0.3)}),
@@ -142,6 +172,11 @@ CASES = {
     "distributed norm": (_norm_over_all_heads, {"scale": torch.rand(H * HD) + 0.5}),
     "alias ops": (_alias_spellings, {"shared": torch.randn(2)}),
     "depthwise conv1d": (_depthwise_conv, {"conv_w": torch.randn(H * HD, 1, 3), "conv_b": torch.randn(H * HD)}),
+    "norm between projections": (_norm_between_projections, {"scale": torch.rand(H * HD) + 0.5}),
+    "chunked positions": (_chunked, {}),
+    "cumsum": (_cumsum_within_heads, {}),
+    "einsum over heads": (_einsum_over_heads, {}),
+    "repeat_interleave output_size": (_groups_to_heads, {}),
 }
 
 
@@ -265,7 +300,7 @@ def test_writing_sharded_values_into_a_replicated_tensor_is_refused_not_run():
 
 class _QueriesWithoutARule(nn.Module):
     """Eager grouped-query attention (4 query heads, 2 kv heads) whose queries and keys go through an
-    op the table has no rule for (cumsum): they stay replicated, and only the values are split."""
+    op the table has no rule for (cummax): they stay replicated, and only the values are split."""
 
     def __init__(self, d=32, heads=4, kv=2):
         super().__init__()
@@ -278,7 +313,7 @@ class _QueriesWithoutARule(nn.Module):
         q = self.q(x).view(B, T, self.h, self.hd).transpose(1, 2)       # (B, nh, T, hs)
         k = self.k(x).view(B, T, self.kv, self.hd).transpose(1, 2)      # (B, nkv, T, hs)
         v = self.v(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        q, k = torch.cumsum(q, -1), torch.cumsum(k, -1)
+        q, k = torch.cummax(q, -1).values, torch.cummax(k, -1).values
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
         a = (q @ k.transpose(-1, -2)).softmax(-1) @ v
         return self.o(a.transpose(1, 2).reshape(B, T, C))
@@ -291,7 +326,7 @@ def test_a_refusal_names_the_op_without_a_rule_first():
     with pytest.raises(ShardingError) as e:
         autoshard(_QueriesWithoutARule(), tp=4, example_inputs=(torch.randn(2, 5, 32),))
     text = str(e.value)
-    assert text.startswith("node cumsum") and "no sharding rule for aten.cumsum" in text
+    assert text.startswith("node cummax") and "no sharding rule for aten.cummax" in text
     assert "tp=4 cannot split the input of node linear_3" in text
 
 
@@ -306,3 +341,21 @@ def test_a_convolution_that_mixes_channels_stays_whole_saying_why():
     (fallback,) = prog.sharding.fallbacks
     assert "not depthwise: groups=1, weight [32, 32, 3] for 32 channels" in fallback.reason, fallback
     assert max_rel(prog.simulate(x), model(x)) <= 1e-5
+
+
+class _WeightFirst(nn.Module):
+    """Mamba-1's `dt_proj.weight @ time_step.transpose(1, 2)`: the weight on the left, its rows the
+    output features in dim -2, then a row-parallel projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.down = nn.Parameter(torch.randn(H * HD, D) / 4), nn.Linear(H * HD, D)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.w @ x.transpose(1, 2)).transpose(1, 2))     # (B, H*HD, T) -> (B, T, D)
+
+
+def test_a_weight_on_the_left_of_a_matmul_starts_a_column_parallel_region():
+    # before: "w (32, 16): matmul reads it whole (no tensor-parallel region reaches it)"
+    torch.manual_seed(0)
+    _check(_WeightFirst(), torch.randn(2, 6, D), ["w", "down.weight"])
