@@ -48,6 +48,21 @@ def other(sp, n: fx.Node) -> None:
     sp.tags[n] = _none_tags(sp.shape(n))
 
 
+def convolution(sp, n: fx.Node) -> None:
+    """A convolution over the sequence (Mamba's and the short convolutions' causal conv1d) reads,
+    for each of this rank's tokens, the k - 1 before it, which the previous context-parallel rank
+    holds for its first ones. Passing them is not built: refused, naming the layer (convolving a
+    rank's slice as if it were the sequence would be wrong at its first k - 1 tokens, silently)."""
+    x, w = n.args[0], n.args[1]
+    if isinstance(x, fx.Node) and sp.token_dims(_flat_shape(sp.shape(x))):
+        shape = sp.shape(w) if isinstance(w, fx.Node) else None
+        k = shape[-1] if isinstance(shape, list) and shape else "k"
+        sp.refuse(n, f"a convolution over the sequence (kernel {k}) reads the tokens before each of this "
+                     f"rank's, which the previous context-parallel rank holds; passing them between ranks "
+                     f"is not built, so cp cannot split this layer")
+    other(sp, n)
+
+
 def elementwise(sp, n: fx.Node) -> None:
     """Right-aligned broadcast: each output token dim takes the tag of the computed operands'
     aligned dims (LOCAL when only tables provide it); tables are cut where it is LOCAL."""

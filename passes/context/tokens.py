@@ -70,6 +70,7 @@ TOKEN_RULES: dict[object, str] = {
     aten.new_zeros.default: "sized", aten.new_ones.default: "sized", aten.new_empty.default: "sized",
     aten.new_full.default: "sized",
     aten.cat.default: "cat",
+    aten.conv1d.default: "convolution", aten.conv1d.padding: "convolution",
 }
 
 def module_rule(target: object) -> str:

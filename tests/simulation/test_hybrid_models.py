@@ -105,3 +105,14 @@ def test_hybrid_models_split_every_mixer_projection(arch, tp, pp):
     out.loss.backward()
     errs = grad_errors(prog.full_grads(), ref_grads)
     assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("arch", ["Lfm2", "Bamba"])
+def test_context_parallelism_refuses_a_convolution_over_the_sequence_naming_the_layer(arch):
+    """A causal conv at cp=2 needs the previous rank's last k - 1 tokens; before, the refusal said
+    only that no rule covered conv1d."""
+    from autoshard import ShardingError
+    model = HYBRIDS[arch]()
+    with pytest.raises(ShardingError, match=r"cp=2: node conv1d .* in model\.layers\.0\.\w+ .*a convolution over "
+                                            r"the sequence \(kernel \d\) reads the tokens before each"):
+        autoshard(model, cp=2, dp=2, example_kwargs=_inputs())
