@@ -68,6 +68,14 @@ def reshape(ctx: RuleContext, node: fx.Node) -> NodeSharding:
         inner = _inner_shard(ctx, node, p, flat, m, dst)
         if inner is not None:
             return inner
+        slots, heads = dst[m.out_dim], dst[m.out_dim + 1] if m.out_dim + 2 < len(dst) else None
+        if m.outer == 1 and m.in_inner == 1 and slots.is_Integer and int(slots) % ctx.tp and int(slots) > 1 \
+                and heads is not None and heads.is_Integer and int(heads) % ctx.tp == 0 and p.origin is not None:
+            # [.., 3 * heads * hd] viewed as [.., 3, heads, hd] (ModernBERT's Wqkv): tp does not divide
+            # the 3, so cut the root at q / k / v and split each with its heads (_inner_shard then)
+            ctx.require_cuts(p.origin, [k * m.out_inner for k in range(1, int(slots))], p.size, p.roots,
+                             f"{ctx.where(node)} views dim {p.dim} ({p.size}) as {int(slots)} blocks of "
+                             f"{m.out_inner}, each split with its heads")
         if m.out_inner % m.in_inner:
             raise Abandon(p.roots, f"{ctx.where(node)} splits sharded dim {p.dim} off-block")
         ctx.require_granularity(p.origin, p.size, m.out_inner // m.in_inner, p.roots,

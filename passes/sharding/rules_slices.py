@@ -12,7 +12,7 @@ from autoshard.passes.graph_reading import op_name
 from autoshard.passes.sharding.index_sets import compress, local_size, window
 from autoshard.passes.sharding.placement import REPLICATE, Abandon, ArgEdit, NodeSharding, Origin, Shard
 from autoshard.passes.sharding.rule_context import RuleContext
-from autoshard.passes.sharding.rules_shape import norm_dim
+from autoshard.passes.sharding.rules_shape import moved, norm_dim
 
 __all__ = ["SLICE_RULES"]
 
@@ -100,4 +100,17 @@ def split(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return NodeSharding(tuple(pieces), edits=edits)
 
 
-SLICE_RULES = {"slice": slice_rule, "split": split, "split_with_sizes": split, "chunk": split}
+def unbind(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """unbind(x, dim): one value per index of `dim` (ModernBERT's q, k, v off [.., 3, heads, hd]);
+    a shard on another dim is in every one, one place left when it comes after `dim`."""
+    p = ctx.place(node.args[0])
+    n_out = len(node.meta["val"])
+    if not isinstance(p, Shard):
+        return NodeSharding((REPLICATE,) * n_out)
+    d = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(ctx.shape(node.args[0])))
+    if d == p.dim:
+        raise Abandon(p.roots, f"{ctx.where(node)} unbinds its sharded dim {d}")
+    return NodeSharding((moved(p, p.dim - 1 if p.dim > d else p.dim),) * n_out)
+
+
+SLICE_RULES = {"slice": slice_rule, "split": split, "split_with_sizes": split, "chunk": split, "unbind": unbind}

@@ -8,7 +8,9 @@ labels, against the single-device model (loss, logits, gradients). So far:
   the groups divisible by tp);
 - a Mamba-1 hybrid with experts (Jamba): in_proj, conv1d, x_proj (row-parallel), dt_proj, out_proj;
   the router whole by design;
-- BitNet: the sub-norms between projections as distributed norms.
+- BitNet: the sub-norms between projections as distributed norms;
+- ModernBERT: its fused Wqkv viewed as [3, heads, hd] and unbound, split with the heads (local and
+  global attention layers); the masked-LM head's dense transform whole by design.
 """
 import re
 
@@ -53,9 +55,18 @@ def _bitnet():
     return hf.BitNetForCausalLM(cfg)
 
 
-HYBRIDS = {"Lfm2": _lfm2, "Bamba": _bamba, "Jamba": _jamba, "BitNet": _bitnet}
-# kept whole by design, as parts of parameter names: a router (a top-k over its experts)
-BY_DESIGN = {"Jamba": {"feed_forward.router."}}
+def _modernbert():
+    cfg = hf.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, max_position_embeddings=64, global_attn_every_n_layers=2,
+                              local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                              sep_token_id=2)
+    return hf.ModernBertForMaskedLM(cfg)
+
+
+HYBRIDS = {"Lfm2": _lfm2, "Bamba": _bamba, "Jamba": _jamba, "BitNet": _bitnet, "ModernBert": _modernbert}
+# kept whole by design, as parts of parameter names: a router (a top-k over its experts), a masked-LM
+# head's dense transform before its norm
+BY_DESIGN = {"Jamba": {"feed_forward.router."}, "ModernBert": {"head.dense."}}
 _BLOCK = re.compile(r"\.\d+\.")
 
 

@@ -359,3 +359,23 @@ def test_a_weight_on_the_left_of_a_matmul_starts_a_column_parallel_region():
     # before: "w (32, 16): matmul reads it whole (no tensor-parallel region reaches it)"
     torch.manual_seed(0)
     _check(_WeightFirst(), torch.randn(2, 6, D), ["w", "down.weight"])
+
+
+class _FusedQKVUnbound(nn.Module):
+    """ModernBERT's Wqkv: one projection viewed as [.., 3, heads, hd] and unbound into q, k, v."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, 3 * H * HD), nn.Linear(H * HD, D)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, H, HD).unbind(dim=2)       # each (B, T, nh, hs)
+        return self.o(_flat(torch.tanh(q * k) + v))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_fused_projection_viewed_as_three_blocks_of_heads_splits_with_the_heads(tp):
+    # before: "tp=2 cannot shard node linear (module qkv): tp=2 does not divide 3 blocks of 64", an
+    # error, though the 4 heads divide by 2 and 4; then "no sharding rule for aten.unbind.int"
+    torch.manual_seed(0)
+    _check(_FusedQKVUnbound(), torch.randn(2, 6, D), ["qkv.weight", "qkv.bias", "o.weight"], tp=tp)
