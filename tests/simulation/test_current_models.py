@@ -104,3 +104,28 @@ def test_a_model_taking_use_cache_through_kwargs_is_captured_without_its_cache()
     assert model.config.use_cache is True                     # restored after the trace
     assert max_rel(prog.simulate(**kw).loss, model(**kw).loss) <= 1e-5
     assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in prog.sharding.params
+
+
+def test_a_k_norm_over_key_value_heads_fewer_than_tp_is_a_distributed_norm():
+    """OLMo 3 at tp=4 with 2 kv heads: each kv head is held by 2 ranks, so the k_norm's statistic
+    (over all kv heads' features) is summed over the ranks and divided by the 2 copies. Before:
+    "node mean_1 (k_norm) reduces over sharded dim 2", and k_proj stayed whole."""
+    cfg = hf.Olmo3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = hf.Olmo3ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.add_(0.1 * torch.randn(32))     # off its initial ones
+    kw = _inputs()
+    ref = model(**kw)
+    ref.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    prog = autoshard(model, tp=4, example_kwargs=kw)
+    assert prog.sharding.fallbacks == [], prog.sharding.fallbacks
+    assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(prog.sharding.params)
+    out = prog.simulate(**kw)
+    assert max_rel(out.loss, ref.loss) <= 1e-5 and max_rel(out.logits, ref.logits) <= 1e-5
+    out.loss.backward()
+    errs = grad_errors(prog.full_grads(), ref_grads)
+    assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
