@@ -6,14 +6,16 @@ tests/simulation/test_context_parallel.py and benchmarks/context_parallel.py:
 Each row names the form it brings: SDPA with GQA (Llama, Qwen2 with q/k/v biases), a sliding window
 in the mask table (Mistral), eager attention with soft-capping and alternating sliding layers
 (Gemma2), written-out attention on a Conv1D (GPT-2 eager), partial rotary (Phi), ALiBi added to
-the scores (Bloom; Falcon with alibi=True), experts that sort a rank's tokens (Mixtral).
+the scores (Bloom; Falcon with alibi=True), experts that sort a rank's tokens (Mixtral). At cp=2
+only (`ONE_MESH`): interleaved rotary built with torch.stack (Cohere, GPT-J), StableLM's q/k layer
+norm per head, MPT's ALiBi sliced from a max_seq_len table.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["CONTEXT_MODELS", "build_context", "context_batch"]
+__all__ = ["CONTEXT_MODELS", "ONE_MESH", "build_context", "context_batch"]
 
 _COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                max_position_embeddings=64)
@@ -34,7 +36,14 @@ CONTEXT_MODELS: dict[str, tuple[str, str, dict]] = {
                                                          attention_dropout=0.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=4,
                                                             num_experts_per_tok=2)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, pad_token_id=0)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, rotary_dim=8,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=4, qk_layernorm=True)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
+                                                attn_config={"alibi": True})),
 }
+ONE_MESH = {"cohere", "gptj", "stablelm", "mpt"}      # forms checked at cp=2 alone (the suite's time)
 
 
 def build_context(name: str, seed: int = 0, **overrides) -> nn.Module:

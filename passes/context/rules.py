@@ -228,6 +228,35 @@ def cat(sp, n: fx.Node) -> None:
     sp.tags[n] = tags.pop()
 
 
+def per_head_norm(sp, n: fx.Node) -> None:
+    """kernels/norm_ops.py's per_head_layer_norm(x, w, b, dim, k, eps) (StableLM's q/k layernorm per
+    head): each head of each token normalized over its last k dims alone, so x's token dims carry
+    through, as long as none of them is normalized."""
+    x, k = n.args[0], n.args[4]
+    shape = sp.shape(x)
+    for d in range(len(shape) - k, len(shape)):
+        if sp.tags[x][d] == LOCAL:
+            sp.refuse(n, f"it normalizes along dim {d}, which holds this rank's tokens only")
+    if any(sp.token_dims(_flat_shape(sp.shape(a))) for a in n.all_input_nodes if a is not x):
+        sp.refuse(n, "its weight or bias has a token dim")
+    sp.tags[n] = tuple(sp.tags[x])
+
+
+def stack(sp, n: fx.Node) -> None:
+    """stack(parts, dim): parts holding the same tokens (interleaved rotary's [-x2, x1] pairs, Cohere
+    and GPT-J), the new dim inserted at `dim` holds none."""
+    parts = n.args[0]
+    dim = (n.args[1] if len(n.args) > 1 else 0) % len(sp.shape(n))
+    for p in parts:
+        if p not in sp.computed and sp.token_dims(sp.shape(p)):
+            sp.refuse(n, "it stacks a table with this rank's tokens")
+    tags = {sp.tags[p] for p in parts if p in sp.computed}
+    if len(tags) != 1:
+        sp.refuse(n, "its parts hold different tokens")
+    tag = tags.pop()
+    sp.tags[n] = (*tag[:dim], None, *tag[dim:])
+
+
 def embedding(sp, n: fx.Node) -> None:
     weight, ids = n.args[:2]
     if weight in sp.computed and ids in sp.computed:

@@ -23,10 +23,40 @@ _CUTS = {aten.slice.Tensor, aten.narrow.default, aten.index_select.default, aten
 
 
 def exprs(v: object) -> list | None:
-    """A tensor's sizes as sympy expressions (None for anything else)."""
+    """A tensor's sizes as sympy expressions (None for anything else), each Max / Min that its
+    symbols' lower bounds decide replaced by the side that wins: MPT's ALiBi rows are sliced from
+    `max(0, 1 - S)`, which is 0 for every S >= 2 the export allows (the row dim is 1, no token dim)."""
     if not isinstance(v, torch.Tensor):
         return None
-    return [sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(int(s)) for s in v.shape]
+    return [_refined(s) if isinstance(s, torch.SymInt) else sympy.Integer(int(s)) for s in v.shape]
+
+
+def _refined(size: torch.SymInt) -> sympy.Expr:
+    from torch.utils._sympy.functions import Max, Min       # the classes torch's size expressions use
+    e = sympy.sympify(size.node.expr)
+    if not e.has(Max, Min):
+        return e
+    ranges = size.node.shape_env.var_to_range
+    shift = {}
+    for sym in e.free_symbols:
+        low = ranges.get(sym)
+        low = getattr(low, "lower", None)
+        if low is not None and low.is_integer and low.is_finite:     # sym = low + t, t >= 0
+            shift[sym] = sympy.Integer(int(low)) + sympy.Symbol(f"_{sym}_above", nonnegative=True, integer=True)
+    if not shift:
+        return e
+
+    def decide(node):
+        if len(node.args) != 2:
+            return node
+        a, b = node.args
+        d = sympy.expand((a - b).subs(shift))
+        if d.is_nonnegative:
+            return a if isinstance(node, Max) else b
+        if d.is_nonpositive:
+            return b if isinstance(node, Max) else a
+        return node
+    return e.replace(lambda x: isinstance(x, (Max, Min)), decide)
 
 
 def infer_shape(n: fx.Node, shape: Callable[[object], list | None]) -> list | None:

@@ -61,7 +61,8 @@ RULES = {"ordered": rules.ordered, "permute": rules.permute, "mixing": rules.mix
          "matmul": matmul_tags, "attention": attention_tags, "embedding": rules.embedding, "loss": rules.loss,
          "sized": rules.sized, "cat": rules.cat, "elementwise": rules.elementwise, "other": rules.other,
          "item": rules.item, "token_wise": rules.token_wise, "rank_part": rules.rank_part, "gather_module": rules.gather_module,
-         "refused_module": rules.refused_module, "convolution": rules.convolution}
+         "refused_module": rules.refused_module, "convolution": rules.convolution,
+         "stack": rules.stack, "per_head_norm": rules.per_head_norm}
 
 
 def split_context(graph: fx.Graph, *, cp: int, rank: int, value: Callable[[fx.Node], object],

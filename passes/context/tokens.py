@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from autoshard.kernels.norm_ops import per_head_layer_norm
+
 __all__ = ["LOCAL", "GLOBAL", "TOKEN_RULES", "ELEMENTWISE", "mixed_dims", "SIZE_ARG", "module_rule"]
 
 aten = torch.ops.aten
@@ -69,7 +71,8 @@ TOKEN_RULES: dict[object, str] = {
     aten.cross_entropy_loss.default: "loss",
     aten.new_zeros.default: "sized", aten.new_ones.default: "sized", aten.new_empty.default: "sized",
     aten.new_full.default: "sized",
-    aten.cat.default: "cat",
+    aten.cat.default: "cat", aten.stack.default: "stack",
+    per_head_layer_norm: "per_head_norm",
     aten.conv1d.default: "convolution", aten.conv1d.padding: "convolution",
 }
 
