@@ -157,9 +157,20 @@ def pad(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return NodeSharding(p)
 
 
+def triangle(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """tril / triu keep a triangle of the last two dims (Qwen3-Next's chunk masks of each head): a
+    shard on another dim stays where it is."""
+    p = ctx.place(node.args[0])
+    if not isinstance(p, Shard):
+        return NodeSharding(REPLICATE)
+    if p.dim >= len(ctx.shape(node.args[0])) - 2:
+        raise Abandon(p.roots, f"{ctx.where(node)} keeps a triangle of its sharded dim {p.dim}")
+    return NodeSharding(p)
+
+
 TENSOR_RULES = {
     "new_empty": new_like, "new_zeros": new_like, "new_ones": new_like, "new_full": new_like,
     "repeat": repeat, "repeat_interleave": repeat_interleave,
     "view_as_complex": view_as_complex, "view_as_real": view_as_real, "index": index, "index_add": index_add,
-    "constant_pad_nd": pad, "pad": pad,
+    "constant_pad_nd": pad, "pad": pad, "tril": triangle, "triu": triangle,
 }

@@ -157,6 +157,13 @@ def _groups_to_heads(m, h):
     return _flat(g.repeat_interleave(2, dim=2, output_size=H) * _heads(h))
 
 
+def _triangle_per_head(m, h):
+    """A causal mask of each head's chunk scores: tril / triu of the last two dims."""
+    x = _heads(h).transpose(1, 2)                                          # (B, nh, T, hs)
+    s = x @ x.transpose(-1, -2)                                            # (B, nh, T, T)
+    return _flat(((s.tril() - s.triu(1) * 0.5) @ x).transpose(1, 2))
+
+
 CASES = {
     "max.dim": (_max_over_head_features, {}),
     "min.other": (_min_with_a_tensor, {"cap": torch.tensor(0.3)}),
@@ -174,6 +181,7 @@ CASES = {
     "depthwise conv1d": (_depthwise_conv, {"conv_w": torch.randn(H * HD, 1, 3), "conv_b": torch.randn(H * HD)}),
     "norm between projections": (_norm_between_projections, {"scale": torch.rand(H * HD) + 0.5}),
     "chunked positions": (_chunked, {}),
+    "tril / triu per head": (_triangle_per_head, {}),
     "cumsum": (_cumsum_within_heads, {}),
     "einsum over heads": (_einsum_over_heads, {}),
     "repeat_interleave output_size": (_groups_to_heads, {}),
