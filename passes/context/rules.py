@@ -215,17 +215,22 @@ def sized(sp, n: fx.Node) -> None:
 
 
 def cat(sp, n: fx.Node) -> None:
-    parts = n.args[0]
     dim = (n.args[1] if len(n.args) > 1 else 0) % len(sp.shape(n))
     if sp.is_token(sp.shape(n)[dim]):
         sp.refuse(n, f"it concatenates along dim {dim}, a token dim")
-    for p in parts:
+    sp.tags[n] = _parts_tokens(sp, n, "concatenates")
+
+
+def _parts_tokens(sp, n: fx.Node, verb: str) -> tuple:
+    """The token tags the computed parts of a cat or stack share (refused when they differ, or when a
+    table with token dims joins them)."""
+    for p in n.args[0]:
         if p not in sp.computed and sp.token_dims(sp.shape(p)):
-            sp.refuse(n, "it concatenates a table with this rank's tokens")
-    tags = {sp.tags[p] for p in parts if p in sp.computed}
+            sp.refuse(n, f"it {verb} a table with this rank's tokens")
+    tags = {sp.tags[p] for p in n.args[0] if p in sp.computed}
     if len(tags) != 1:
         sp.refuse(n, "its parts hold different tokens")
-    sp.tags[n] = tags.pop()
+    return tags.pop()
 
 
 def per_head_norm(sp, n: fx.Node) -> None:
@@ -245,15 +250,8 @@ def per_head_norm(sp, n: fx.Node) -> None:
 def stack(sp, n: fx.Node) -> None:
     """stack(parts, dim): parts holding the same tokens (interleaved rotary's [-x2, x1] pairs, Cohere
     and GPT-J), the new dim inserted at `dim` holds none."""
-    parts = n.args[0]
     dim = (n.args[1] if len(n.args) > 1 else 0) % len(sp.shape(n))
-    for p in parts:
-        if p not in sp.computed and sp.token_dims(sp.shape(p)):
-            sp.refuse(n, "it stacks a table with this rank's tokens")
-    tags = {sp.tags[p] for p in parts if p in sp.computed}
-    if len(tags) != 1:
-        sp.refuse(n, "its parts hold different tokens")
-    tag = tags.pop()
+    tag = _parts_tokens(sp, n, "stacks")
     sp.tags[n] = (*tag[:dim], None, *tag[dim:])
 
 

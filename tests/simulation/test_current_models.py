@@ -13,6 +13,7 @@ import torch
 from autoshard import autoshard
 from autoshard.errors import CaptureError
 from autoshard.testing import grad_errors, max_rel
+from tests.harness.one_device import assert_matches_one_device
 from autoshard.testing.current_models import CURRENT_MODELS, build_current
 
 hf = pytest.importorskip("transformers")
@@ -62,13 +63,7 @@ def test_current_models_shard_every_weight_megatron_splits(arch, tp, pp):
     for name, p in model.named_parameters():
         if p.dim() >= 2 and _BLOCK.search(name) and not _whole(name, arch):
             assert name in prog.sharding.params, f"{name} stays whole"
-    out = prog.simulate(**kw)
-    assert max_rel(out.loss, ref.loss) <= 1e-5
-    if pp == 1:
-        assert max_rel(out.logits, ref.logits) <= 1e-5
-    out.loss.backward()
-    errs = grad_errors(prog.full_grads(), ref_grads)
-    assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
+    assert_matches_one_device(prog, kw, ref, ref_grads, logits=pp == 1)
 
 
 def test_a_loop_over_the_experts_hit_is_refused_naming_the_loop_and_the_change():

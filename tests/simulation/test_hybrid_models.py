@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from autoshard import autoshard
-from autoshard.testing import grad_errors, max_rel
+from tests.harness.one_device import assert_matches_one_device
 
 hf = pytest.importorskip("transformers")
 
@@ -109,13 +109,7 @@ def test_hybrid_models_split_every_mixer_projection(arch, tp, pp):
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) and _BLOCK.search(path + ".") \
                     and not any(part in path + "." for part in whole):
                 assert f"{path}.weight" in prog.sharding.params, f"{path} stays whole"
-    out = prog.simulate(**kw)
-    assert max_rel(out.loss, ref.loss) <= 1e-5
-    if pp == 1:
-        assert max_rel(out.logits, ref.logits) <= 1e-5
-    out.loss.backward()
-    errs = grad_errors(prog.full_grads(), ref_grads)
-    assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
+    assert_matches_one_device(prog, kw, ref, ref_grads, logits=pp == 1)
 
 
 @pytest.mark.parametrize("arch", ["Lfm2", "Bamba"])

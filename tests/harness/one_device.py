@@ -1,0 +1,14 @@
+"""A sharded program's simulated step against the single-device model's: the loss, the logits (not
+under pp, whose program returns the loss alone) and every gradient within 1e-5."""
+from autoshard.testing import grad_errors, max_rel
+
+
+def assert_matches_one_device(prog, kw: dict, ref, ref_grads: dict, *, logits: bool = True) -> None:
+    """`ref`: the model's output on `kw` (loss and logits), `ref_grads`: its gradients by name."""
+    out = prog.simulate(**kw)
+    assert max_rel(out.loss, ref.loss) <= 1e-5
+    if logits:
+        assert max_rel(out.logits, ref.logits) <= 1e-5
+    out.loss.backward()
+    errs = grad_errors(prog.full_grads(), ref_grads)
+    assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
