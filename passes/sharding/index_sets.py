@@ -12,7 +12,7 @@ from dataclasses import dataclass
 __all__ = [
     "Ranges", "Layout", "Segment", "cut_segments", "even_layout", "padded_even_layout", "layout_from_segments", "expand", "compress", "tile",
     "token_tiles", "untile",
-    "window", "positions_within", "is_partition", "is_even_chunks", "is_whole_everywhere", "local_size", "LayoutError",
+    "window", "positions_within", "copies", "is_partition", "is_even_chunks", "is_whole_everywhere", "local_size", "LayoutError",
 ]
 
 Ranges = tuple[tuple[int, int], ...]   # sorted, disjoint, merged [start, stop) ranges
@@ -155,6 +155,21 @@ def local_size(layout: Layout) -> int | None:
     """The number of indices each rank holds, or None when ranks hold different counts."""
     sizes = {sum(b - a for a, b in rs) for rs in layout}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def copies(layout: Layout, size: int) -> int | None:
+    """How many ranks hold each index of [0, size) when that number is the same for every index
+    (1: a partition; 2: kv heads each held by two ranks), else None. A sweep over the ranges' ends."""
+    ends = sorted([(a, 1) for ranges in layout for a, _ in ranges] + [(b, -1) for ranges in layout for _, b in ranges])
+    held, pos, counts = 0, 0, set()
+    for at, step in ends:
+        if at > pos:
+            counts.add(held)            # indices [pos, at) are held by `held` ranks
+            pos = at
+        held += step
+    if pos < size:
+        counts.add(0)                   # [pos, size) by none
+    return counts.pop() if len(counts) == 1 and 0 not in counts else None
 
 
 def is_partition(layout: Layout, size: int) -> bool:

@@ -16,7 +16,7 @@ import sympy
 import torch.fx as fx
 
 from autoshard.passes.graph_reading import op_name
-from autoshard.passes.sharding.index_sets import local_size
+from autoshard.passes.sharding.index_sets import copies, local_size
 from autoshard.passes.sharding.placement import REPLICATE, Abandon, NodeSharding, PartialStatistic, Restrict, Shard
 from autoshard.passes.sharding.rule_context import RuleContext
 from autoshard.passes.sharding.rules_compute import elementwise
@@ -100,27 +100,16 @@ def _statistic(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], mean:
     """A mean or sum over exactly the sharded feature dim, summed over the ranks (see the module doc)."""
     nd = len(ctx.shape(node.args[0]))
     local = local_size(p.layout)
-    copies = _copies(p.layout, p.size)
-    if dims != [p.dim] or p.dim != nd - 1 or local is None or copies is None:
+    shared = copies(p.layout, p.size)
+    if dims != [p.dim] or p.dim != nd - 1 or local is None or shared is None:
         raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
     if _feeds_weight(ctx, node) and _low_rank(ctx, p.roots):
         raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a low-rank down-projection that "
                                f"feeds another weight; kept whole, as Megatron keeps these", by_design=True)
     # key/value heads fewer than tp (OLMo 3's k_norm at tp=4 over 2 kv heads): each feature is held by
-    # `copies` ranks, so the ranks' sum counts it that many times
+    # `shared` ranks, so the ranks' sum counts it that many times
     return NodeSharding(REPLICATE, role="statistic",
-                        edits=[PartialStatistic((local / p.size if mean else 1.0) / copies)])
-
-
-def _copies(layout, size: int) -> int | None:
-    """How many ranks hold each index of [0, size), when that is the same for every index (1: a
-    partition); None otherwise."""
-    count = [0] * size
-    for ranges in layout:
-        for a, b in ranges:
-            for i in range(a, b):
-                count[i] += 1
-    return count[0] if count and count[0] > 0 and all(c == count[0] for c in count) else None
+                        edits=[PartialStatistic((local / p.size if mean else 1.0) / shared)])
 
 
 def reduction(ctx: RuleContext, node: fx.Node) -> NodeSharding:
