@@ -72,6 +72,17 @@ def elementwise(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return _align(ctx, node, tensors)
 
 
+def _read_split(ctx: RuleContext, res: NodeSharding, v: object, arg: int, dim: int, layout,
+                item: int | None = None) -> None:
+    """A replicated operand read at this rank's indices of `dim`: a parameter (as stored) split with
+    them, anything else cut to them in the rank graph."""
+    prm = ctx.param(v)
+    if prm is not None and not prm[1]:
+        res.params.append(ParamUse(prm[0], dim, layout))
+    else:
+        res.edits.append(Restrict(arg, dim, layout, item=item))
+
+
 def cat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     items = [(0, i, a) for i, a in enumerate(node.args[0])]
     res = _align(ctx, node, items)
@@ -258,11 +269,7 @@ def einsum(ctx: RuleContext, node: fx.Node) -> NodeSharding:
         d = subs[i].index(letter)
         if ctx.shape(v)[d] != p0.size:
             raise Abandon(roots, f"{ctx.where(node)} ({equation}) would cut operand {i} at padded positions")
-        prm = ctx.param(v)
-        if prm is not None and not prm[1]:
-            res.params.append(ParamUse(prm[0], d, p0.layout))
-        else:
-            res.edits.append(Restrict(1, d, p0.layout, item=i))
+        _read_split(ctx, res, v, 1, d, p0.layout, item=i)
     return res
 
 
@@ -300,11 +307,7 @@ def depthwise_conv1d(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     res.params.append(ParamUse(w_prm[0], 0, p.layout))
     bias = node.args[2] if len(node.args) > 2 else None
     if isinstance(bias, fx.Node):
-        b_prm = ctx.param(bias)
-        if b_prm is not None:
-            res.params.append(ParamUse(b_prm[0], 0, p.layout))
-        else:
-            res.edits.append(Restrict(2, 0, p.layout))
+        _read_split(ctx, res, bias, 2, 0, p.layout)
     res.edits.append(ArgEdit(_GROUPS, (local,) * ctx.tp))
     return res
 
