@@ -58,14 +58,10 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
 
     import torch
 
-    from autoshard.train.data import tokenizer_for
     from autoshard.train.device import placement
-    from autoshard.train.loop import check_data, split_of
-    if not opts.plan:
-        split_of(opts, opts.nproc_per_node)                 # a world-size mismatch, said before launching
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     placement(opts, {"LOCAL_WORLD_SIZE": str(opts.nproc_per_node)}, gpus)     # --device cuda without GPUs enough
-    check_data(opts, tokenizer_for(opts.model))             # bad data, said in seconds (and tokenized once)
+    _check_before_ranks(opts)
     args = get_args_parser().parse_args([f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train",
                                          *worker_argv(argv)])
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())   # --standalone
@@ -85,19 +81,25 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
     return 0
 
 
-def _in_process(opts: TrainOptions) -> int:
-    """--in-process: the --nproc-per-node ranks as threads of this process on a local world. The data
-    is checked and tokenized once here, as the launcher does; a rank's TrainError stops every rank
-    and is said once."""
-    import dataclasses
-
+def _check_before_ranks(opts: TrainOptions) -> None:
+    """What can be found before any rank starts: a world size the split does not fit, bad data (said
+    in seconds, and tokenized once for every rank)."""
     from autoshard.train.data import tokenizer_for
-    from autoshard.train.loop import check_data, run, split_of
-    from autoshard.world import LocalWorld
-    opts = dataclasses.replace(opts, device="cpu")
+    from autoshard.train.loop import check_data, split_of
     if not opts.plan:
         split_of(opts, opts.nproc_per_node)
     check_data(opts, tokenizer_for(opts.model))
+
+
+def _in_process(opts: TrainOptions) -> int:
+    """--in-process: the --nproc-per-node ranks as threads of this process on a local world, checked
+    first as a launch is; a rank's TrainError stops every rank and is said once."""
+    import dataclasses
+
+    from autoshard.train.loop import run
+    from autoshard.world import LocalWorld
+    opts = dataclasses.replace(opts, device="cpu")
+    _check_before_ranks(opts)
     return max(LocalWorld(opts.nproc_per_node).run(lambda rank: run(opts)))
 
 
