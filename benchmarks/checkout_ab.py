@@ -48,7 +48,10 @@ def run_in_checkout(checkout: str, child: str, *args: str, hint: str = "") -> di
     last printed line, which must name the autoshard it imported as "file" (a process that imported
     another autoshard stops the script, naming both, and `hint`)."""
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", child, *args], env=env, capture_output=True,
+    # the import is checked first, so that a wrong checkout stops before the child's work
+    guard = (f"import json, os, autoshard\nif not autoshard.__file__.startswith({os.path.abspath(checkout)!r}):\n"
+             f"    print(json.dumps({{'file': autoshard.__file__}})); raise SystemExit\n")
+    out = subprocess.run([sys.executable, "-c", guard + child, *args], env=env, capture_output=True,
                          text=True, check=True, cwd=checkout).stdout
     got = json.loads(out.strip().splitlines()[-1])
     if not got["file"].startswith(os.path.abspath(checkout)):

@@ -18,8 +18,8 @@ MODES = {"gathered-logits": [], "vocab-parallel-loss": ["--in-graph-loss"],
 
 # every mode at tp=2; at tp=4 the vocabulary-parallel loss (the other modes at tp=4 run in simulation:
 # tests/simulation). All on a local world: gloo runs this checker in `./run demo`, and the suite's
-# gloo smoke launches per world size are test_train.py's gloo-vs-in-process runs (2 and 4 ranks) and
-# the parity test below (4 and 8)
+# gloo smoke launches per world size are test_train.py's gloo-vs-in-process runs (4 ranks) and
+# the parity test below (2 and 8)
 WORLD_MODES = [(2, mode) for mode in sorted(MODES)] + [(4, "vocab-parallel-loss")]
 TRAINING = {f"{w}-{m}": Job(f"training/{w}-{m}", "autoshard.testing.dist_check", ("--steps", "3", *MODES[m]), w)
             for w, m in WORLD_MODES}
@@ -72,6 +72,7 @@ def test_training_with_dropout_keeps_replicas_equal_fused_or_not(launched):
 
 PIPELINES = ["tp1-pp2-dp1-v1", "tp1-pp4-dp1-v2", "tp2-pp2-dp1-v2", "tp2-pp2-dp2-v1"]   # (tp, pp, dp, v)
 FUSED_TOO = "tp2-pp2-dp1-v2"             # trains fused as well (interleaved stages holding fused ops)
+STEPS = 5           # AdamW steps per model: several, so that a wrong moment or clipping scale shows after step 1
 
 
 def _layers(config: str) -> int:
@@ -94,7 +95,7 @@ def _pipeline_job(config: str) -> Job:
     single-device references are computed once, before the launch (Job.before), not on every rank."""
     tp, pp, dp, v = _dims(config)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--virtual-pipeline", str(v),
-            "--microbatches", str(2 * pp), "--steps", "10", "--trace", "{dir}", "--layers", str(_layers(config)),
+            "--microbatches", str(2 * pp), "--steps", str(STEPS), "--trace", "{dir}", "--layers", str(_layers(config)),
             "--reference", "{dir}/reference.pt"]
     if dp > 1:      # SGD too (GPT-2, whose tied embedding spans the stages): linear in the gradients,
         args += ["--optim", "adamw", "sgd", "--sgd-models", "gpt2"]   # so parameters match element by element
@@ -110,7 +111,7 @@ PIPELINE_JOBS = {config: _pipeline_job(config) for config in PIPELINES}
 @pytest.mark.slow
 @pytest.mark.parametrize("config", job_params(PIPELINE_JOBS))
 def test_pipeline_training_matches_single_device(launched, config):
-    """GPT-2 and Llama, 4 or 8 layers (_layers), 10 AdamW steps with gradient clipping on one global batch per step."""
+    """GPT-2 and Llama, 4 or 8 layers (_layers), STEPS AdamW steps with gradient clipping on one global batch per step."""
     tp, pp, dp, v = _dims(config)
     lines, tmp_path = launched(PIPELINE_JOBS[config]), launched.folder(PIPELINE_JOBS[config])
     assert {(r["model"], r["optim"], r["fuse"]) for r in lines} >= {
@@ -124,10 +125,10 @@ def test_pipeline_training_matches_single_device(launched, config):
         # rank 0 runs stage 0 (and, interleaved, stage pp): each forward sends the hidden states
         # on, each backward of a later chunk its input gradient back; one header per step and stage
         m, senders = 2 * pp, v
-        assert r["messages_sent"] == 10 * (senders * m + (v - 1) * m + senders), r
+        assert r["messages_sent"] == STEPS * (senders * m + (v - 1) * m + senders), r
         # on gloo each receive is posted once the one before is done (runtime/p2p.py): with one chunk,
         # rank 0 receives only its backward's gradients, each posted once its forward went out
-        assert r["received_ahead"] == 10 * m if v == 1 else r["received_ahead"] > 0, r
+        assert r["received_ahead"] == STEPS * m if v == 1 else r["received_ahead"] > 0, r
         trace = json.load(open(tmp_path / f"{r['model']}_tp{tp}_pp{pp}_dp{dp}_v{v}.json"))
         events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
         assert sum(e["cat"] in ("forward", "backward") for e in events) == 2 * tp * pp * dp * v * 2 * pp
@@ -136,12 +137,14 @@ def test_pipeline_training_matches_single_device(launched, config):
 
 
 CHECKPOINTED = ("gpt2", "llama")       # tied embedding across stages; rotary buffers
-CHECKPOINT_ARGS = ("--tp", "2", "--pp", "2", "--meta", "--models", *CHECKPOINTED)
+# pp=2 on two processes, a stage a rank (checkpoints saved at tp=2 resume at other tp in
+# tests/simulation/test_checkpoint.py and test_train.py)
+CHECKPOINT_ARGS = ("--tp", "1", "--pp", "2", "--meta", "--models", *CHECKPOINTED)
 # the killed run: GPT-2 alone, its embedding tied across the stages (each killed model costs the
-# launch another attempt of four processes; Llama's checkpoint is read back at other splits below)
+# launch another attempt of two processes; Llama's checkpoint is read back at other splits below)
 KILLED = ("gpt2",)
 # uninterrupted: a job of the suite's launch; killed: restarted by torchrun, so a launch of its own
-UNINTERRUPTED = Job("checkpoint", "tests.harness.checkpoint_check", (*CHECKPOINT_ARGS, "--root", "{dir}"), 4)
+UNINTERRUPTED = Job("checkpoint", "tests.harness.checkpoint_check", (*CHECKPOINT_ARGS, "--root", "{dir}"), 2)
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +152,8 @@ def killed(tmp_path_factory) -> pathlib.Path:
     """One launch: rank 1 dies before step 3 of GPT-2 on the first attempt; the restart resumes from
     the last complete checkpoint."""
     root = tmp_path_factory.mktemp("killed")
-    args = ["--tp", "2", "--pp", "2", "--meta", "--models", *KILLED, "--root", str(root), "--kill-at", "3"]
-    torchrun_lines("tests.harness.checkpoint_check", args, 4, max_restarts=len(KILLED), timeout=900)
+    args = [*CHECKPOINT_ARGS[:-len(CHECKPOINTED)], *KILLED, "--root", str(root), "--kill-at", "3"]
+    torchrun_lines("tests.harness.checkpoint_check", args, 2, max_restarts=len(KILLED), timeout=900)
     return root
 
 
@@ -162,7 +165,7 @@ def _losses(root) -> list[dict]:
 @needs(UNINTERRUPTED)
 @pytest.mark.parametrize("name", CHECKPOINTED)
 def test_killed_rank_restarts_from_checkpoint_and_reshards(launched, killed, tmp_path, name):
-    """Built on the meta device, tp=2 x pp=2, 6 AdamW steps saving every 2. Run once uninterrupted;
+    """Built on the meta device, pp=2, 6 AdamW steps saving every 2. Run once uninterrupted;
     GPT-2 run again with global rank 1 killed (SIGKILL) before step 3 and torchrun restarting the
     job: it resumes from step 2 and ends with identical losses and parameters. Each model's final
     checkpoint then loads at (tp=4, pp=1) and (tp=1, pp=1) and into the model's own class."""

@@ -1,4 +1,4 @@
-"""The distributed optimizer (ZeRO-1) on gloo processes, against plain AdamW on the same mesh:
+"""The distributed optimizer (ZeRO-1) on a local world's ranks, against plain AdamW on the same mesh:
 10 steps' losses and parameters (in fp64, so that summation order cannot matter: see zero_check), 1/dp of the optimizer state, gradient reductions started inside
 backward (as traced), a checkpoint written at dp=4 that continues at tp=2 x dp=2 with the same losses,
 and a bf16 run whose checkpoint keeps its fp32 main weights. Each run is a job of the suite's
@@ -14,9 +14,8 @@ pytestmark = pytest.mark.slow
 ZERO = "tests.harness.zero_check"
 # dp2-tp2 also trains each model on one device (--one-device; every op in float64): the distributed
 # optimizer's difference from one device in fp32 is rounding that Adam amplifies, nothing else
-# dp2-tp2 is the suite's world-4 run on gloo (its float64 patches are process-wide: one rank per process)
 MESHES = {"dp2-tp2": Job("zero/dp2-tp2", ZERO, ("--dp", "2", "--tp", "2", "--models", "gpt2", "qwen2", "--one-device"),
-                         4, local=False),
+                         4),
           "dp2-pp2": Job("zero/dp2-pp2", ZERO, ("--dp", "2", "--pp", "2", "--models", "llama"), 4),
           "dp4": Job("zero/dp4", ZERO, ("--dp", "4"), 4)}
 # Llama computes its norms and loss in float32 whatever its dtype, so the continuation on another mesh

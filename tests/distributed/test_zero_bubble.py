@@ -1,27 +1,28 @@
-"""Tier (c): the zero-bubble schedules on gloo train exactly as 1F1B does (tests/harness/schedule_check.py):
-10 AdamW steps with clipping, GPT-2 and Llama, each schedule's losses and parameters against 1F1B's
-run in the same launch. Each mesh is a job of the suite's launch per world size (tests/launches.py)."""
+"""The zero-bubble schedules train exactly as 1F1B does (tests/harness/schedule_check.py, each rank
+running what a torchrun process runs, on a local world): 5 AdamW steps with clipping, GPT-2 and
+Llama, each schedule's losses and parameters against 1F1B's run in the same job (tests/launches.py)."""
 import pytest
 
 from tests.launches import Job, job_params, needs
 
 SCHEDULES = {"zb-h1", "zbv", "v-half"}
+STEPS = "5"         # AdamW steps per run: several, so that a wrong moment or clipping scale shows
 JOBS = {
     "pp2": Job("zero-bubble/pp2", "tests.harness.schedule_check",
-               ("--pp", "2", "--layers", "4", "--steps", "10"), 2),
+               ("--pp", "2", "--layers", "4", "--steps", STEPS), 2),
     "pp4": Job("zero-bubble/pp4", "tests.harness.schedule_check",
-               ("--pp", "4", "--layers", "8", "--steps", "10"), 4),
+               ("--pp", "4", "--layers", "8", "--steps", STEPS), 4),
     # ZBV in its phases (m >= 2p - 1; at m = 4 the jobs above run its list-scheduled form)
     "pp4-m8-zbv": Job("zero-bubble/pp4-m8-zbv", "tests.harness.schedule_check",
-                      ("--pp", "4", "--layers", "8", "--steps", "10", "--microbatches", "8", "--schedules", "zbv"), 4),
+                      ("--pp", "4", "--layers", "8", "--steps", STEPS, "--microbatches", "8", "--schedules", "zbv"), 4),
     # the distributed optimizer's buffer filled by W, its state over dp = 2
     "pp2-dp2-distributed-optimizer": Job("zero-bubble/pp2-dp2-do", "tests.harness.schedule_check",
                                          ("--pp", "2", "--dp", "2", "--distributed-optimizer", "--layers", "4",
-                                          "--steps", "10", "--schedules", "zb-h1", "zbv"), 4),
+                                          "--steps", STEPS, "--schedules", "zb-h1", "zbv"), 4),
     # f / g and sequence parallelism's gathers in B; recomputation once, in B
     "tp2-pp2-sp-selective": Job("zero-bubble/tp2-pp2-sp", "tests.harness.schedule_check",
                                 ("--pp", "2", "--tp", "2", "--sequence-parallel", "--recompute", "selective",
-                                 "--models", "llama", "--layers", "4", "--steps", "5", "--schedules", "zb-h1", "zbv"), 4),
+                                 "--models", "llama", "--layers", "4", "--steps", STEPS, "--schedules", "zb-h1", "zbv"), 4),
 }
 
 

@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import threading
 from unittest import mock
 
 import torch
@@ -65,11 +66,32 @@ def _batches(name: str, n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+_PATCHED = {"holders": 0, "stack": None}
+_PATCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def every_op_in_float64():
     """Qwen2's RMSNorm, rotary tables and the causal-LM loss in the model's own dtype (see the module
-    doc) while the block runs: the same in every process, for the program and the one-device model
-    alike, and undone after (a shared launch runs other checks in this process next)."""
+    doc) while the block runs: the same in every rank, for the program and the one-device model
+    alike, and undone after (a shared launch runs other checks in this process next). The patches are
+    the process's: on a local world, the first rank in applies them and the last one out undoes them."""
+    with _PATCH_LOCK:
+        if _PATCHED["holders"] == 0:
+            _PATCHED["stack"] = contextlib.ExitStack()
+            for patch in _float64_patches():
+                _PATCHED["stack"].enter_context(patch)
+        _PATCHED["holders"] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCHED["holders"] -= 1
+            if _PATCHED["holders"] == 0:
+                _PATCHED["stack"].close()
+
+
+def _float64_patches() -> list:
     import transformers.loss.loss_utils as loss_utils
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
@@ -85,10 +107,9 @@ def every_op_in_float64():
         shift = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shift.reshape(-1),
                                                  ignore_index=ignore_index)
-    with mock.patch.object(qwen2.Qwen2RMSNorm, "forward", norm), \
-            mock.patch.object(qwen2.Qwen2RotaryEmbedding, "forward", rotary), \
-            mock.patch.dict(loss_utils.LOSS_MAPPING, {"ForCausalLM": loss}):
-        yield
+    return [mock.patch.object(qwen2.Qwen2RMSNorm, "forward", norm),
+            mock.patch.object(qwen2.Qwen2RotaryEmbedding, "forward", rotary),
+            mock.patch.dict(loss_utils.LOSS_MAPPING, {"ForCausalLM": loss})]
 
 
 def _build(name: str, args: argparse.Namespace) -> torch.nn.Module:
