@@ -3,8 +3,9 @@
 `autoshard()` runs them for the example inputs; a program runs them again for each new input
 signature (or mode, or autocast state) a call brings:
 
-    compile_signature: capture (torch.export) -> expert matmuls (bmm / einsum forms as ops)
-                       -> per-head norms (a list of LayerNorms over split heads as one op)
+    compile_signature: capture (torch.export) -> normalize: alias ops as the ops they alias,
+                       expert matmuls (bmm / einsum forms as ops), per-head norms (a list of
+                       LayerNorms over split heads as one op), flattened rows kept in their shape
                        -> annotate (sharding analysis, writes node.meta)
     rank_graph:        rewrite (rank r's graph and its collectives)
                        -> context (cp > 1: context-parallel rank c's tokens, keys and values gathered)
@@ -36,6 +37,7 @@ from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
 from autoshard.passes.context.split import split_context
 from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
+from autoshard.passes.flat_rows import keep_rows_shaped
 from autoshard.passes.op_aliases import rewrite_op_aliases
 from autoshard.passes.outline_experts import outline_experts
 from autoshard.passes.per_head_norms import rewrite_per_head_norms
@@ -87,9 +89,7 @@ class Compiler:
         cap = capture(model, named, dynamic=not self.options.sequence_parallel, training=training)
         if device is not None:       # traced from the released model's meta skeleton
             retarget_device(cap.gm, device)
-        rewrite_op_aliases(cap.gm)                          # torch.multiply as mul, torch.concatenate as cat, ...
-        rewrite_expert_matmuls(cap.gm, cap.param_names)     # experts' bmm / einsum: ops the analysis knows
-        rewrite_per_head_norms(cap.gm)                      # a LayerNorm module per head: one op
+        normalize(cap)
         plan = annotate(cap.gm, self.tp, cap.param_names, self.options)
         if self.compiled:
             first = self.compiled[0]
@@ -112,9 +112,7 @@ class Compiler:
                                 f"over tp={self.tp} ranks; pad it to a multiple of {2 * self.cp * self.tp}")
         other = twin_length(seq, 2 * self.cp * self.tp)
         twin = capture(model, with_length(named, seq, other), dynamic=False, training=training)
-        rewrite_op_aliases(twin.gm)
-        rewrite_expert_matmuls(twin.gm, twin.param_names)
-        rewrite_per_head_norms(twin.gm)
+        normalize(twin)
         return symbolic_shapes(cap.gm, twin.gm, seq, other)
 
     def rank_graph(self, entry: Compiled, r: int, cp_rank: int = 0) -> RankGraph:
@@ -147,6 +145,15 @@ class Compiler:
             rg.regions = outline_recompute(rg.graph, self.recompute, lambda n: by_name.get(n.meta.get("captured")),
                                            suffix)
         return rg
+
+
+def normalize(cap: Captured) -> None:
+    """The captured graph's spellings that the sharding table reads as one thing, rewritten as that
+    thing (each pass leaves anything not exactly its pattern as written)."""
+    rewrite_op_aliases(cap.gm)                          # torch.multiply as mul, torch.concatenate as cat, ...
+    rewrite_expert_matmuls(cap.gm, cap.param_names)     # experts' bmm / einsum: ops the analysis knows
+    rewrite_per_head_norms(cap.gm)                      # a LayerNorm module per head: one op
+    keep_rows_shaped(cap.gm)                            # [B, T, heads, D] -> [-1, D] for a row-wise norm: kept 4-D
 
 
 def _example_value(n: fx.Node, captured: dict[str, fx.Node]) -> object:

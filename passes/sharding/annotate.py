@@ -126,6 +126,10 @@ class _Analysis:
             for j, u in self.uses.get(weight[0], {}).items():
                 if j < self.current and u.dim == weight[1] and u.layout is not None:
                     return u.layout, u.padded
+        if size < self.tp and node.name not in self.recipes:
+            # fewer features than ranks (a gate's one score per token): each rank would hold them all
+            self.skipped[node.name] = f"{self.where(node)}: {size} output feature(s), fewer than tp={self.tp}"
+            return None
         recipe = self.recipes.get(node.name, [Segment(0, size)])
         try:
             return layout_from_segments(recipe, self.tp), None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 __all__ = [
     "Ranges", "Layout", "Segment", "cut_segments", "even_layout", "padded_even_layout", "layout_from_segments", "expand", "compress", "tile",
     "token_tiles", "untile",
-    "window", "positions_within", "copies", "is_partition", "is_even_chunks", "is_whole_everywhere", "local_size", "LayoutError",
+    "joined", "window", "positions_within", "copies", "is_partition", "is_even_chunks", "is_whole_everywhere", "local_size", "LayoutError",
 ]
 
 Ranges = tuple[tuple[int, int], ...]   # sorted, disjoint, merged [start, stop) ranges
@@ -129,6 +129,14 @@ def compress(layout: Layout, inner: int) -> Layout | None:
             return None
         out.append(tuple((a // inner, b // inner) for a, b in rs))
     return tuple(out)
+
+
+def joined(layouts: list[Layout], sizes: list[int]) -> Layout:
+    """The layout of a cat of dims laid out as `layouts` (of `sizes`): each rank's indices of piece i
+    shifted by the sizes before it (the inverse of `window` over consecutive pieces)."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(_merge([(o + a, o + b) for lay, o in zip(layouts, offsets) for a, b in lay[r]])
+                 for r in range(len(layouts[0])))
 
 
 def window(layout: Layout, lo: int, hi: int) -> Layout:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autoshard.errors import ShardingError
-from autoshard.passes.sharding.index_sets import is_partition, local_size, token_tiles
+from autoshard.passes.sharding.index_sets import is_partition, joined, local_size, token_tiles
 from autoshard.passes.sharding.placement import (
     REPLICATE,
     Abandon,
@@ -85,11 +85,32 @@ def _read_split(ctx: RuleContext, res: NodeSharding, v: object, arg: int, dim: i
 
 def cat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     items = [(0, i, a) for i, a in enumerate(node.args[0])]
-    res = _align(ctx, node, items)
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    along = _cat_of_shards(ctx, node, node.args[0], dim)
+    if along is not None:
+        return along
+    res = _align(ctx, node, items)
     if isinstance(res.placement, Shard) and res.placement.dim == dim:
         raise Abandon(res.placement.roots, f"{ctx.where(node)} concatenates along a sharded dim")
     return res
+
+
+def _cat_of_shards(ctx: RuleContext, node: fx.Node, items: list, dim: int) -> NodeSharding | None:
+    """cat([a, b, ...], dim) with every item sharded on `dim` and laid out differently (Qwen3-Next's
+    head-split q, k and v joined for one convolution): each rank's pieces, in item order, are its
+    indices of the joined dim, item i's shifted by the sizes before it. None otherwise: items laid
+    out alike keep cat's refusal, after which a reshape may read the other way (one kv head's
+    rotate_half: the shard on the head, not on the halves it joins)."""
+    places = [ctx.place(a) for a in items]
+    if not places or not all(isinstance(p, Shard) and p.dim == dim for p in places) \
+            or len({p.layout for p in places}) == 1:
+        return None
+    dims = [ctx.shape(a)[dim] for a in items]
+    roots = frozenset().union(*(p.roots for p in places))
+    if not all(n.is_Integer and p.size == int(n) for p, n in zip(places, dims)):
+        raise Abandon(roots, f"{ctx.where(node)} concatenates along a sharded dim of symbolic or padded size")
+    sizes = [int(n) for n in dims]
+    return NodeSharding(Shard(dim, sum(sizes), joined([p.layout for p in places], sizes), roots, None))
 
 
 def stack(ctx: RuleContext, node: fx.Node) -> NodeSharding:

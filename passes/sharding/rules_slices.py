@@ -20,7 +20,8 @@ __all__ = ["SLICE_RULES"]
 def _pieces(ctx: RuleContext, node: fx.Node, p: Shard, bounds: list[tuple[int, int]]) -> list[Shard]:
     """Cut the sharded dim at `bounds`: each piece must be spread evenly over the ranks."""
     cuts = sorted({a for a, _ in bounds} | {b for _, b in bounds})
-    ctx.require_cuts(p.origin, cuts, p.size, p.roots, f"{ctx.where(node)} cuts sharded dim {p.dim} at {cuts}")
+    if p.origin is not None:     # otherwise (a cat of shards) the layout is what it is: even pieces, or refused below
+        ctx.require_cuts(p.origin, cuts, p.size, p.roots, f"{ctx.where(node)} cuts sharded dim {p.dim} at {cuts}")
     out = []
     for a, b in bounds:
         lay = window(p.layout, a, b)

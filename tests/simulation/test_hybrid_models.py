@@ -10,7 +10,11 @@ labels, against the single-device model (loss, logits, gradients). So far:
   the router whole by design;
 - BitNet: the sub-norms between projections as distributed norms;
 - ModernBERT: its fused Wqkv viewed as [3, heads, hd] and unbound, split with the heads (local and
-  global attention layers); the masked-LM head's dense transform whole by design.
+  global attention layers); the masked-LM head's dense transform whole by design;
+- a gated delta rule linear attention (Qwen3-Next): in_proj_qkvz and in_proj_ba by key-head groups,
+  the head-split q, k and v joined for the depthwise conv1d (its channels cut as the three pieces
+  are), the chunked delta rule per value head, the gated norm over the flattened heads kept per head,
+  out_proj row-parallel.
 """
 import re
 
@@ -63,10 +67,23 @@ def _modernbert():
     return hf.ModernBertForMaskedLM(cfg)
 
 
-HYBRIDS = {"Lfm2": _lfm2, "Bamba": _bamba, "Jamba": _jamba, "BitNet": _bitnet, "ModernBert": _modernbert}
+def _qwen3_next():
+    # one gated delta rule layer and one attention layer, each with experts; 4 key heads, 8 value heads
+    cfg = hf.Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,
+                             linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+                             max_position_embeddings=64)
+    return hf.Qwen3NextForCausalLM(cfg)
+
+
+HYBRIDS = {"Lfm2": _lfm2, "Bamba": _bamba, "Jamba": _jamba, "BitNet": _bitnet, "ModernBert": _modernbert,
+           "Qwen3Next": _qwen3_next}
 # kept whole by design, as parts of parameter names: a router (a top-k over its experts), a masked-LM
-# head's dense transform before its norm
-BY_DESIGN = {"Jamba": {"feed_forward.router."}, "ModernBert": {"head.dense."}}
+# head's dense transform before its norm, a shared expert's gate (one score per token: no features
+# to divide)
+BY_DESIGN = {"Jamba": {"feed_forward.router."}, "ModernBert": {"head.dense."}, "Qwen3Next": {"shared_expert_gate."}}
 _BLOCK = re.compile(r"\.\d+\.")
 
 

@@ -164,28 +164,52 @@ def _triangle_per_head(m, h):
     return _flat(((s.tril() - s.triu(1) * 0.5) @ x).transpose(1, 2))
 
 
-CASES = {
-    "max.dim": (_max_over_head_features, {}),
-    "min.other": (_min_with_a_tensor, {"cap": torch.tensor(0.3)}),
-    "argmax/amax": (_amax_and_argmax, {}),
-    "topk": (_topk_within_heads, {}),
-    "in-place": (_in_place, {"bias": torch.randn(H * HD)}),
-    "new_empty+copy_": (_copy_into_new_empty, {"shared": torch.randn(2)}),
-    "view_as_complex": (_complex_rotary, {}),
-    "cat with a shared part": (_cat_with_shared, {"shared": torch.randn(2)}),
-    "repeat": (_repeat_heads, {}),
-    "strided slice": (_every_other_column, {}),
-    "pad": (_pad_features_of_heads, {}),
-    "distributed norm": (_norm_over_all_heads, {"scale": torch.rand(H * HD) + 0.5}),
-    "alias ops": (_alias_spellings, {"shared": torch.randn(2)}),
-    "depthwise conv1d": (_depthwise_conv, {"conv_w": torch.randn(H * HD, 1, 3), "conv_b": torch.randn(H * HD)}),
-    "norm between projections": (_norm_between_projections, {"scale": torch.rand(H * HD) + 0.5}),
-    "chunked positions": (_chunked, {}),
-    "tril / triu per head": (_triangle_per_head, {}),
-    "cumsum": (_cumsum_within_heads, {}),
-    "einsum over heads": (_einsum_over_heads, {}),
-    "repeat_interleave output_size": (_groups_to_heads, {}),
-}
+def _pieces_joined(m, h):
+    """Qwen3-Next's q and v: pieces of each head of different widths, flattened, joined with cat along
+    the split features and scaled channel by channel (a depthwise conv's weight), then split apart."""
+    x = _heads(h)
+    q, v = x[..., :2].reshape(*h.shape[:2], -1), x[..., 2:].reshape(*h.shape[:2], -1)    # (B, T, 2nh), (B, T, 6nh)
+    joined = torch.cat([q, v], dim=-1) * m.scale                                         # (B, T, 8nh)
+    q, v = joined.split([2 * H, 6 * H], dim=-1)
+    return torch.cat([v, q.tanh()], dim=-1)
+
+
+def _rows_flattened(m, h):
+    """Qwen3-Next's gated norm: every head's features as a row of [B*T*nh, hs], gated by another view
+    of the heads, then back to (B, T, nh, hs)."""
+    rows, gate = _heads(h).reshape(-1, HD), _heads(h.tanh()).reshape(-1, HD)
+    y = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6) * m.w * F.silu(gate.float())
+    return _flat(y.reshape(*h.shape[:2], H, HD))
+
+
+# the ops' own parameters from a fixed seed, not from whatever state the collection left (one such
+# draw put new_empty+copy_'s `shared` gradient, a sum over every position, 2.4e-5 off: over 1e-5)
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    CASES = {
+        "max.dim": (_max_over_head_features, {}),
+        "min.other": (_min_with_a_tensor, {"cap": torch.tensor(0.3)}),
+        "argmax/amax": (_amax_and_argmax, {}),
+        "topk": (_topk_within_heads, {}),
+        "in-place": (_in_place, {"bias": torch.randn(H * HD)}),
+        "new_empty+copy_": (_copy_into_new_empty, {"shared": torch.randn(2)}),
+        "view_as_complex": (_complex_rotary, {}),
+        "cat with a shared part": (_cat_with_shared, {"shared": torch.randn(2)}),
+        "repeat": (_repeat_heads, {}),
+        "strided slice": (_every_other_column, {}),
+        "pad": (_pad_features_of_heads, {}),
+        "distributed norm": (_norm_over_all_heads, {"scale": torch.rand(H * HD) + 0.5}),
+        "alias ops": (_alias_spellings, {"shared": torch.randn(2)}),
+        "depthwise conv1d": (_depthwise_conv, {"conv_w": torch.randn(H * HD, 1, 3), "conv_b": torch.randn(H * HD)}),
+        "norm between projections": (_norm_between_projections, {"scale": torch.rand(H * HD) + 0.5}),
+        "chunked positions": (_chunked, {}),
+        "tril / triu per head": (_triangle_per_head, {}),
+        "cumsum": (_cumsum_within_heads, {}),
+        "einsum over heads": (_einsum_over_heads, {}),
+        "repeat_interleave output_size": (_groups_to_heads, {}),
+        "cat along the split features": (_pieces_joined, {"scale": torch.rand(H * HD) + 0.5}),
+        "rows of the heads flattened": (_rows_flattened, {"w": torch.rand(HD) + 0.5}),
+    }
 
 
 def _check(model, x, sharded, tp=2):
@@ -387,3 +411,46 @@ def test_a_fused_projection_viewed_as_three_blocks_of_heads_splits_with_the_head
     # error, though the 4 heads divide by 2 and 4; then "no sharding rule for aten.unbind.int"
     torch.manual_seed(0)
     _check(_FusedQKVUnbound(), torch.randn(2, 6, D), ["qkv.weight", "qkv.bias", "o.weight"], tp=tp)
+
+
+class _GatedByOneScore(nn.Module):
+    """A shared expert's gate: one score per token (Linear(D, 1)) scaling a Megatron MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.gate = nn.Linear(D, H * HD), nn.Linear(H * HD, D), nn.Linear(D, 1)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x))) * torch.sigmoid(self.gate(x))
+
+
+def test_a_projection_to_fewer_features_than_ranks_is_whole_without_a_fallback():
+    # before: the gate was a column-parallel root of one feature, padded to tp, and abandoned as
+    # "would cut a replicated operand at padded positions" (a fallback not by design)
+    torch.manual_seed(0)
+    prog = _check(_GatedByOneScore(), torch.randn(2, 6, D), ["up.weight", "down.weight"])
+    assert "gate.weight" not in prog.sharding.params
+
+
+def test_flattened_rows_are_kept_in_their_shape_only_when_every_op_is_row_wise():
+    from autoshard.passes.flat_rows import keep_rows_shaped
+
+    def export(fn):
+        class M(nn.Module):
+            def forward(self, h):
+                return fn(h)
+        return torch.export.export(M(), (torch.randn(2, 6, H, HD),)).module()
+
+    def gated(h):
+        rows = h.reshape(-1, HD)
+        return (rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True)) * F.silu(h.reshape(-1, HD))).reshape(h.shape)
+
+    def mixes_rows(h):                    # softmax over the flattened dim: each row depends on the others
+        return h.reshape(-1, HD).softmax(0).reshape(h.shape)
+
+    for fn, regions in ((gated, 1), (mixes_rows, 0)):
+        gm, h = export(fn), torch.randn(2, 6, H, HD)
+        assert keep_rows_shaped(gm) == regions, fn.__name__
+        flat = [n for n in gm.graph.nodes if n.op == "call_function" and len(n.meta["val"].shape) == 2]
+        assert (flat == []) == (regions == 1), fn.__name__
+        assert torch.allclose(gm(h), fn(h), rtol=1e-6, atol=1e-6)
