@@ -18,7 +18,7 @@ import tempfile
 
 from autoshard.train.options import TrainError, TrainOptions, parse
 
-__all__ = ["ERRORS", "failure_line", "main", "worker_argv", "TrainError", "TrainOptions"]
+__all__ = ["ERRORS", "command", "failure_line", "main", "worker_argv", "TrainError", "TrainOptions"]
 
 ERRORS = "AUTOSHARD_TRAIN_ERRORS"     # the folder where launched ranks write why they stopped
 
@@ -125,20 +125,23 @@ def _say(error: TrainError) -> None:
         print(f"autoshard train: {error}", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def command(argv: list[str]) -> int:
+    """`autoshard train ARGV`'s work and exit status, without leaving the process (main() leaves)."""
     try:
         opts = parse(argv)
         if opts.in_process:
-            code = _in_process(opts)
-        elif opts.nproc_per_node and "RANK" not in os.environ:      # launch the ranks, which run us again
-            code = _launch(opts, argv)
-        else:
-            from autoshard.train.loop import run
-            code = run(opts)
+            return _in_process(opts)
+        if opts.nproc_per_node and "RANK" not in os.environ:      # launch the ranks, which run us again
+            return _launch(opts, argv)
+        from autoshard.train.loop import run
+        return run(opts)
     except TrainError as e:
         _say(e)
-        code = 2
+        return 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    code = command(list(sys.argv[1:] if argv is None else argv))
     sys.stdout.flush()
     sys.stderr.flush()
     # gloo's worker threads may still hold tensors while the interpreter finalizes, which can abort

@@ -1,9 +1,16 @@
 """The benchmark scripts run end to end on the CPU with tiny sizes (their numbers mean nothing here;
-the GPU session runs them for real), so a broken script is caught before device time. The torchrun
-ones run their command line (`cli()`) as jobs of the suite's launches."""
+the GPU session runs them for real), so a broken script is caught before device time. A script
+runs in the test's own process (`_run`: runpy, as `__main__`; checkout_ab.py and planner_speed.py
+start their fresh processes from there), the pytest-benchmark file as a pytest command, and the
+torchrun ones their command line (`cli()`) as jobs of the suite's launches."""
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
+
+import torch
 
 from tests.launches import Job, needs
 
@@ -11,10 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    """The script as `python benchmarks/SCRIPT ARGS` runs it, in this process (runpy, as __main__):
+    what it printed; a non-zero exit fails the test with its output. The random state, the thread
+    count, sys.argv and sys.path are given back after."""
+    out, err, threads, argv, path = io.StringIO(), io.StringIO(), torch.get_num_threads(), sys.argv, list(sys.path)
+    code = 0
+    try:
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))     # as `python benchmarks/SCRIPT` has it
+        with torch.random.fork_rng(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(os.path.join(ROOT, "benchmarks", script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        print(e.code if not isinstance(e.code, int) else "", file=err)
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        torch.set_num_threads(threads)
+    assert code == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 def test_kernel_benchmark_times_each_case_forward_and_backward_and_checks_agreement():

@@ -6,10 +6,13 @@ dp=2, whose losses the distributed optimizer's equal; GPT-2 with dropout resumes
 leaves no partial checkpoint; a Mixtral's experts divided over ep=2 give the replicated run's losses,
 and in bf16 (the distributed optimizer) track them.
 
-The multi-rank runs take --in-process (their ranks as threads of one process, on a local world):
-one gloo launch (`test_gloo_and_in_process_runs_agree_to_the_bit`, 4 ranks) shows that
-torchrun's processes train to the same losses, gradient norms and checkpoints, bit for bit."""
+The multi-rank runs take --in-process (their ranks as threads of one process, on a local world),
+run in the test's own process (`_train`): one gloo launch (`test_gloo_and_in_process_runs_agree_to_the_bit`,
+4 ranks) shows that torchrun's processes train to the same losses, gradient norms and checkpoints,
+bit for bit, as a separate `--in-process` process does."""
+import contextlib
 import csv
+import io
 import os
 import shutil
 import signal
@@ -25,16 +28,33 @@ LLAMA = ["--model", "llama", "--layers", "4", "--hidden", "64", "--heads", "4", 
          "--warmup", "5", "--lr", "1e-3"]
 
 
-def _train(out, *args, nproc=None, check=True, gloo=False) -> subprocess.CompletedProcess:
-    """One run; with `nproc`, its ranks in this process (--in-process) unless `gloo`."""
-    ranks = [] if not nproc else [f"--nproc-per-node={nproc}"] + ([] if gloo else ["--in-process"])
-    cmd = [sys.executable, "-m", "autoshard.train", "--data", os.path.join(ROOT, "README.md"), "--out", str(out),
-           "--log-every", "10", *args, *ranks]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _train(out, *args, nproc=None, check=True, gloo=False, here=True) -> subprocess.CompletedProcess:
+    """One run. With `nproc`, its ranks are threads of a local world (--in-process), by default in
+    this test's process, `autoshard.train.command` called as `main` calls it (no interpreter, torch
+    import or export of its own: a run costs its steps); with `gloo`, or `here=False`, or alone (one
+    rank, whose process group of one must not outlive the run), or --halt-after (which leaves its
+    process as a crash would), a process of its own."""
+    argv = ["--data", os.path.join(ROOT, "README.md"), "--out", str(out), "--log-every", "10", *args]
+    if nproc and not gloo and here and "--halt-after" not in args:
+        proc = _here([*argv, f"--nproc-per-node={nproc}", "--in-process"])
+    else:
+        ranks = ([f"--nproc-per-node={nproc}"] + ([] if gloo else ["--in-process"])) if nproc else []
+        proc = subprocess.run([sys.executable, "-m", "autoshard.train", *argv, *ranks], capture_output=True,
+                              text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _here(argv: list[str]) -> subprocess.CompletedProcess:
+    """`autoshard train ARGV` in this process, its output captured; the random state and the thread
+    count it sets are given back after."""
+    from autoshard.train import command
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    with torch.random.fork_rng(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = command(argv)
+    torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["autoshard", "train", *argv], code, out.getvalue(), err.getvalue())
 
 
 def _rows(out) -> list[dict]:
@@ -53,7 +73,7 @@ def test_gloo_and_in_process_runs_agree_to_the_bit(tmp_path):
     from safetensors.torch import load_file
     args = [*LLAMA, "--tp", "2", "--pp", "2", "--steps", "4", "--save-every", "4", "--clip", "0"]
     _train(tmp_path / "gloo", *args, nproc=4, gloo=True)
-    _train(tmp_path / "local", *args, nproc=4)
+    _train(tmp_path / "local", *args, nproc=4, here=False)
     gloo, local = _rows(tmp_path / "gloo"), _rows(tmp_path / "local")
     assert [r["loss"] for r in gloo] == [r["loss"] for r in local]
     assert all(abs(float(a["grad_norm"]) / float(b["grad_norm"]) - 1) <= 1e-12 for a, b in zip(gloo, local))
