@@ -116,18 +116,31 @@ def _rewrite(gm: fx.GraphModule, seed: fx.Node) -> list[fx.Node]:
     lead, seeds = _flattened(seed), [seed]
     found = _region(seeds, lead)
     while found is not None and found[2]:          # the other flattens it reads (a gated norm's gate) join
-        seeds += [f for f in dict.fromkeys(found[2]) if f not in seeds]
+        more = [f for f in dict.fromkeys(found[2]) if f not in seeds]
+        if not more:                               # read past an exit: not the pattern
+            return []
+        seeds += more
         found = _region(seeds, lead)
     if found is None:
         return []
     ops, exits, _ = found
+    # every op's value on the unflattened shapes first: the graph is edited only if all of them run
+    vals = {f: f.args[0].meta["val"] for f in seeds}
+    row = {n: [-1] for n in ops if op_name(n.target) in REDUCTIONS}
+    try:
+        for n in ops:
+            args = list(fx.map_arg(n.args, lambda a: vals.get(a, a.meta.get("val"))))
+            if n in row:
+                args[1] = row[n]
+            vals[n] = n.target(*args, **fx.map_arg(n.kwargs, lambda a: vals.get(a, a.meta.get("val"))))
+    except Exception:       # noqa: BLE001 (an op that will not take the shapes: left as written)
+        return []
     for f in seeds:
         f.replace_all_uses_with(f.args[0])
     for n in ops:
-        if op_name(n.target) in REDUCTIONS:
-            n.update_arg(1, [-1])
-        n.meta["val"] = n.target(*fx.map_arg(n.args, lambda a: a.meta["val"]),
-                                 **fx.map_arg(n.kwargs, lambda a: a.meta["val"]))
+        if n in row:
+            n.update_arg(1, row[n])
+        n.meta["val"] = vals[n]
     for e in exits:
         e.replace_all_uses_with(e.args[0])
     for n in [*exits, *seeds]:
