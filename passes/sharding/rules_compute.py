@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autoshard.errors import ShardingError
-from autoshard.passes.sharding.index_sets import is_partition, joined, local_size, token_tiles
+from autoshard.passes.sharding.index_sets import copies, is_partition, joined, local_size, token_tiles
 from autoshard.passes.sharding.placement import (
     REPLICATE,
     Abandon,
@@ -47,7 +47,8 @@ def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None,
         d = od - (out_nd - nd)
         if isinstance(p, Shard):
             if p.dim != d or p.layout != p0.layout:
-                raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands")
+                raise Abandon(roots, f"{ctx.where(node)} combines differently sharded operands"
+                                     + (_shared_with_split(ctx, p0, p) if p.dim == d else ""))
             continue
         if d < 0 or ctx.shape(v)[d] == 1:
             continue  # broadcast along the sharded dim
@@ -62,6 +63,17 @@ def _align(ctx: RuleContext, node: fx.Node, tensors: list[tuple[int, int | None,
         else:
             res.edits.append(Restrict(arg, d, p0.layout, item=item))
     return res
+
+
+def _shared_with_split(ctx: RuleContext, a: Shard, b: Shard) -> str:
+    """What two layouts of one dim that differ are, when one holds blocks shared by ranks and the
+    other splits the dim over them (Mamba-2's B and C from groups fewer than tp, met by the heads)."""
+    held = {copies(a.layout, a.size), copies(b.layout, b.size)}
+    shared = max((c for c in held if c is not None), default=1)
+    if shared == 1 or 1 not in held:
+        return ""
+    return (f": one is held by {shared} ranks at a time (blocks fewer than tp={ctx.tp}, such as Mamba groups), "
+            f"the other split over them; the blocks must divide by tp={ctx.tp} to be split with the other")
 
 
 def elementwise(ctx: RuleContext, node: fx.Node) -> NodeSharding:

@@ -132,3 +132,19 @@ def test_context_parallelism_refuses_a_convolution_over_the_sequence_naming_the_
     with pytest.raises(ShardingError, match=r"cp=2: node conv1d .* in model\.layers\.0\.\w+ .*a convolution over "
                                             r"the sequence \(kernel \d\) reads the tokens before each"):
         autoshard(model, cp=2, dp=2, example_kwargs=_inputs())
+
+
+def test_mamba_groups_fewer_than_tp_stay_whole_saying_why():
+    """2 groups at tp=4: B and C each held by 2 ranks, the heads split over 4; the mixer stays whole
+    (as Megatron needs the groups divisible by tp). Before, the message said only "combines
+    differently sharded operands"."""
+    cfg = hf.BambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16,
+                         mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, mamba_chunk_size=8,
+                         attn_layer_indices=[1], max_position_embeddings=64)
+    prog = autoshard(hf.BambaForCausalLM(cfg), tp=4, example_kwargs=_inputs())
+    (mixer,) = [f for f in prog.sharding.fallbacks if not f.by_design]
+    assert "model.layers.0.mamba.in_proj (Linear)" in mixer.modules, mixer
+    assert re.search(r"combines differently sharded operands: one is held by 2 ranks at a time \(blocks fewer "
+                     r"than tp=4, such as Mamba groups\), the other split over them; the blocks must divide by "
+                     r"tp=4", mixer.reason), mixer.reason
