@@ -3,14 +3,12 @@ the GPU session runs them for real), so a broken script is caught before device 
 runs in the test's own process (`_run`: runpy, as `__main__`; checkout_ab.py and planner_speed.py
 start their fresh processes from there), the pytest-benchmark file as a pytest command, and the
 torchrun ones their command line (`cli()`) as jobs of the suite's launches."""
-import contextlib
-import io
 import os
 import runpy
 import subprocess
 import sys
 
-import torch
+from tests.harness.in_this_process import run_here
 
 from tests.launches import Job, needs
 
@@ -18,24 +16,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(script: str, *args: str) -> str:
-    """The script as `python benchmarks/SCRIPT ARGS` runs it, in this process (runpy, as __main__):
-    what it printed; a non-zero exit fails the test with its output. The random state, the thread
-    count, sys.argv and sys.path are given back after."""
-    out, err, threads, argv, path = io.StringIO(), io.StringIO(), torch.get_num_threads(), sys.argv, list(sys.path)
-    code = 0
-    try:
-        sys.argv = [script, *args]
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))     # as `python benchmarks/SCRIPT` has it
-        with torch.random.fork_rng(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(os.path.join(ROOT, "benchmarks", script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-        print(e.code if not isinstance(e.code, int) else "", file=err)
-    finally:
-        sys.argv, sys.path[:] = argv, path
-        torch.set_num_threads(threads)
-    assert code == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
-    return out.getvalue()
+    """The script as `python benchmarks/SCRIPT ARGS` runs it, in this process (runpy, as __main__,
+    its folder first on sys.path: tests/harness/in_this_process.py): what it printed; a non-zero
+    exit fails the test with its output."""
+    folder = os.path.join(ROOT, "benchmarks")
+    proc = run_here(lambda: runpy.run_path(os.path.join(folder, script), run_name="__main__"), [script, *args],
+                    path=folder)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 def test_kernel_benchmark_times_each_case_forward_and_backward_and_checks_agreement():

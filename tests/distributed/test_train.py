@@ -10,9 +10,7 @@ The multi-rank runs take --in-process (their ranks as threads of one process, on
 run in the test's own process (`_train`): one gloo launch (`test_gloo_and_in_process_runs_agree_to_the_bit`,
 4 ranks) shows that torchrun's processes train to the same losses, gradient norms and checkpoints,
 bit for bit, as a separate `--in-process` process does."""
-import contextlib
 import csv
-import io
 import os
 import shutil
 import signal
@@ -22,6 +20,8 @@ import time
 
 import pytest
 import torch
+
+from tests.harness.in_this_process import run_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = ["--model", "llama", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--batch", "8",
@@ -47,14 +47,9 @@ def _train(out, *args, nproc=None, check=True, gloo=False, here=True) -> subproc
 
 
 def _here(argv: list[str]) -> subprocess.CompletedProcess:
-    """`autoshard train ARGV` in this process, its output captured; the random state and the thread
-    count it sets are given back after."""
+    """`autoshard train ARGV` in this process (tests/harness/in_this_process.py)."""
     from autoshard.train import command
-    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
-    with torch.random.fork_rng(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = command(argv)
-    torch.set_num_threads(threads)
-    return subprocess.CompletedProcess(["autoshard", "train", *argv], code, out.getvalue(), err.getvalue())
+    return run_here(lambda: command(argv), ["autoshard", "train", *argv])
 
 
 def _rows(out) -> list[dict]:
