@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -20,8 +22,11 @@ warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 os.environ.setdefault(trace_cache.ENV, "1")
 
 # Measured cpu profiles (autoshard/cpu_profile/cache.py) go to a folder of this test process, not
-# the user's cache: a test measures afresh, and leaves nothing behind in the home directory.
+# the user's cache: a test measures afresh, and leaves nothing behind in the home directory, nor in
+# the temporary one (each pytest process, xdist workers included, removes its own folder as it exits;
+# the ranks it launched have exited before it).
 os.environ["AUTOSHARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
+atexit.register(shutil.rmtree, os.environ["AUTOSHARD_CACHE_DIR"], ignore_errors=True)
 
 # One thread per test process: the models here are tiny (threads buy nothing), and pytest-xdist
 # workers each running several OpenMP threads on a 2-core machine spend CPU spinning against each other.
