@@ -37,7 +37,7 @@ from autoshard.module_paths import fetch_attr
 from autoshard.passes.causal_attention import specialize_attention
 from autoshard.passes.context.split import split_context
 from autoshard.passes.expert_matmuls import rewrite_expert_matmuls
-from autoshard.passes.flat_rows import keep_rows_shaped
+from autoshard.passes.merged_dims import keep_merged_dims
 from autoshard.passes.op_aliases import rewrite_op_aliases
 from autoshard.passes.outline_experts import outline_experts
 from autoshard.passes.per_head_norms import rewrite_per_head_norms
@@ -153,7 +153,7 @@ def normalize(cap: Captured) -> None:
     rewrite_op_aliases(cap.gm)                          # torch.multiply as mul, torch.concatenate as cat, ...
     rewrite_expert_matmuls(cap.gm, cap.param_names)     # experts' bmm / einsum: ops the analysis knows
     rewrite_per_head_norms(cap.gm)                      # a LayerNorm module per head: one op
-    keep_rows_shaped(cap.gm)                            # [B, T, heads, D] -> [-1, D] for a row-wise norm: kept 4-D
+    keep_merged_dims(cap.gm)                            # [B, T, heads, D] -> [-1, D], [B, heads, ..] -> [B*heads, ..]: kept
 
 
 def _example_value(n: fx.Node, captured: dict[str, fx.Node]) -> object:

@@ -107,6 +107,18 @@ def cat(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     return res
 
 
+def gather(ctx: RuleContext, node: fx.Node) -> NodeSharding:
+    """gather(x, dim, index): the output has index's shape, and along every other dim index and x
+    meet element by element (DeBERTa-v2's relative-position scores, gathered along the keys with
+    an index broadcast over the heads): aligned as elementwise operands are, a replicated one cut
+    to this rank's heads. Along the gathered dim a shard is refused."""
+    dim = norm_dim(node.args[1], len(ctx.shape(node)))
+    res = _align(ctx, node, [(0, None, node.args[0]), (2, None, node.args[2])])
+    if isinstance(res.placement, Shard) and res.placement.dim == dim:
+        raise Abandon(res.placement.roots, f"{ctx.where(node)} gathers along sharded dim {dim}")
+    return res
+
+
 def _cat_of_shards(ctx: RuleContext, node: fx.Node, items: list, dim: int) -> NodeSharding | None:
     """cat([a, b, ...], dim) with every item sharded on `dim` and laid out differently (Qwen3-Next's
     head-split q, k and v joined for one convolution): each rank's pieces, in item order, are its
@@ -142,7 +154,8 @@ def row_parallel_error(ctx: RuleContext, node: fx.Node, p: Shard) -> Exception:
     return ShardingError(
         f"tp={ctx.tp} cannot split the input of {ctx.where(node)}: its {p.size} features would be "
         f"shared between ranks (blocks fewer than ranks), so the row-parallel sum would count them "
-        f"twice. The attention heads (or blocks) feeding it must be divisible by tp={ctx.tp}; they come from "
+        f"twice. The attention heads (or blocks: a linear attention's key-head groups) feeding it must be "
+        f"divisible by tp={ctx.tp}; they come from "
         f"{', '.join(ctx.where(r) for r in sorted(p.roots))}. Key/value heads fewer than tp can be shared "
         f"by ranks; query heads cannot.")
 
@@ -348,5 +361,5 @@ def depthwise_conv1d(ctx: RuleContext, node: fx.Node) -> NodeSharding:
 COMPUTE_RULES = {
     **{name: elementwise for name in _ELEMENTWISE},
     "cat": cat, "stack": stack, "linear": linear, "addmm": addmm, "mm": mm, "matmul": mm, "bmm": mm,
-    "sym_size": sym_size, "conv1d": depthwise_conv1d, "einsum": einsum,
+    "sym_size": sym_size, "conv1d": depthwise_conv1d, "einsum": einsum, "gather": gather,
 }

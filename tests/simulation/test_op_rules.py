@@ -182,6 +182,31 @@ def _rows_flattened(m, h):
     return _flat(y.reshape(*h.shape[:2], H, HD))
 
 
+def _batch_and_heads_merged(m, h):
+    """Bloom's attention: batch and heads merged into one dim for baddbmm (a per-head bias from a
+    [B, heads, T] reshape, alpha and beta) and bmm, unmerged by views."""
+    B, T = h.shape[:2]
+    q, k = _heads(h).transpose(1, 2), _heads(h.tanh()).transpose(1, 2)      # (B, nh, T, hs)
+    bias = (m.slopes[:, None] * torch.arange(T, dtype=h.dtype).expand(B, 1, T)).reshape(B * H, 1, T)
+    s = torch.baddbmm(bias, q.reshape(B * H, T, HD), k.reshape(B * H, T, HD).transpose(1, 2), beta=0.5, alpha=0.25)
+    p = s.view(B, H, T, T).softmax(-1)
+    out = torch.bmm(p.view(B * H, T, T), q.reshape(B * H, T, HD)).view(B, H, T, HD)
+    return _flat(out.transpose(1, 2))
+
+
+def _relative_scores(m, h):
+    """DeBERTa-v2's content-to-position scores: position keys of the heads repeated per sample,
+    scores gathered along the keys by an index expanded over batch and heads."""
+    B, T = h.shape[:2]
+    q = _heads(h).transpose(1, 2).reshape(B * H, T, HD)                     # (B*nh, T, hs)
+    pos = _heads(torch.sin(h[:1])).transpose(1, 2).reshape(-1, T, HD)       # (nh, T, hs): sample 0's
+    scores = torch.bmm(q, pos.repeat(B, 1, 1).transpose(-1, -2))            # (B*nh, T, T)
+    rel = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(0, T - 1)
+    c2p = torch.gather(scores, -1, rel.unsqueeze(0).expand(B * H, T, T))
+    p = (c2p / 4).view(B, H, T, T).softmax(-1)
+    return _flat(torch.matmul(p, _heads(h).transpose(1, 2)).transpose(1, 2))
+
+
 # the ops' own parameters from a fixed seed, not from whatever state the collection left (one such
 # draw put new_empty+copy_'s `shared` gradient, a sum over every position, 2.4e-5 off: over 1e-5)
 with torch.random.fork_rng():
@@ -209,6 +234,8 @@ with torch.random.fork_rng():
         "repeat_interleave output_size": (_groups_to_heads, {}),
         "cat along the split features": (_pieces_joined, {"scale": torch.rand(H * HD) + 0.5}),
         "rows of the heads flattened": (_rows_flattened, {"w": torch.rand(HD) + 0.5}),
+        "batch and heads merged for bmm": (_batch_and_heads_merged, {"slopes": torch.rand(H)}),
+        "gather along the keys": (_relative_scores, {}),
     }
 
 
@@ -433,7 +460,7 @@ def test_a_projection_to_fewer_features_than_ranks_is_whole_without_a_fallback()
 
 
 def test_flattened_rows_are_kept_in_their_shape_only_when_every_op_is_row_wise():
-    from autoshard.passes.flat_rows import keep_rows_shaped
+    from autoshard.passes.merged_dims import keep_merged_dims
 
     def export(fn):
         class M(nn.Module):
@@ -450,7 +477,7 @@ def test_flattened_rows_are_kept_in_their_shape_only_when_every_op_is_row_wise()
 
     for fn, regions in ((gated, 1), (mixes_rows, 0)):
         gm, h = export(fn), torch.randn(2, 6, H, HD)
-        assert keep_rows_shaped(gm) == regions, fn.__name__
+        assert keep_merged_dims(gm) == regions, fn.__name__
         flat = [n for n in gm.graph.nodes if n.op == "call_function" and len(n.meta["val"].shape) == 2]
         assert (flat == []) == (regions == 1), fn.__name__
         assert torch.allclose(gm(h), fn(h), rtol=1e-6, atol=1e-6)
