@@ -45,6 +45,8 @@ from autoshard.passes.sharding.placement import (
 from autoshard.passes.sharding.report import Fallback, trim_fallbacks, unexplained_replicated, with_first_cause
 from autoshard.passes.sharding.shape_algebra import to_sympy
 
+_LOOKBACK = 200     # nodes visited when asking what a projection's input is computed from
+
 __all__ = ["ShardingPlan", "ShardOptions", "Fallback", "annotate", "module_path", "param_read"]
 
 
@@ -117,6 +119,24 @@ class _Analysis:
 
     def is_pinned(self, node: fx.Node) -> bool:
         return node.name in self.pinned
+
+    def whole_upstream(self, roots: frozenset[str]) -> Fallback | None:
+        # Walk back from each root's input to the weights it is computed from (not past them): a
+        # projection whose input is whole because an earlier region fell back is that fallback's
+        # consequence, not a design choice.
+        failed = {r: f for f in self.fallbacks if not f.by_design for r in f.roots}
+        seen: set[fx.Node] = set()
+        frontier = [a for r in roots for a in self.by_name[r].all_input_nodes[:1]]
+        while frontier and len(seen) < _LOOKBACK:
+            n = frontier.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.name in failed:
+                return failed[n.name]
+            if not any(self.param(a) is not None for a in n.args[1:3]):
+                frontier.extend(n.all_input_nodes)
+        return None
 
     def root_layout(self, node: fx.Node, size: int, weight: tuple[str, int] | None = None
                     ) -> tuple[Layout, int | None] | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from autoshard.passes.sharding.index_sets import Layout
 
 __all__ = [
-    "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Demand",
+    "Replicate", "Shard", "Placement", "Origin", "REPLICATE", "Abandon", "Fallback", "Demand",
     "NodeSharding", "ParamUse", "ColumnInput", "RowParallel", "ArgEdit", "Restrict", "VocabLookup",
     "VocabCrossEntropy", "GatherOutputs", "SequenceScatter", "GatherTokens", "PartialStatistic", "ReadSplit",
 ]
@@ -58,6 +58,16 @@ class Abandon(Exception):
     def __init__(self, roots: frozenset[str], reason: str, *, by_design: bool = False):
         super().__init__(reason)
         self.roots, self.reason, self.by_design = roots, reason, by_design
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A region left replicated (the record of an Abandon the analysis accepted), and why."""
+
+    roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
+    modules: tuple[str, ...]        # their module paths
+    reason: str
+    by_design: bool = False         # whole as in Megatron (routers, MLA's down-projections)
 
 
 class Demand(Exception):

@@ -10,25 +10,15 @@ it, so `print(prog)` never leaves a large replicated weight unexplained (MoE exp
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch.fx as fx
 
 from autoshard.passes.graph_reading import module_path, op_name, param_read
 from autoshard.passes.sharding.op_table import RULES
-from autoshard.passes.sharding.placement import ParamUse
+from autoshard.passes.sharding.placement import Fallback, ParamUse
 
 __all__ = ["Fallback", "trim_fallbacks", "unexplained_replicated", "with_first_cause"]
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """A region left replicated, and why."""
-
-    roots: tuple[str, ...]          # node names of the column-parallel matmuls left replicated
-    modules: tuple[str, ...]        # their module paths
-    reason: str
-    by_design: bool = False         # whole as in Megatron (routers, MLA's down-projections)
 
 
 _VIEWS = frozenset(["t", "transpose", "permute", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze",

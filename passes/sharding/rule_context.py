@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from autoshard.passes.sharding.index_sets import Layout
 from autoshard.passes.sharding.options import ShardOptions
-from autoshard.passes.sharding.placement import Origin, Placement, ReadSplit, Shard
+from autoshard.passes.sharding.placement import Fallback, Origin, Placement, ReadSplit, Shard
 
 __all__ = ["RuleContext"]
 
@@ -33,6 +33,9 @@ class RuleContext(Protocol):
         """How a consumer asked this gather of parameter rows to read the parameter split, if it did."""
     def is_pinned(self, node: fx.Node) -> bool:
         """Whether this node was made to stay replicated (its region fell back)."""
+    def whole_upstream(self, roots: frozenset[str]) -> Fallback | None:
+        """The fallback (not one by design) that left whole a projection these roots' inputs are
+        computed from, if one did: what keeps them whole is then its consequence."""
     def require_cuts(self, origin: Origin | None, cuts: list[int], scale_size: int, roots: frozenset[str],
                      reason: str) -> None:
         """Ask that the root's layout be cut at these positions of the value's sharded dim."""

@@ -91,6 +91,17 @@ def _low_rank(ctx: RuleContext, roots: frozenset[str]) -> bool:
     return bool(roots) and all(narrows(r) for r in roots)
 
 
+def _unless_upstream_whole(ctx: RuleContext, node: fx.Node, roots: frozenset[str]) -> None:
+    """A projection that is a column-parallel root only because its input is whole (Bloom's and
+    DeBERTa's attention output dense after their attention fell back; Megatron splits it
+    row-parallel) is not kept whole by design: say that it follows from that fallback."""
+    cause = ctx.whole_upstream(roots)
+    if cause is not None:
+        raise Abandon(roots, f"{ctx.where(node)} normalizes the output of a projection that feeds another weight; "
+                             f"its input is whole because {', '.join(cause.modules)} stayed whole (see its "
+                             f"reason), so it is not split row-parallel either")
+
+
 def _splits_features(node: fx.Node) -> bool:
     src, dst = node.args[0].meta["val"].shape, node.meta["val"].shape
     return len(dst) == 0 or len(src) == 0 or dst[-1] != src[-1]
@@ -104,6 +115,7 @@ def _statistic(ctx: RuleContext, node: fx.Node, p: Shard, dims: list[int], mean:
     if dims != [p.dim] or p.dim != nd - 1 or local is None or shared is None:
         raise Abandon(p.roots, f"{ctx.where(node)} reduces over sharded dim {p.dim}")
     if _feeds_weight(ctx, node) and _low_rank(ctx, p.roots):
+        _unless_upstream_whole(ctx, node, p.roots)
         raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a low-rank down-projection that "
                                f"feeds another weight; kept whole, as Megatron keeps these", by_design=True)
     # key/value heads fewer than tp (OLMo 3's k_norm at tp=4 over 2 kv heads): each feature is held by
@@ -174,6 +186,7 @@ def layer_norm(ctx: RuleContext, node: fx.Node) -> NodeSharding:
     k = len(node.args[1])
     p = ctx.place(node.args[0])
     if isinstance(p, Shard) and p.dim >= nd - k and _feeds_weight(ctx, node):
+        _unless_upstream_whole(ctx, node, p.roots)
         raise Abandon(p.roots, f"{ctx.where(node)} normalizes the output of a projection that feeds another "
                                f"weight; kept whole, as Megatron keeps these", by_design=True)
     return _reduce_over(ctx, node, list(range(nd - k, nd)), True)
