@@ -44,13 +44,19 @@ class ExpertRegion:
     path: str
     experts: int
     hidden: int
-    index: int
-    weights: int
+    index: int | None          # None: the experts read every expert's copy of the tokens (no routing inputs)
+    weights: int | None
     params: dict[str, int]
     tensor_parallel: bool
     # parameters the region adds after its g (a row-parallel bias: gpt-oss's down_proj_bias): the
     # model's own experts module, run per tp rank when bound, adds them to each rank's partial sum
     after_reduce: tuple[str, ...] = ()
+    # every expert's copies returned as [experts, n, H]: the export folded the module's closing
+    # view(-1, H) into the reshape after it (Llama 4's sum over the copies)
+    stacked_out: bool = False
+    # the region calls g itself; where the export put g after the sum over Llama 4's copies, the
+    # call returns partial sums and the rank graph's own g reduces them
+    reduced: bool = True
 
 
 def _paths(node: fx.Node) -> set[str]:
@@ -119,13 +125,22 @@ def _read_region(name: str, body: fx.Graph, call: fx.Node, path: str, count: int
     index = [i for i, v in tensors if not v.is_floating_point()]
     floats = [(i, v) for i, v in tensors if v.is_floating_point()]
     shapes = {i: tuple(v.shape) for i, v in tensors}
+    tensor_parallel = any(n.op == "call_module" for n in body.nodes)
+    if not index and len(floats) == 1 and len(shapes[floats[0][0]]) == 2:
+        # every expert's copy of the tokens, expert-major (Llama 4): [experts * n, H]
+        out = value_of(next(iter(call.users)))            # the getitem of the call's one output
+        stacked = isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] == count
+        reduced = any(n.op == "call_module" and n.target == "g" for n in body.nodes)
+        return ExpertRegion(name, body, path, count, floats[0][0], None, None, params, tensor_parallel,
+                            _after_reduce(body, params), stacked, reduced)
     if len(index) == 1 and len(floats) == 2:
         k_shape = shapes[index[0]]
         weights = [i for i, v in floats if tuple(v.shape) == k_shape]
         hidden = [i for i, v in floats if tuple(v.shape) != k_shape]
         if len(weights) == 1 and len(hidden) == 1 and len(shapes[hidden[0]]) == 2 and len(k_shape) == 2:
             return ExpertRegion(name, body, path, count, hidden[0], index[0], weights[0], params,
-                                any(n.op == "call_module" for n in body.nodes), _after_reduce(body, params))
+                                tensor_parallel, _after_reduce(body, params))
     raise ShardingError(f"{path}: expert parallelism expects the experts call to read hidden states [n, H], "
-                        f"top-k indices [n, k] and top-k weights [n, k]; its tensor inputs are "
+                        f"top-k indices [n, k] and top-k weights [n, k], or every expert's copy of the "
+                        f"tokens [experts * n, H] alone; its tensor inputs are "
                         f"{[(str(call.args[i]), shapes[i], str(v.dtype)) for i, v in tensors]}")

@@ -12,6 +12,14 @@ model's own experts module on its local experts) and a second all-to-all brings 
 the pair's rank, where the k results of a token are summed. The all-to-all's backward is the same
 exchange with the splits swapped.
 
+    outs = exchange_copies(red, xs, run_locals, per_rank, size)      # per rank: x [experts * n, H]
+
+Experts that each read a copy of every token (Llama 4: the router's score scales the copy, zero
+for the experts not chosen, and the model sums the copies after) take one block of n rows per
+expert, expert-major. Each owner receives its experts' blocks from every rank (even splits: no
+routing decides them), runs the model's module on them expert-major (`run_local(x [per_rank * N, H])`,
+N the group's tokens) and sends each rank's rows back.
+
 `ExpertGroup` is one rank's view of its group: its place, the experts each rank owns, its Reducer
 (`reducer()`) and the bytes it sent to other ranks (`sent_bytes`, forward and backward).
 """
@@ -24,7 +32,7 @@ import torch
 from autoshard.parallel.comm import SIMULATED, CommHandle, GroupComm, Reducer, distributed_reducer
 from autoshard.world import Group
 
-__all__ = ["ExpertGroup", "RunLocal", "dispatch_combine", "owner_of"]
+__all__ = ["ExpertGroup", "RunLocal", "dispatch_combine", "exchange_copies", "owner_of"]
 
 RunLocal = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,3 +94,19 @@ def dispatch_combine(red: Reducer, xs: list[torch.Tensor], idxs: list[torch.Tens
     back, _ = red.all_to_all(ys, recvs, sends)                  # [n * k, H] each, in `order`'s order
     return [torch.zeros((x.shape[0], x.shape[-1]), dtype=b.dtype, device=b.device).index_add(0, p[3], b)
             for x, p, b in zip(xs, plans, back)]
+
+
+def exchange_copies(red: Reducer, xs: list[torch.Tensor], run_locals: list[Callable[[torch.Tensor], torch.Tensor]],
+                    per_rank: int, size: int) -> list[torch.Tensor]:
+    """The experts' output for each present rank's copies x [experts * n, H] (see above)."""
+    width = xs[0].shape[-1]
+    sends = [[per_rank * (x.shape[0] // (per_rank * size))] * size for x in xs]
+    x_in, recvs = red.all_to_all(list(xs), sends, None)       # [per_rank * N, H], source rank major
+    ys = []
+    for x, recv, run in zip(x_in, recvs, run_locals):
+        tokens = [r // per_rank for r in recv]                 # n of each source rank
+        blocks = [b.view(per_rank, n, width) for b, n in zip(x.split(recv), tokens)]
+        out = run(torch.cat(blocks, dim=1).reshape(-1, width)).view(per_rank, sum(tokens), width)
+        ys.append(torch.cat([part.reshape(-1, width) for part in out.split(tokens, dim=1)]))
+    back, _ = red.all_to_all(ys, recvs, sends)                 # each rank's [experts * n, H], expert order
+    return back

@@ -2,10 +2,12 @@
 model are experts modules.
 
 `EXPERT_MODULES` is the table of experts-module forms expert parallelism knows: a test on the
-module, and how to read its count of experts. Today one row: Hugging Face's experts interface
+module, and how to read its count of experts. Two rows: Hugging Face's experts interface
 (transformers 5's `use_experts_implementation`: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, gpt-oss...),
 whose forward is `(hidden [n, H], top_k_index [n, k], top_k_weights [n, k]) -> [n, H]` over the
-`num_experts` experts its stacked parameters hold.
+`num_experts` experts its stacked parameters hold; and experts that read every expert's copy of the
+tokens (Llama 4: `(copies [experts * n, H]) -> [experts * n, H]`, the router's scores applied to the
+copies before and the copies summed after, outside the module).
 
 `ExpertsCall` runs the region's graph as exported while no expert-parallel group is bound. Bound
 (`bind(ExpertGroup)`, done by the runtime, which also cuts the parameters to this rank's experts), it
@@ -21,6 +23,7 @@ elsewhere (its gradient, the same on every rank, reaches each rank's copy), so t
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard.parallel.lockstep import run_lockstep
-from autoshard.parallel.expert_parallel import ExpertGroup, RunLocal, dispatch_combine
+from autoshard.parallel.expert_parallel import ExpertGroup, RunLocal, dispatch_combine, exchange_copies
 from autoshard.passes.outline_experts import ExpertRegion
 
 __all__ = ["EXPERT_MODULES", "ExpertsCall", "expert_modules", "weightless_copy"]
@@ -42,10 +45,28 @@ class ExpertForm:
     count: Callable[[nn.Module], int]
 
 
+def _reads_every_copy(m: nn.Module) -> bool:
+    """An experts module whose forward takes one tensor, every expert's copy of the tokens stacked
+    expert-major ([experts * n, H]), over parameters stacked on a leading experts dim (Llama 4's
+    text experts: `gate_up_proj` [E, H, 2I], `down_proj` [E, I, H])."""
+    count = getattr(m, "num_experts", None)
+    params = list(m.parameters(recurse=False))
+    if hasattr(m, "_is_expert_parallel") or not isinstance(count, int) or not params \
+            or any(p.dim() < 3 or p.shape[0] != count for p in params):
+        return False
+    try:
+        args = [p for p in inspect.signature(m.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(args) == 1
+
+
 EXPERT_MODULES = [
     ExpertForm("transformers experts interface",
                lambda m: hasattr(m, "_is_expert_parallel") and isinstance(getattr(m, "num_experts", None), int),
                lambda m: m.num_experts),
+    ExpertForm("experts over every expert's copy of the tokens", _reads_every_copy, lambda m: m.num_experts),
 ]
 
 
@@ -111,8 +132,10 @@ class ExpertsCall(nn.Module):
                 short = name.rsplit(".", 1)[-1]
                 weights[short] = _CountedOnce.apply(weights[short], first)
 
-        def run_local(xs, ids, ws):
-            return torch.func.functional_call(self._experts, weights, (xs, ids, ws))
+        def run_local(*inputs):
+            return torch.func.functional_call(self._experts, weights, inputs)
+        if r.index is None:        # every expert's copy of the tokens: no index, no weights
+            return args[r.hidden], None, None, run_local
         return args[r.hidden], args[r.index], args[r.weights], run_local
 
     def forward(self, *args):
@@ -121,11 +144,20 @@ class ExpertsCall(nn.Module):
         x, idx, w, run_local = self._inputs(args)
         f, g = self._sync
         if self.region.tensor_parallel:
-            x, w = f(x), f(w)
-        out, = dispatch_combine(self.ep.reducer(), [x], [idx], [w], [run_local], self.ep.per_rank, self.ep.size)
-        if self.region.tensor_parallel:
+            x, w = f(x), (w if w is None else f(w))
+        if idx is None:
+            out, = self._stacked(exchange_copies(self.ep.reducer(), [x], [run_local], self.ep.per_rank, self.ep.size))
+        else:
+            out, = dispatch_combine(self.ep.reducer(), [x], [idx], [w], [run_local], self.ep.per_rank, self.ep.size)
+        if self.region.tensor_parallel and self.region.reduced:
             out = g(out)
         return (out.to(x.dtype),)
+
+    def _stacked(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every expert's copies in the shape the exported region returned them."""
+        if not self.region.stacked_out:
+            return outs
+        return [o.view(self.region.experts, -1, o.shape[-1]) for o in outs]
 
     @staticmethod
     def simulate(mods: list["ExpertsCall"], rank_args: list[list[object]],
@@ -142,15 +174,21 @@ class ExpertsCall(nn.Module):
         inputs = [m._inputs(a) for m, a in zip(mods, rank_args)]
         xs, ws = [i[0] for i in inputs], [i[2] for i in inputs]
         if mods[0].region.tensor_parallel:
-            xs, ws = _per_tp_group(mods, 0, xs, tp), _per_tp_group(mods, 0, ws, tp)
+            xs = _per_tp_group(mods, 0, xs, tp)
+            ws = ws if mods[0].region.index is None else _per_tp_group(mods, 0, ws, tp)
         outs: list = [None] * len(mods)
         for first, t in ((g, t) for g in range(0, len(mods) // tp, ep.size) for t in range(tp)):
             members = [(first + e) * tp + t for e in range(ep.size)]
-            got = dispatch_combine(ep.reducer(), [xs[i] for i in members], [inputs[i][1] for i in members],
-                                   [ws[i] for i in members], [inputs[i][3] for i in members], ep.per_rank, ep.size)
+            if mods[0].region.index is None:
+                got = mods[0]._stacked(exchange_copies(ep.reducer(), [xs[i] for i in members],
+                                                       [inputs[i][3] for i in members], ep.per_rank, ep.size))
+            else:
+                got = dispatch_combine(ep.reducer(), [xs[i] for i in members], [inputs[i][1] for i in members],
+                                       [ws[i] for i in members], [inputs[i][3] for i in members], ep.per_rank,
+                                       ep.size)
             for i, o in zip(members, got):
                 outs[i] = o
-        if mods[0].region.tensor_parallel:
+        if mods[0].region.tensor_parallel and mods[0].region.reduced:
             outs = _per_tp_group(mods, 1, outs, tp)
         return [(o.to(x.dtype),) for o, x in zip(outs, xs)]
 

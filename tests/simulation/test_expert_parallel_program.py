@@ -164,6 +164,32 @@ def test_simulate_runs_expert_parallelism_with_tensor_parallelism(name, ep):
     assert logits <= 1e-5 and grads <= 1e-4, (logits, grads)
 
 
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
+def test_experts_over_every_experts_copy_of_the_tokens(tp, ep):
+    """Llama 4's experts read every expert's copy of the tokens ([experts * n, H], scaled by the
+    router before, summed after, outside the module): each owner receives its experts' copies from
+    every rank and sends them back. Before: "Llama4ForCausalLM has no experts module expert
+    parallelism knows". At tp=2 the export puts g after the sum over the copies, so the call
+    returns partial sums (reducing them inside as well was a 0.046 error in the logits)."""
+    model = build_current("Llama4")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    ref = copy.deepcopy(model)
+    prog = autoshard(model, tp=tp, dp=ep, ep=ep, example_kwargs=_call())
+    assert prog.expert_params == {f"model.layers.{i}.feed_forward.experts.{p}" for i in range(2)
+                                  for p in ("gate_up_proj", "down_proj")}
+    call = _call(rows=2 * ep, seq=12, seed=3)
+    call["labels"][1, :7] = -100
+    out, want = prog.simulate(**call), ref(**call)
+    assert max_rel(out.logits, want.logits) <= 1e-5 and max_rel(out.loss, want.loss) <= 1e-6
+    out.loss.backward()
+    want.loss.backward()
+    errs = scaled_errors(prog.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
+
+
 def test_a_bias_added_after_the_experts_reduction_counts_once_at_tp_x_ep():
     """Regression: gpt-oss's down_proj_bias (added after g in the exported region) was added by the
     model's own experts module on every tp rank of an expert-parallel rank, then summed by g: counted
