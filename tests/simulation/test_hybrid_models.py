@@ -154,18 +154,3 @@ def test_mamba_groups_fewer_than_tp_stay_whole_saying_why():
     assert "low-rank" not in out_proj.reason and "its input is whole because model.layers.0.mamba.in_proj (Linear) " \
         "stayed whole" in out_proj.reason, out_proj.reason
 
-
-def test_key_head_groups_fewer_than_tp_are_refused_naming_them():
-    """Qwen3-Next's gated delta rule groups its value heads by key head: 2 key heads at tp=4 would
-    put one group's features on two ranks, counted twice by out_proj's row-parallel sum. Refused,
-    naming out_proj and the projections the groups come from."""
-    from autoshard import ShardingError
-    cfg = hf.Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                             linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
-                             layer_types=["linear_attention"], max_position_embeddings=64, num_experts=0)
-    with pytest.raises(ShardingError) as e:
-        autoshard(hf.Qwen3NextForCausalLM(cfg), tp=4, example_kwargs=_inputs())
-    text = str(e.value)
-    assert "module model.layers.0.linear_attn.out_proj" in text and "linear attention's key-head groups" in text
-    assert "in_proj_qkvz" in text and "in_proj_ba" in text
