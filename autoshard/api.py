@@ -19,6 +19,8 @@ from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError, expert_split_problem, require_positive_int
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.passes.sharding.options import ShardOptions
+from autoshard.passes.stage_balance import Rates, balanced_counts, layer_costs
+from autoshard.passes.stages import counts_from_cuts
 from autoshard.planning.context_cost import choose_attention
 from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware, get_hardware
@@ -32,7 +34,7 @@ __all__ = ["autoshard"]
 
 def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
               ep: int | None = None, cp: int | None = None, cp_attention: str = "auto", virtual: int | None = None, microbatches: int | None = None, schedule: str | None = None,
-              example_inputs: tuple | None = None, example_kwargs: dict | None = None,
+              stage_cuts: list[int] | None = None, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool = False, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
@@ -50,6 +52,11 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     input and weight gradients (runtime/backward_split.py): "zb-h1" (one chunk per rank), "zbv" and
     "v-half" (two chunks per rank in a V; virtual defaults to 2). runtime/schedules.py says what each
     costs and holds. See `ShardedProgram.distributed` for training.
+    stage_cuts: the first layer of every stage after the first (pp * virtual - 1 of them: [5] cuts 8
+    layers into 0-4 and 5-7). Default: balanced by cost (passes/stage_balance.py): each layer, and
+    the embedding before the layers and the head and loss after them, priced from the rank graph's
+    ops on `hardware`; the even layer counts unless a cut lowers the largest stage by 5%.
+    `print(prog)` shows each stage's predicted forward time.
     cp: context parallelism (long sequences): each of cp ranks holds 1/cp of every sequence's tokens
     from the embedding to the loss, in 2 * cp load-balanced pieces (rank c: pieces c and 2cp-1-c);
     attention gathers keys and values over the cp ranks (passes/context/split.py). Every rank is
@@ -114,7 +121,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                             "tp/pp/dp/cp yourself")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
-                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware)
+                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts)
     if world_size is None:
         return _program(model, args, kwargs, tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches,
                         schedule=schedule, recompute=recompute, **common)
@@ -136,7 +143,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp: int | None, dp: int | None,
              ep: int | None, cp: int | None, virtual: int | None, microbatches: int | None, schedule: str | None,
              recompute: str | None, cp_attention: str, vocab_parallel: bool, gather_output: bool,
-             sequence_parallel: bool, fuse: bool, hardware: str | Hardware) -> ShardedProgram:
+             sequence_parallel: bool, fuse: bool, hardware: str | Hardware,
+             stage_cuts: list[int] | None = None) -> ShardedProgram:
     """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
     if virtual is None and schedule is not None:
@@ -169,10 +177,27 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     first = compiler.compile_signature(named)               # capture -> annotate
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
-    stages = StageLayout(pp, virtual, all_names, rank0.graph, placement)   # pipeline stages; who holds each parameter
+    counts, predicted = _stage_counts(first.captured.gm.graph, pp * virtual, stage_cuts, hardware, tp)
+    stages = StageLayout(pp, virtual, all_names, rank0.graph, placement, counts, predicted)   # stages; who holds each parameter
     prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
                           microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
     return prog
+
+
+def _stage_counts(graph, n_stages: int, cuts: list[int] | None, hardware: str | Hardware, tp: int
+                  ) -> tuple[list[int] | None, list[float] | None]:
+    """Layers per pipeline stage (the cuts given, else balanced by cost) and each stage's predicted
+    forward seconds on `hardware`; (None, None) without a pipeline. Priced on the captured graph
+    (the whole model, its values' shapes kept), each rank doing 1/tp of it."""
+    if n_stages == 1:
+        if cuts:
+            raise ShardingError(f"stage_cuts={cuts} need a pipeline (pp > 1)")
+        return None, None
+    hw = get_hardware(hardware)
+    costs = layer_costs(graph, Rates(flops=tp * hw.peak_tflops * 1e12 * hw.matmul_efficiency,
+                                     bytes=tp * hw.hbm_gb_s * 1e9 * hw.memory_efficiency))
+    counts = balanced_counts(costs, n_stages) if cuts is None else counts_from_cuts(list(cuts), len(costs.layers), n_stages)
+    return counts, costs.stage_seconds(counts)
 
 
 def _check_expert_parallel(model: nn.Module, ep: int, dp: int, cp: int, sequence_parallel: bool) -> None:

@@ -27,7 +27,8 @@ from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path
 from autoshard.passes.tables import TABLES
 
-__all__ = ["LayerStack", "StageGraph", "find_layers", "layer_of", "layers_per_stage", "split_stages"]
+__all__ = ["LayerStack", "StageGraph", "counts_from_cuts", "find_layers", "layer_of", "layers_per_stage", "split_stages",
+           "stage_cuts"]
 
 _INPUT, _PARAM, _ACT = "input", "param", "act"
 
@@ -87,6 +88,24 @@ def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
     return counts
 
 
+def stage_cuts(counts: list[int]) -> list[int]:
+    """The first layer of every stage after the first: [3, 3, 2] -> [3, 6]."""
+    return [sum(counts[:s]) for s in range(1, len(counts))]
+
+
+def counts_from_cuts(cuts: list[int], n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage from the first layer of each stage after the first ([3, 6] of 8 layers ->
+    [3, 3, 2]); a cut that does not give every stage at least one layer is refused, naming it."""
+    if len(cuts) != n_stages - 1 or any(not isinstance(c, int) or isinstance(c, bool) for c in cuts):
+        raise ShardingError(f"stage_cuts={cuts}: {n_stages} stages need {n_stages - 1} cut(s), each the "
+                            f"first layer (an int) of a stage after the first")
+    bounds = [0, *cuts, n_layers]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ShardingError(f"stage_cuts={cuts}: the cuts must rise strictly within 1..{n_layers - 1} "
+                            f"(the model has {n_layers} layers), so that every stage holds a layer")
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
 def layer_of(node: fx.Node, prefix: str) -> int | None:
     for path in _stack_paths(node):
         m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)", path)
@@ -138,11 +157,12 @@ def _assign_stages(graph: fx.Graph, kinds: dict[fx.Node, str], layer_stage: list
 
 
 def split_stages(gm: fx.GraphModule | fx.Graph, n_stages: int, param_names: dict[str, str] | set[str],
-                 late: Callable[[fx.Node], bool] = lambda n: False) -> list[StageGraph]:
+                 late: Callable[[fx.Node], bool] = lambda n: False, counts: list[int] | None = None) -> list[StageGraph]:
     """Cut `gm` (one rank's graph, or its module) into `n_stages` stage graphs; see the module docstring. Nodes
     outside the layers for which `late(node)` holds run where their users run, not where their
     inputs are made: an identity-forward collective (Megatron's f) between a norm in one stage and a
-    matmul in the next would otherwise send the same values twice."""
+    matmul in the next would otherwise send the same values twice. `counts`: the layers of each
+    stage (default: layers_per_stage's even counts)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     kinds = _kinds(graph, param_names)
     if n_stages == 1:       # one stage: the whole graph, whatever the model's structure
@@ -150,7 +170,8 @@ def split_stages(gm: fx.GraphModule | fx.Graph, n_stages: int, param_names: dict
         stage = {n: 0 for n, k in kinds.items() if k == _ACT}
     else:
         stack = find_layers(graph)
-        counts = layers_per_stage(stack.count, n_stages)
+        counts = layers_per_stage(stack.count, n_stages) if counts is None else \
+            counts_from_cuts(stage_cuts(counts), stack.count, n_stages)
         layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
         stage = _assign_stages(graph, kinds, layer_stage, stack.path, n_stages - 1, late)
     output = next(n for n in graph.nodes if n.op == "output")

@@ -34,6 +34,7 @@ class Described(Protocol):
     sharding: ShardingPlan
     rank0_graph: fx.Graph
     rank0_calls: list[tuple[str, str | None]]
+    predicted_stage_seconds: list[float] | None
 
     def stage_graphs(self, gm: fx.Graph) -> list[StageGraph]: ...
 
@@ -84,8 +85,10 @@ def describe(prog: Described) -> str:
         timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement)
         notes.append(f"pipeline: {prog.schedule_name} schedule, {prog.virtual} chunk(s) per rank, "
                      f"{prog.microbatches} microbatches, bubble {bubble_fraction(timeline):.3f} of ideal time")
+        predicted = prog.predicted_stage_seconds
         for sg in prog.stage_graphs(graph):
             pp_rank, chunk = stage_owner(sg.index, prog.pp, prog.placement)
+            time = f", predicted forward {predicted[sg.index] * 1e3:.3g} ms" if predicted else ""
             notes.append(f"  stage {sg.index} (pipeline rank {pp_rank}, chunk {chunk}): "
-                         f"layers {sg.layers.start}-{sg.layers.stop - 1}, receives {sg.receives or '-'}")
+                         f"layers {sg.layers.start}-{sg.layers.stop - 1}{time}, receives {sg.receives or '-'}")
     return "\n".join([head, table, *notes])

@@ -111,6 +111,16 @@ class ShardedProgram:
         return self._stages.param_holders
 
     @property
+    def predicted_stage_seconds(self) -> list[float] | None:
+        """Each pipeline stage's forward seconds as the stage cut priced them (None without a pipeline)."""
+        return self._stages.predicted
+
+    @property
+    def stage_counts(self) -> list[int] | None:
+        """Layers per pipeline stage, in stage order (None without a pipeline)."""
+        return self._stages.counts
+
+    @property
     def shared_params(self) -> dict[tuple[int, ...], list[str]]:
         """Pipeline ranks -> the parameters they all read (a tied embedding: first and last stage)."""
         return self._stages.shared_params

@@ -22,8 +22,11 @@ def _is_f(n: fx.Node) -> bool:
 class StageLayout:
     """pp * virtual stages per rank graph (cached by graph), and the parameters' pipeline ranks."""
 
-    def __init__(self, pp: int, virtual: int, names_with_ties: set[str], rank0: fx.Graph, placement: str = "loop"):
+    def __init__(self, pp: int, virtual: int, names_with_ties: set[str], rank0: fx.Graph, placement: str = "loop",
+                 counts: list[int] | None = None, predicted: list[float] | None = None):
         self.pp, self.virtual, self.names_with_ties = pp, virtual, names_with_ties
+        self.counts = counts                            # layers per stage (None: even counts)
+        self.predicted = predicted                      # each stage's predicted forward seconds, if known
         self._stages: dict[int, tuple[fx.GraphModule | fx.Graph, list[StageGraph]]] = {}
         self.param_holders: dict[str, set[int]] = {}    # parameter -> pipeline ranks reading it
         for sg in self.stage_graphs(rank0):
@@ -39,7 +42,8 @@ class StageLayout:
         """The pp * virtual stage graphs cut from one rank graph `gm` (cached unless `cache` is
         False; `gm` is kept alive with its entry so its id is not reused)."""
         if not cache and id(gm) not in self._stages:
-            return split_stages(gm, self.pp * self.virtual, self.names_with_ties, late=_is_f)
+            return split_stages(gm, self.pp * self.virtual, self.names_with_ties, late=_is_f, counts=self.counts)
         if id(gm) not in self._stages:
-            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, self.names_with_ties, late=_is_f))
+            self._stages[id(gm)] = (gm, split_stages(gm, self.pp * self.virtual, self.names_with_ties, late=_is_f,
+                                                     counts=self.counts))
         return self._stages[id(gm)][1]

@@ -1,6 +1,8 @@
 """Pipeline partitioning: stage graphs (tier a), all stages in one process against the model (tier b),
 the executor on a one-process gloo group, and the errors for bad input."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,48 @@ def test_executor_with_a_loss_outside_the_model(one_process_group):
     assert max_rel(loss, ref_loss) < 1e-6
     errs = grad_errors({n: p.grad for n, p in rt.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
     assert max(errs.values()) < 1e-5
+
+
+def test_balanced_cuts_follow_the_costs():
+    """A head as costly as four layers moves layers off the last stage; a cheap one leaves the even
+    counts; stage_cuts are read as each later stage's first layer and refused naming the problem."""
+    from autoshard.passes.stage_balance import LayerCosts, balanced_counts
+    from autoshard.passes.stages import counts_from_cuts
+    heavy_head = LayerCosts(layers=(1.0,) * 8, before=0.1, after=4.0)
+    assert balanced_counts(heavy_head, 2) == [6, 2] and heavy_head.stage_seconds([6, 2]) == [6.1, 6.0]
+    assert balanced_counts(LayerCosts((1.0,) * 8, 0.1, 0.2), 2) == [4, 4]
+    uneven = LayerCosts(layers=(2.0,) * 4 + (1.0,) * 4, before=0.0, after=0.0)   # a planted imbalance
+    assert balanced_counts(uneven, 2) == [3, 5]
+    assert counts_from_cuts([3, 6], 8, 3) == [3, 3, 2]
+    for cuts in ([3], [6, 3], [0, 4], [3, 8]):
+        with pytest.raises(ShardingError, match=r"stage_cuts=\["):
+            counts_from_cuts(cuts, 8, 3)
+
+
+def test_a_heavy_head_is_balanced_and_a_hand_cut_is_kept():
+    """Llama, 8 layers, a 4096-word vocabulary: the head and loss cost about six layers, so layer
+    counts [4, 4] leave the first pipeline rank idle; the balanced cut gives the first stage more
+    layers. Exact against one device either way; print(prog) shows each stage's predicted time."""
+    import transformers as hf
+    cfg = hf.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    kw = dict(input_ids=torch.randint(0, 4096, (2, 16), generator=g), labels=torch.randint(0, 4096, (2, 16), generator=g))
+    ref = model(**kw)
+    ref.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    worst = {}
+    for cuts in ([4], None):
+        prog = autoshard(model, pp=2, microbatches=2, example_kwargs=kw, stage_cuts=cuts)
+        counts = prog.stage_counts
+        assert counts == [4, 4] if cuts else counts[0] > 4, counts
+        worst[bool(cuts)] = max(prog.predicted_stage_seconds)
+        assert re.search(r"stage 1 \(pipeline rank 1, chunk 0\): layers \d-7, predicted forward [\d.e-]+ ms", str(prog))
+        out = prog.simulate(**kw)
+        assert max_rel(out.loss, ref.loss) <= 1e-5
+        out.loss.backward()
+        errs = grad_errors(prog.full_grads(), ref_grads)
+        assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
+    assert worst[False] < 0.8 * worst[True], worst          # the balanced cut's slowest stage is faster
