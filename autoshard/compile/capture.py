@@ -19,6 +19,7 @@ from torch import nn
 from torch.export import Dim
 
 from autoshard.compile import trace_cache
+from autoshard.compile.dense_experts import dense_experts
 from autoshard.compile.export_refusal import export_refusal
 from autoshard.errors import CaptureError
 from autoshard.module_paths import fetch_attr
@@ -271,7 +272,7 @@ def _export(model: nn.Module, named: dict[str, object], dynamic: bool, training:
     errors = []
     for dyn in ((True, False) if dynamic else (False,)):
         try:
-            with _mode(model, training), _no_cache(model):
+            with _mode(model, training), _no_cache(model), dense_experts(model):
                 return torch.export.export(model, (), named, dynamic_shapes=_dynamic(named) if dyn else None,
                                            strict=False)
         except Exception as e:  # the tracer's own reason is what the user needs to see
