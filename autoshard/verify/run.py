@@ -36,16 +36,22 @@ def Split(**given) -> dict[str, object]:       # noqa: N802 (a record's construc
 
 
 def _widest(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
-    """A float64 copy of `model` when its forward and backward run in float64, else a float32 one."""
+    """A float64 copy of `model` when its forward and backward run in float64 on the certificate's
+    batch and give a finite loss, else a float32 one. (Bloom in float64 gives NaN on a left-padded
+    row: its masks are filled with float32's minimum, two of them add to -inf once cast back for its
+    float32 softmax. Every comparison then read "differs", the model's own NaN against itself.)"""
     wide = copy.deepcopy(model).double()
     try:
-        pick_loss(wide(**{k: v[:1] for k, v in inputs.items()})).backward()
-        return wide, "float64"
+        loss = pick_loss(wide(**inputs))
+        loss.backward()
+        if bool(torch.isfinite(loss)):
+            return wide, "float64"
+        why = "float64 gives a non-finite loss on this batch: the model's own numerics"
     except (RuntimeError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()[0][:160]
-        return copy.deepcopy(model).float(), f"float32 (float64 refused by an op: {first})"
+        why = f"float64 refused by an op: {str(e).strip().splitlines()[0][:160]}"
     finally:
         wide.zero_grad(set_to_none=True)
+    return copy.deepcopy(model).float(), f"float32 ({why})"
 
 
 def _narrow_ops(prog, dtype: torch.dtype) -> list[str]:
