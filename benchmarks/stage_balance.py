@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from autoshard import autoshard  # noqa: E402
 from autoshard.planning.hardware import get_hardware  # noqa: E402
 from self_launch import run_workers  # noqa: E402
-from zero_bubble import ALLOCATOR  # noqa: E402
+from zero_bubble import ALLOCATOR, rank_idle  # noqa: E402
 
 PROGRAMS = ("even", "balanced")
 
@@ -49,13 +49,6 @@ def _batch(args: argparse.Namespace, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, args.vocab, (args.microbatches * args.micro_size, args.seq), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _idle(runtime) -> float:
-    acts = [r for r in runtime.records if r.action.kind in "FBW"]
-    end = torch.tensor(max(r.end for r in acts), dtype=torch.float64)
-    dist.all_reduce(end, op=dist.ReduceOp.MAX)
-    return float(end) - sum(r.end - r.start for r in acts)
 
 
 def _timed(runtime, opt, batch: dict) -> tuple[float, float]:
@@ -87,10 +80,10 @@ def worker(args: argparse.Namespace) -> None:
     for r in range(args.warmup + args.rounds):
         for name in (PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]):
             seconds = _timed(runtimes[name], opts[name], batches[r % 2])[0]
-            rank_idle = _idle(runtimes[name])
+            idle_now = rank_idle(runtimes[name])
             if r >= args.warmup:
                 wall[name].append(seconds)
-                idle[name].append(rank_idle)
+                idle[name].append(idle_now)
     gathered: list = [None] * 2
     dist.all_gather_object(gathered, {n: statistics.median(v) for n, v in idle.items()})
     if dist.get_rank() == 0:

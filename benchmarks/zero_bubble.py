@@ -113,12 +113,16 @@ class Ours:
         return float(self.runtime.train_step(x))
 
     def idle(self) -> float:
-        """This rank's idle seconds in the last step: from the step's start (every rank starts after
-        the same barrier) to the last action of any rank, less the time its own F, B and W ran."""
-        acts = [r for r in self.runtime.records if r.action.kind in "FBW"]
-        end = torch.tensor(max(r.end for r in acts), dtype=torch.float64)
-        dist.all_reduce(end, op=dist.ReduceOp.MAX)
-        return float(end) - sum(r.end - r.start for r in acts)
+        return rank_idle(self.runtime)
+
+
+def rank_idle(runtime) -> float:
+    """This rank's idle seconds in the runtime's last step: from the step's start (every rank starts
+    after the same barrier) to the last action of any rank, less the time its own F, B and W ran."""
+    acts = [r for r in runtime.records if r.action.kind in "FBW"]
+    end = torch.tensor(max(r.end for r in acts), dtype=torch.float64)
+    dist.all_reduce(end, op=dist.ReduceOp.MAX)
+    return float(end) - sum(r.end - r.start for r in acts)
 
 
 class Theirs:

@@ -81,12 +81,15 @@ def _merge(node: fx.Node) -> tuple[sympy.Expr, ...] | None:
 
 
 def _dims_ok(node: fx.Node) -> bool:
-    """Whether no dim this op names is 0 (the merged dim); reductions keep their dims named."""
+    """Whether every dim this op names is a positional int other than 0 (the merged dim): only those
+    are moved right, so a dim passed by keyword leaves the region as written."""
     name = op_name(node.target)
     for i in _DIM_ARGS.get(name, ()):
-        d = node.args[i] if len(node.args) > i else node.kwargs.get("dim")
+        if len(node.args) <= i:
+            return False
+        d = node.args[i]
         ds = d if isinstance(d, (list, tuple)) else [d]
-        if d is None or not ds or any(not isinstance(x, int) or x == 0 for x in ds):
+        if not ds or any(not isinstance(x, int) or x == 0 for x in ds):
             return False
     return True
 
