@@ -54,6 +54,17 @@ def _widest(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[nn.Modul
     return copy.deepcopy(model).float(), f"float32 ({why})"
 
 
+def _own_loss_not_finite(model: nn.Module, inputs: dict[str, torch.Tensor]) -> str | None:
+    """Why nothing can be compared, when the model's own loss on the certificate's batch is NaN or
+    infinite (every comparison would be NaN against NaN, and read as a difference)."""
+    with torch.no_grad():
+        loss = pick_loss(copy.deepcopy(model)(**inputs))
+    if bool(torch.isfinite(loss)):
+        return None
+    return (f"the model's own loss on the certificate's batch is {loss.item()} in "
+            f"{str(next(model.parameters()).dtype).removeprefix('torch.')}: there is nothing to compare against")
+
+
 def _narrow_ops(prog, dtype: torch.dtype) -> list[str]:
     """Modules whose ops compute in a float type narrower than `dtype` (the model's own casts)."""
     found: list[str] = []
@@ -111,6 +122,10 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     dtype = next(wide.parameters()).dtype
     cert = Certificate(type(model).__name__, {k: split[k] for k in _SPLIT_KEYS if k in split}, dtype_note,
                        TOLERANCES[dtype], "", batch.description, twin=list(twin or []))
+    if dtype != torch.float64 and (why := _own_loss_not_finite(wide, batch.inputs)) is not None:
+        cert.refusals.append(why)
+        cert.seconds = time.perf_counter() - started
+        return cert
     cert.runs.append("simulation (every rank in this process)")
     cert.notes = list(notes or [])
     cert.notes.append("every weight moved off its initial value first (biases not 0, norm weights not 1; "

@@ -208,3 +208,15 @@ def test_a_model_that_is_nan_in_float64_is_certified_in_float32():
     cert = verify_model(hf.BloomForCausalLM(cfg), dict(tp=2))
     assert cert.passed, cert.verdict()
     assert cert.dtype.startswith("float32 (float64 gives a non-finite loss on this batch")
+
+
+def test_a_model_whose_own_loss_is_nan_is_refused_saying_so():
+    """A weight that is NaN makes the model's own loss NaN in every float type: before, each
+    comparison was NaN against NaN and the certificate said "N of N comparisons differ", as if the
+    split were wrong."""
+    model = build_model("nanogpt", layers=2)
+    with torch.no_grad():
+        model.ln_f.weight[0] = float("nan")
+    cert = verify_model(model, dict(tp=2))
+    assert not cert.passed
+    assert cert.verdict().startswith("NOT VERIFIED: the model's own loss on the certificate's batch is nan in float32")
