@@ -249,7 +249,7 @@ def _rewrite(gm: fx.GraphModule, seed: fx.Node) -> list[fx.Node]:
     for s, n in new.items():
         s.replace_all_uses_with(n, delete_user_cb=lambda u, n=n: u is not n and u not in b.made)
     for n in ops:
-        _edit(graph, n, shift, vals[n])
+        _edit(b, n, shift, vals[n])
     erased = []
     for e in exits:
         if _dims(e) == _dims(e.args[0]):
@@ -275,38 +275,34 @@ def _moved_args(n: fx.Node, shift: int) -> list:
     return args
 
 
+def _as_matmul(n: fx.Node, emit) -> tuple:
+    """bmm / baddbmm (beta * input + alpha * b1 @ b2) as matmul, which takes any number of batch
+    dims: (target, args) of the last step; the steps before it are made by `emit(target, *args)`
+    (values when computing, nodes when editing)."""
+    if op_name(n.target) == "bmm":
+        return aten.matmul.default, tuple(n.args[:2])
+    beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+    inp, b1, b2 = n.args[:3]
+    prod = emit(aten.matmul.default, b1, b2)
+    if alpha != 1:
+        prod = emit(aten.mul.Tensor, prod, alpha)
+    if beta != 1:
+        inp = emit(aten.mul.Tensor, inp, beta)
+    return aten.add.Tensor, (inp, prod)
+
+
 def _call(n: fx.Node, shift: int, value) -> object:
     """The op's value on the unmerged shapes (`value` maps an argument node to its value)."""
-    args = fx.map_arg(_moved_args(n, shift), value)
-    kwargs = fx.map_arg(dict(n.kwargs), value)
-    name = op_name(n.target)
-    if name == "bmm":
-        return aten.matmul.default(*args)
-    if name == "baddbmm":
-        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-        prod = aten.matmul.default(args[1], args[2])
-        return (args[0] if beta == 1 else args[0] * beta) + (prod if alpha == 1 else prod * alpha)
-    return n.target(*args, **kwargs)
+    if op_name(n.target) in ("bmm", "baddbmm"):
+        target, args = _as_matmul(n, lambda t, *a: t(*fx.map_arg(a, value)))
+        return target(*fx.map_arg(args, value))
+    return n.target(*fx.map_arg(_moved_args(n, shift), value), **fx.map_arg(dict(n.kwargs), value))
 
 
-def _edit(graph: fx.Graph, n: fx.Node, shift: int, val: object) -> None:
-    name = op_name(n.target)
-    if name == "bmm":
-        n.target = aten.matmul.default
-    elif name == "baddbmm":          # beta * input + alpha * (b1 @ b2), on any number of batch dims
-        beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
-        inp, b1, b2 = n.args[:3]
-        with graph.inserting_before(n):
-            prod = graph.call_function(aten.matmul.default, (b1, b2))
-            prod.meta["val"] = aten.matmul.default(b1.meta["val"], b2.meta["val"])
-            if alpha != 1:
-                prod = graph.call_function(aten.mul.Tensor, (prod, alpha))
-            if beta != 1:
-                inp = graph.call_function(aten.mul.Tensor, (inp, beta))
-        n.target, n.args, n.kwargs = aten.add.Tensor, (inp, prod), {}
-        for extra in (prod, inp):
-            if extra.op == "call_function" and "val" not in extra.meta:
-                extra.meta["val"] = extra.target(*fx.map_arg(extra.args, lambda a: a.meta["val"]))
+def _edit(b: _Builder, n: fx.Node, shift: int, val: object) -> None:
+    if op_name(n.target) in ("bmm", "baddbmm"):
+        n.target, n.args = _as_matmul(n, lambda t, *a: b.call(n, t, *a))
+        n.kwargs = {}
     else:
         n.args = tuple(_moved_args(n, shift))
     n.meta["val"] = val

@@ -4,7 +4,8 @@
     counts = balanced_counts(costs, n_stages)       # [layers of stage 0, layers of stage 1, ...]
     costs.stage_seconds(counts)                     # each stage's predicted forward seconds
 
-Each node of a rank graph is priced from its own shapes (its meta value; symbolic sizes at the
+Each node of the captured graph (the whole model; the api multiplies the rates by tp, each rank
+doing 1/tp of the work) is priced from its own shapes (its meta value; symbolic sizes at the
 example's): a matmul-like op (`_FLOPS`) its FLOPs at the target's GEMM rate, any other op that
 makes a tensor the bytes of its result at its memory rate (`Rates`: the api reads both off the
 hardware profile). A node inside layer i counts for layer i;
@@ -117,8 +118,7 @@ def layer_costs(graph: fx.Graph, rates: Rates) -> LayerCosts:
     """Every node priced and counted for its layer, or for before / after the layers."""
     stack = find_layers(graph)
     first = next((n for n in graph.nodes if n.op == "placeholder" and isinstance(_val(n), torch.Tensor)), None)
-    sh = _Shapes(1)
-    sh.unknown = max(1, prod(sh.of(first))) if first is not None else 1      # the example's tokens
+    sh = _Shapes(max(1, prod(_Shapes(1).of(first))) if first is not None else 1)     # the example's tokens
     layers = [0.0] * stack.count
     before = after = 0.0
     seen_layer = False

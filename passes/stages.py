@@ -27,8 +27,7 @@ from autoshard.errors import ShardingError
 from autoshard.passes.graph_reading import module_path
 from autoshard.passes.tables import TABLES
 
-__all__ = ["LayerStack", "StageGraph", "counts_from_cuts", "find_layers", "layer_of", "layers_per_stage", "split_stages",
-           "stage_cuts"]
+__all__ = ["LayerStack", "StageGraph", "counts_from_cuts", "find_layers", "layer_of", "layers_per_stage", "split_stages"]
 
 _INPUT, _PARAM, _ACT = "input", "param", "act"
 
@@ -86,11 +85,6 @@ def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
     for s in order[: n_layers % n_stages]:
         counts[s] += 1
     return counts
-
-
-def stage_cuts(counts: list[int]) -> list[int]:
-    """The first layer of every stage after the first: [3, 3, 2] -> [3, 6]."""
-    return [sum(counts[:s]) for s in range(1, len(counts))]
 
 
 def counts_from_cuts(cuts: list[int], n_layers: int, n_stages: int) -> list[int]:
@@ -170,8 +164,11 @@ def split_stages(gm: fx.GraphModule | fx.Graph, n_stages: int, param_names: dict
         stage = {n: 0 for n, k in kinds.items() if k == _ACT}
     else:
         stack = find_layers(graph)
-        counts = layers_per_stage(stack.count, n_stages) if counts is None else \
-            counts_from_cuts(stage_cuts(counts), stack.count, n_stages)
+        if counts is None:
+            counts = layers_per_stage(stack.count, n_stages)
+        elif len(counts) != n_stages or sum(counts) != stack.count or min(counts) < 1:
+            raise ShardingError(f"stage layer counts {counts} do not cut {stack.count} layers into {n_stages} "
+                                f"stages of at least one layer")
         layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
         stage = _assign_stages(graph, kinds, layer_stage, stack.path, n_stages - 1, late)
     output = next(n for n in graph.nodes if n.op == "output")
