@@ -9,13 +9,16 @@ B runs autograd on the stage's inputs alone, with the graph kept, so the engine 
 branch that only leads to a parameter (a linear layer's weight-gradient matmul, say). Before it
 runs, each parameter's *frontier* is found in the autograd graph: the nodes where a value computed
 from the parameter alone (the parameter, its transpose, its bf16 copy...) meets the activations
-flowing from the inputs. B keeps the gradient arriving at each frontier node (a pre-hook). W starts
-from those nodes with those gradients and runs only the parameter side: each parameter's gradient
-is computed once, from exactly what B left. Parameters whose frontiers are linked (a weight used
-twice in one stage, one use feeding the other) share one W call in which the saved gradients
-replace what would flow between the frontier nodes, so nothing is counted twice. A stage output
-computed from parameters alone (the first stage's, which has no inputs) is a frontier of its own,
-started from its received gradient. The first stage has no input that needs a gradient: the
+flowing from the inputs. B keeps the gradient arriving at each frontier node (a pre-hook). W runs
+only the parameter side, each parameter's gradient computed once from exactly what B left. For the
+common frontier nodes (a matmul, a linear with its bias, a norm's weight, an embedding: the table
+WEIGHT_GRADS) W computes the parameter side's gradient itself, from what the node saved and the
+gradient B captured, by autograd's own formula, and the engine only runs the short chains from there
+to `.grad`; any other node is run again by the engine, from B's gradients, on its parameter side.
+Parameters whose frontiers are linked (a weight used twice in one stage, one use feeding the other)
+share one W call in which the saved gradients replace what would flow between the frontier nodes,
+so nothing is counted twice. A stage output computed from parameters alone (the first stage's,
+which has no inputs) is a frontier of its own, started from its received gradient. The first stage has no input that needs a gradient: the
 runtime taps the outputs of its first ops that read both the batch and a weight (an embedding, a
 first matmul: runtime/stage_actions.py's ChunkParams) and passes them as its inputs, so its B runs
 down to them and its W does the rest. A stage with no input needing a gradient at all has nothing
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -93,6 +97,7 @@ class _Group:
     frontier: list[Node]                      # B captures the gradient arriving at each
     seeds: dict[Edge, torch.Tensor]           # outputs computed from parameters alone: their gradients
     grads: dict[Node, tuple] = field(default_factory=dict)
+    weight_edges: dict[Node, list[int]] = field(default_factory=dict)   # each frontier node's edges to the parameter side
 
     def order(self) -> int:
         return max([n._sequence_nr() for n in self.frontier] + [n._sequence_nr() for n, _ in self.seeds], default=0)
@@ -115,7 +120,7 @@ def _groups(outputs: list[torch.Tensor], output_grads: list[torch.Tensor], input
     seed_grads = {(o.grad_fn, o.output_nr): g for o, g in zip(outputs, output_grads) if o.grad_fn not in from_inputs}
     seed_nodes = {node for node, _ in seed_grads}
     keys: list[set[Node]] = []
-    found: list[tuple[torch.Tensor, set[Node], set[Edge]]] = []
+    found: list[tuple[torch.Tensor, dict[Node, list[int]], set[Edge]]] = []
     for p in params:
         node = _node_of(p)
         if node is None or node not in users:
@@ -123,8 +128,8 @@ def _groups(outputs: list[torch.Tensor], output_grads: list[torch.Tensor], input
         reached, met = _upward([node], users, from_inputs)
         seeds = {e for e in seed_grads if e[0] in reached}
         if met or seeds:
-            found.append((p, met, seeds))
-            keys.append(met | {n for n in reached if n in seed_nodes})
+            found.append((p, {f: [k for k, (nxt, _) in enumerate(f.next_functions) if nxt in reached] for f in met}, seeds))
+            keys.append(set(met) | {n for n in reached if n in seed_nodes})
     # parameters sharing a frontier or seed node are one group (union-find over the list)
     parent = list(range(len(found)))
 
@@ -145,8 +150,147 @@ def _groups(outputs: list[torch.Tensor], output_grads: list[torch.Tensor], input
         g = merged.setdefault(root(i), _Group([], [], {}))
         g.params.append(p)
         g.frontier += [n for n in met if n not in g.frontier]
+        for n, edges in met.items():
+            g.weight_edges[n] = sorted(set(g.weight_edges.get(n, [])) | set(edges))
         g.seeds.update({e: seed_grads[e] for e in seeds})
     return sorted(merged.values(), key=lambda g: -g.order())     # as backward would meet them
+
+
+# ---- the weight halves of frontier nodes, computed by W itself ----------------------------------
+# Run through the engine, W's call from a frontier node walks the whole graph below it (the engine
+# marks what leads to the wanted parameters before it runs anything), once per group: on a Llama
+# stage that cost more than the weight matmuls it runs. For the nodes below, W computes the
+# parameter side's gradient from what the node saved in the forward and the gradient B captured at
+# it, by autograd's own formula (the same bits: the mm rules follow its column-major branch), and
+# hands all of them to one engine call that runs only the parameter-side chains (a transpose, a
+# bf16 cast, sp's f on a norm weight) into `.grad`. node name -> (node, its gradient, edge) -> the
+# gradient for that edge, or None when the node's state is not one the formula covers.
+
+
+def _fit(d: torch.Tensor, node: Node, k: int) -> torch.Tensor:
+    """What the engine does to a node's output before passing it down edge k (validate_outputs): summed
+    to the shape and cast to the dtype the next node takes (a broadcast bias or norm weight)."""
+    nxt, nr = node.next_functions[k]
+    meta = nxt._input_metadata[nr]
+    if tuple(d.shape) != tuple(meta.shape):
+        d = d.sum_to_size(meta.shape)
+    return d if d.dtype == meta.dtype else d.to(meta.dtype)
+
+
+def _scaled(t: torch.Tensor, alpha) -> torch.Tensor:
+    return t if alpha == 1 else t * alpha
+
+
+def _column_major(sizes, strides) -> bool:
+    return len(sizes) == 2 and strides[0] == 1 and strides[1] == sizes[0]
+
+
+def _mat1_grad(dy, mat2, sizes, strides, alpha=1):
+    """autograd's mm_mat1_backward."""
+    return _scaled(mat2.mm(dy.t()).t() if _column_major(sizes, strides) else dy.mm(mat2.t()), alpha)
+
+
+def _mat2_grad(dy, mat1, sizes, strides, alpha=1):
+    """autograd's mm_mat2_backward."""
+    return _scaled(dy.t().mm(mat1).t() if _column_major(sizes, strides) else mat1.t().mm(dy), alpha)
+
+
+def _mm(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    a, b = node._saved_self, node._saved_mat2
+    if k == 0 and b is not None:
+        return _mat1_grad(dy, b, node._saved_self_sym_sizes, node._saved_self_sym_strides)
+    if k == 1 and a is not None:
+        return _mat2_grad(dy, a, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides)
+    return None
+
+
+def _addmm(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    a, b, alpha = node._saved_mat1, node._saved_mat2, node._saved_alpha
+    if k == 0:
+        return _fit(_scaled(dy, node._saved_beta), node, 0)       # summed to the bias's shape
+    if k == 1 and b is not None:
+        return _mat1_grad(dy, b, node._saved_mat1_sym_sizes, node._saved_mat1_sym_strides, alpha)
+    if k == 2 and a is not None:
+        return _mat2_grad(dy, a, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides, alpha)
+    return None
+
+
+def _bmm(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    a, b = node._saved_self, node._saved_mat2
+    if k == 0 and b is not None:
+        return dy.bmm(b.transpose(1, 2))
+    if k == 1 and a is not None:
+        return a.transpose(1, 2).bmm(dy)
+    return None
+
+
+def _mul(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    other = node._saved_other if k == 0 else node._saved_self
+    return _fit(dy * other, node, k) if isinstance(other, torch.Tensor) else None
+
+
+def _add(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    return _fit(dy if k == 0 else _scaled(dy, node._saved_alpha), node, k)
+
+
+def _sub(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    return _fit(dy if k == 0 else _scaled(-dy, node._saved_alpha), node, k)
+
+
+def _layer_norm(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    if k == 0 or node._saved_weight is None:
+        return None
+    got = torch.ops.aten.native_layer_norm_backward(
+        dy, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+        node._saved_weight, node._saved_bias, [False, k == 1, k == 2])
+    return got[k]
+
+
+def _embedding(node: Node, dy: torch.Tensor, k: int) -> torch.Tensor | None:
+    if k != 0 or node._saved_sparse:
+        return None
+    pad = node._saved_padding_idx                # saved unsigned: -1 (none) reads as 2**64 - 1
+    return torch.ops.aten.embedding_backward(dy, node._saved_indices, node._saved_weight_sym_argsize_0,
+                                             pad - 2 ** 64 if pad >= 2 ** 63 else pad,
+                                             node._saved_scale_grad_by_freq, False)
+
+
+# Weight gradients W computes before handing them to the engine. One engine call per group cost
+# more than the short chains it runs; one per stage held every weight's gradient at once, past what
+# planning/memory_model.py predicts for a zero-bubble rank (the zbv test in test_memory_prediction).
+W_BATCH_BYTES = 2 ** 20
+
+WEIGHT_GRADS: dict[str, Callable[[Node, torch.Tensor, int], torch.Tensor | None]] = {
+    "MmBackward0": _mm,
+    "AddmmBackward0": _addmm,
+    "BmmBackward0": _bmm,
+    "MulBackward0": _mul,
+    "AddBackward0": _add,
+    "SubBackward0": _sub,
+    "NativeLayerNormBackward0": _layer_norm,
+    "EmbeddingBackward0": _embedding,
+}
+
+
+def _direct(g: _Group) -> list[tuple[GradientEdge, torch.Tensor]] | None:
+    """The parameter-side edges of `g`'s frontier with their gradients, computed by WEIGHT_GRADS;
+    None when a node is not in the table: the group then runs in the engine. Outputs computed from
+    parameters alone (seeds) start parameter-side chains of their own and join the edges as they are."""
+    out = [(GradientEdge(node, nr), x) for (node, nr), x in g.seeds.items()]
+    for node in g.frontier:
+        got = g.grads.get(node)
+        if not got:
+            continue                            # no gradient reached it
+        rule = WEIGHT_GRADS.get(node.name())
+        if rule is None or len(got) != 1 or got[0] is None or got[0].is_complex() \
+                or got[0].layout != torch.strided:
+            return None
+        for k in g.weight_edges.get(node, ()):
+            d = rule(node, got[0], k)
+            if d is None:
+                return None
+            out.append((GradientEdge(*node.next_functions[k]), d))
+    return out
 
 
 def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor | None],
@@ -201,26 +345,49 @@ def backward_weight(work: WeightWork) -> None:
     backward would, without a copy)."""
     if work.done:
         torch.autograd.backward([p for p, _ in work.done], [d for _, d in work.done])
+    # The groups W computes itself go to the engine together, W_BATCH_BYTES at a time.
+    edges: list[tuple[GradientEdge, torch.Tensor]] = []
+    params: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if edges:
+            torch.autograd.backward([e for e, _ in edges], [d for _, d in edges], retain_graph=True, inputs=params)
+        edges.clear()
+        params.clear()
     for g in work.groups:
-        edges: list[GradientEdge] = []
-        seeds: list[torch.Tensor] = []
-        for node in g.frontier:
-            for i, x in enumerate(g.grads.get(node, ())):
-                if x is not None:
-                    edges.append(GradientEdge(node, i))
-                    seeds.append(x)
-        for (node, nr), x in g.seeds.items():
-            edges.append(GradientEdge(node, nr))
-            seeds.append(x)
-        if not edges:
+        got = _direct(g)
+        if got is None:
+            flush()                              # in the order a whole backward meets them
+            _through_engine(g)
             continue
-        # linked frontier nodes: what flows between them in W was already counted in B's capture
-        clamps = [node.register_prehook(lambda _, saved=g.grads[node]: saved)
-                  for node in g.frontier if node in g.grads] if len(g.frontier) > 1 else []
-        try:
-            torch.autograd.backward(edges, seeds, retain_graph=True, inputs=g.params)
-        finally:
-            for h in clamps:
-                h.remove()
+        edges += got
+        params += g.params
+        if sum(d.numel() * d.element_size() for _, d in edges) >= W_BATCH_BYTES:
+            flush()
+    flush()
     work.groups.clear()
     work.done.clear()
+
+
+def _through_engine(g: _Group) -> None:
+    """A group W cannot compute itself: the engine runs its frontier nodes again from B's gradients."""
+    edges: list[GradientEdge] = []
+    seeds: list[torch.Tensor] = []
+    for node in g.frontier:
+        for i, x in enumerate(g.grads.get(node, ())):
+            if x is not None:
+                edges.append(GradientEdge(node, i))
+                seeds.append(x)
+    for (node, nr), x in g.seeds.items():
+        edges.append(GradientEdge(node, nr))
+        seeds.append(x)
+    if not edges:
+        return
+    # linked frontier nodes: what flows between them in W was already counted in B's capture
+    clamps = [node.register_prehook(lambda _, saved=g.grads[node]: saved)
+              for node in g.frontier if node in g.grads] if len(g.frontier) > 1 else []
+    try:
+        torch.autograd.backward(edges, seeds, retain_graph=True, inputs=g.params)
+    finally:
+        for h in clamps:
+            h.remove()

@@ -152,3 +152,49 @@ def test_an_input_that_is_a_frontier_gets_its_gradient_from_b():
     assert all(p.grad is None for p in params)
     backward_weight(work)
     assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
+
+
+def test_w_runs_no_frontier_node_of_the_weight_table():
+    """W computes a linear's, a norm weight's and an embedding's gradient from what their autograd
+    nodes saved (WEIGHT_GRADS) and hands only the parameter-side chains to the engine: the frontier
+    nodes themselves (each a full matmul's worth of graph below it to walk) are not run again."""
+    params, run = _stage()
+    x = torch.randn(4, 8, requires_grad=True)
+    outs = run(x)
+    _, work = backward_input(outs, [torch.ones(4, 8), torch.ones(4, 8)], [x], params)
+    ran = []
+    hooks = [n.register_prehook(lambda g, n=n: ran.append(n.name())) for g in work.groups for n in g.frontier]
+    backward_weight(work)
+    for h in hooks:
+        h.remove()
+    assert ran == [], ran
+
+
+def test_w_falls_back_to_the_engine_for_a_node_outside_the_table():
+    """A weight meeting the activations in an op W has no formula for (here a custom autograd
+    function) still gets its gradient, through the engine, bit for bit."""
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, w):
+            ctx.save_for_backward(h, w)
+            return h * w
+
+        @staticmethod
+        def backward(ctx, g):
+            h, w = ctx.saved_tensors
+            return g * w, (g * h).sum(0)
+    torch.manual_seed(0)
+    w, lin = torch.nn.Parameter(torch.randn(8)), torch.nn.Linear(8, 8)
+    params = [w, lin.weight, lin.bias]
+
+    def run(x):
+        return [lin(Scale.apply(x, w)).tanh()]
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.autograd.backward(run(x), [torch.ones(4, 8)])
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    x2 = x.detach().clone().requires_grad_()
+    _, work = backward_input(run(x2), [torch.ones(4, 8)], [x2], params)
+    backward_weight(work)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, want))
