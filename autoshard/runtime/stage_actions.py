@@ -5,7 +5,8 @@ on the microbatch, sends the outputs on and keeps what backward needs. B receive
 gradients (the last stage starts from its loss), back-propagates and sends its input gradients
 back. In a schedule without W actions B is the whole backward and frees the microbatch; with them
 B computes the input gradients only and W, later, the parameters' (runtime/backward_split.py),
-then frees it. Gradients land in the runtime's gradient buffers (runtime/gradients.py) through
+then frees it; where the first stage's W comes right after its B, B is the whole backward and W
+empty (`whole_backwards`). Gradients land in the runtime's gradient buffers (runtime/gradients.py) through
 `.grad`, once per parameter and microbatch either way. Each action's start and end are recorded.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from autoshard.runtime.gradients import main_dtype
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Receive
 from autoshard.runtime.trace import ActionRecord
 
-__all__ = ["ChunkParams", "build_chunk", "receive_order", "run_actions"]
+__all__ = ["ChunkParams", "build_chunk", "receive_order", "run_actions", "whole_backwards"]
 
 
 _OPS = ("call_function", "call_method", "call_module")
@@ -115,6 +116,19 @@ def build_chunk(root: torch.nn.Module, sg: StageGraph, split: bool) -> tuple[Sta
     return sg, fx.GraphModule(root, graph, class_name=f"Stage{sg.index}"), params
 
 
+def whole_backwards(rt) -> set[tuple[int, int]]:
+    """(stage, microbatch) pairs of the first stage whose W comes right after its B in `rt`'s actions:
+    no stage waits for the first stage's input gradients, and nothing runs between, so the split
+    would only cost (B + W is more than one backward: runtime/backward_split.py); B runs the whole
+    backward and W is empty. ZB-H1's rank 0 runs every microbatch so, ZBV's rank 0 its steady state."""
+    out = set()
+    for a, nxt in zip(rt.actions, rt.actions[1:]):
+        if a.kind == "B" and nxt.kind == "W" and (a.chunk, a.microbatch) == (nxt.chunk, nxt.microbatch) \
+                and rt.stage_of(a) == 0:
+            out.add((0, a.microbatch))
+    return out
+
+
 def receive_order(rt) -> list[Receive]:
     """The receives from other ranks that `rt`'s actions make in one step, in order (run_actions'
     rules: an F past the first stage receives its inputs, a B before the last stage its outputs'
@@ -138,6 +152,7 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
     what is live between actions there)."""
     last = rt.n_stages - 1
     split = rt.split
+    whole = whole_backwards(rt) if split else set()
     saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     pending: dict[tuple[int, int], WeightWork] = {}
     losses, origin = [], rt._origin
@@ -179,7 +194,11 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
                 start = time.time()
                 pairs = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
             floats = [t for t in received if t.is_floating_point()]
-            if split:
+            if split and (stage, i) in whole:
+                if pairs:                      # B and W at once; its W (next) has nothing left to do
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                back, pending[(stage, i)] = [None] * len(floats), WeightWork([], [])
+            elif split:
                 back, pending[(stage, i)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
                                                            params.tensors(gm, params.names),
                                                            params.tensors(gm, params.recomputed))

@@ -173,3 +173,22 @@ def test_the_first_stage_is_tapped_where_the_batch_meets_a_weight():
     ids = torch.randint(0, 16, (2, 4))
     assert torch.equal(tapped(ids), gm(ids)) and len(params.taps) == 2
     assert [t.shape for t in params.taps] == [torch.Size([2, 4, 8]), torch.Size([4, 8])]
+
+
+def test_the_first_stage_runs_whole_backwards_where_its_w_follows_its_b():
+    """runtime/stage_actions.whole_backwards: nobody waits for the first stage's input gradients, so
+    where its W comes right after its B the split would only cost; ZB-H1's rank 0 does so for every
+    microbatch, and so does ZBV's at pp=2; no other stage ever."""
+    from types import SimpleNamespace
+
+    from autoshard.runtime.stage_actions import whole_backwards
+
+    def rank(name: str, pp: int, m: int, r: int):
+        spec = schedule_spec(name)
+        steps = make_schedule(name, pp, spec.chunks or 1, m)
+        return SimpleNamespace(actions=steps[r], stage_of=lambda a: a.stage(r, pp, spec.placement))
+    assert whole_backwards(rank("zb-h1", 2, 8, 0)) == {(0, i) for i in range(8)}
+    assert whole_backwards(rank("zb-h1", 2, 8, 1)) == set()
+    assert whole_backwards(rank("zbv", 2, 8, 0)) == {(0, i) for i in range(8)}
+    assert whole_backwards(rank("zbv", 4, 8, 0))
+    assert whole_backwards(rank("zbv", 2, 8, 1)) == set() == whole_backwards(rank("zbv", 4, 8, 2))
