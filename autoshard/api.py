@@ -25,6 +25,7 @@ from autoshard.planning.context_cost import choose_attention
 from autoshard.planning.costmodel import Estimate
 from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.planner import plan
+from autoshard.planning.schedule_choice import choose_from_graph
 from autoshard.planning.graph_fit import fastest_that_fits
 from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import check, make_schedule, schedule_spec
@@ -51,7 +52,11 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     needs microbatches divisible by pp), or a zero-bubble schedule, which splits each backward into
     input and weight gradients (runtime/backward_split.py): "zb-h1" (one chunk per rank), "zbv" and
     "v-half" (two chunks per rank in a V; virtual defaults to 2). runtime/schedules.py says what each
-    costs and holds. See `ShardedProgram.distributed` for training.
+    costs and holds. "auto": the fastest of 1f1b, interleaved, zb-h1, zbv and v-half predicted from
+    the captured graph's F, B and W times on `hardware` (planning/schedule_choice.choose_from_graph),
+    the split's own cost included (Hardware.split_backward); `prog.schedule_choice.explain()` and
+    print(prog) say why. Memory is not weighed (the zero-bubble schedules hold what 1F1B holds or
+    less; interleaved a little more). See `ShardedProgram.distributed` for training.
     stage_cuts: the first layer of every stage after the first (pp * virtual - 1 of them: [5] cuts 8
     layers into 0-4 and 5-7). Default: balanced by cost (passes/stage_balance.py): each layer, and
     the embedding before the layers and the head and loss after them, priced from the rank graph's
@@ -129,14 +134,16 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     # the fastest whose every pipeline rank fits, both read off its own graphs, is kept
     given_example = example_inputs is not None or example_kwargs is not None
     candidates = _planned_split(model, world_size, global_batch, hardware, sequence_parallel, recompute,
-                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches), schedule,
+                                dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches),
+                                None if schedule == "auto" else schedule,
                                 seq=_sequence_length(args, kwargs) if given_example else None,
                                 distributed_optimizer=distributed_optimizer)
 
     def build(chosen: Estimate) -> ShardedProgram:
         return _program(model, args, kwargs, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, ep=chosen.ep,
                         virtual=chosen.virtual, microbatches=chosen.microbatches, recompute=chosen.recompute,
-                        schedule=schedule or (chosen.schedule if chosen.pp > 1 else None), **common)
+                        schedule=(None if schedule == "auto" else schedule) or (chosen.schedule if chosen.pp > 1 else None),
+                        **common)
     return fastest_that_fits(candidates, get_hardware(hardware), build, world_size)
 
 
@@ -147,7 +154,8 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
              stage_cuts: list[int] | None = None) -> ShardedProgram:
     """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
-    if virtual is None and schedule is not None:
+    auto = schedule == "auto"
+    if virtual is None and schedule is not None and not auto:
         virtual = schedule_spec(schedule).chunks         # a V schedule's two chunks
     tp, pp, dp, ep, cp, virtual, microbatches = (1 if x is None else x
                                                  for x in (tp, pp, dp, ep, cp, virtual, microbatches))
@@ -165,23 +173,46 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     dims = ParallelDims(tp, pp, dp, ep, cp)
     if virtual > 1 and pp == 1:
         raise ShardingError(f"virtual={virtual} chunks per rank need pp > 1")
-    schedule_name = schedule or ("interleaved" if virtual > 1 else "1f1b")
-    steps = make_schedule(schedule_name, pp, virtual, microbatches)
-    placement = schedule_spec(schedule_name).placement
-    check(steps, virtual, microbatches, placement=placement)     # complete and deadlock-free, or it raises
+    if not auto:
+        schedule_name, steps, placement = _schedule(schedule or ("interleaved" if virtual > 1 else "1f1b"),
+                                                    pp, virtual, microbatches)
 
     # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
                         ep=ep, cp=cp, cp_attention=cp_attention,
                         cp_choose=lambda sizes: choose_attention(**sizes, cp=cp, tp=tp, hw=get_hardware(hardware)))
     first = compiler.compile_signature(named)               # capture -> annotate
+    choice = None
+    if auto:                                                # the schedule, priced on the captured graph
+        choice = choose_from_graph(first.captured.gm.graph, pp=pp, virtual=virtual, microbatches=microbatches,
+                                   rates=_rates(hardware, tp), split_backward=get_hardware(hardware).split_backward,
+                                   link_bytes_s=tp * get_hardware(hardware).nvlink_gb_s * 1e9,
+                                   latency_s=get_hardware(hardware).latency_us * 1e-6, stage_cuts=stage_cuts)
+        virtual = choice.chosen.virtual if choice else 1
+        schedule_name, steps, placement = _schedule(choice.name if choice else "1f1b", pp, virtual, microbatches)
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)
     all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}     # tied weights' too
     counts, predicted = _stage_counts(first.captured.gm.graph, pp * virtual, stage_cuts, hardware, tp)
     stages = StageLayout(pp, virtual, all_names, rank0.graph, placement, counts, predicted)   # stages; who holds each parameter
     prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
-                          microbatches=microbatches, schedule_name=schedule_name, schedule=steps)
+                          microbatches=microbatches, schedule_name=schedule_name, schedule=steps,
+                          schedule_choice=choice)
     return prog
+
+
+def _schedule(name: str, pp: int, virtual: int, microbatches: int) -> tuple[str, list, str]:
+    """A schedule's name, steps and placement, checked complete and deadlock-free (or it raises)."""
+    steps = make_schedule(name, pp, virtual, microbatches)
+    placement = schedule_spec(name).placement
+    check(steps, virtual, microbatches, placement=placement)
+    return name, steps, placement
+
+
+def _rates(hardware: str | Hardware, tp: int) -> Rates:
+    """What one rank's share of the model runs at: each of tp ranks does 1/tp of every op."""
+    hw = get_hardware(hardware)
+    return Rates(flops=tp * hw.peak_tflops * 1e12 * hw.matmul_efficiency,
+                 bytes=tp * hw.hbm_gb_s * 1e9 * hw.memory_efficiency)
 
 
 def _stage_counts(graph, n_stages: int, cuts: list[int] | None, hardware: str | Hardware, tp: int
@@ -193,9 +224,7 @@ def _stage_counts(graph, n_stages: int, cuts: list[int] | None, hardware: str | 
         if cuts:
             raise ShardingError(f"stage_cuts={cuts} need a pipeline (pp > 1)")
         return None, None
-    hw = get_hardware(hardware)
-    costs = layer_costs(graph, Rates(flops=tp * hw.peak_tflops * 1e12 * hw.matmul_efficiency,
-                                     bytes=tp * hw.hbm_gb_s * 1e9 * hw.memory_efficiency))
+    costs = layer_costs(graph, _rates(hardware, tp))
     counts = balanced_counts(costs, n_stages) if cuts is None else counts_from_cuts(list(cuts), len(costs.layers), n_stages)
     return counts, costs.stage_seconds(counts)
 

@@ -44,6 +44,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from autoshard import autoshard  # noqa: E402
+from autoshard.planning.hardware import Hardware, get_hardware  # noqa: E402
 from autoshard.planning.schedule_choice import StageTimes, choose_schedule, stage_times  # noqa: E402
 from autoshard.runtime.schedules import make_schedule, overlapped_bubble  # noqa: E402
 from self_launch import run_workers  # noqa: E402
@@ -53,7 +54,7 @@ from self_launch import run_workers  # noqa: E402
 # matmuls ran 7% slower than 1F1B's, with this 3-5%). Every program, ours and torch's, runs so.
 ALLOCATOR = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(32 * 2 ** 20),
              "MALLOC_TRIM_THRESHOLD_": str(8 * 2 ** 30), "MALLOC_TOP_PAD_": str(256 * 2 ** 20)}
-OURS = ("1f1b", "zb-h1", "zbv", "v-half")
+OURS = ("1f1b", "interleaved", "zb-h1", "zbv", "v-half")
 AT_NEED = ", receives at need"      # --receive-at-need: the same schedule, each receive posted by its action
 
 
@@ -93,24 +94,93 @@ def _square_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-def build(args: argparse.Namespace) -> Stack:
+def build(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(0)
-    return Stack(args.layers, args.hidden)
+    if args.model == "mlp":
+        return Stack(args.layers, args.hidden)
+    import transformers as hf
+    cfg = hf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq,
+                         tie_word_embeddings=False)
+    return hf.LlamaForCausalLM(cfg)
+
+
+def one_core(args: argparse.Namespace) -> Hardware:
+    """One core's rates (--gflops, --gb-s), what the stage cuts and schedule="auto" are priced at, and
+    a message between two pinned gloo processes on this machine: 1.2-1.9 ms from send to receipt
+    for 0.5-2 MB (its CPU time is 0.1-0.3 ms: latency, not bandwidth), taken as 1.5 ms."""
+    return get_hardware("a100-80gb", peak_tflops=args.gflops / 1e3, hbm_gb_s=args.gb_s, matmul_efficiency=1.0,
+                        memory_efficiency=1.0, latency_us=1500.0, nvlink_gb_s=10.0)
+
+
+def predicted_order(args: argparse.Namespace, m: int, split_backward: float) -> list[str]:
+    """The schedules fastest first, as schedule="auto" predicts them from the graph at one core's
+    rates, the split costing `split_backward` (B + W over one backward)."""
+    example = {k: v[:args.micro_size] for k, v in batches(args, 1)[0].items()}
+    hw = get_hardware(one_core(args), split_backward=split_backward)
+    return autoshard(build(args), pp=2, microbatches=m, schedule="auto", example_kwargs=example,
+                     hardware=hw).schedule_choice.order()
+
+
+def batches(args: argparse.Namespace, m: int) -> list[dict]:
+    """Two batches of m microbatches: float inputs for the MLP stack, token ids and labels (the
+    same ids: the model shifts them) for the Llama."""
+    gen = torch.Generator().manual_seed(1)
+    size = m * args.micro_size
+    if args.model == "mlp":
+        return [{"x": torch.randn(size, args.seq, args.hidden, generator=gen)} for _ in range(2)]
+    out = []
+    for _ in range(2):
+        ids = torch.randint(0, args.vocab, (size, args.seq), generator=gen)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+class LlamaPart(nn.Module):
+    """Layers lo..hi-1 of a Hugging Face Llama as one torch.distributed.pipelining stage; the first
+    also embeds the ids, the last also runs the final norm and the head."""
+
+    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.embed = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[lo:hi])
+        self.rotary = inner.rotary_emb
+        self.norm, self.head = (inner.norm, model.lm_head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        positions = torch.arange(h.shape[1])[None]
+        rotary = self.rotary(h, positions)
+        for layer in self.layers:       # no mask: causal attention (transformers' sdpa path)
+            h = layer(h, position_embeddings=rotary, position_ids=positions)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.head(self.norm(h)) if self.head is not None else h
+
+
+def _shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The Llama's own loss: token t predicts label t + 1, the mean over the microbatch's tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
 class Ours:
-    def __init__(self, name: str, args: argparse.Namespace, m: int):
-        example = torch.zeros(args.micro_size, args.seq, args.hidden)
+    def __init__(self, name: str, args: argparse.Namespace, m: int, cuts: list[int] | None):
+        example = {k: v[:args.micro_size] for k, v in batches(args, 1)[0].items()}
         schedule = name.removesuffix(AT_NEED)
-        self.runtime = autoshard(build(args), pp=2, microbatches=m, schedule=schedule,
-                                 example_inputs=(example,)).distributed()
+        # the V schedules run on the 4-stage cut torch's stages get (`cuts`; None: the default)
+        self.program = autoshard(build(args), pp=2, microbatches=m, schedule=schedule, example_kwargs=example,
+                                 virtual=2 if schedule == "interleaved" else None,
+                                 stage_cuts=cuts if schedule in ("interleaved", "zbv", "v-half") else None,
+                                 hardware=one_core(args))
+        self.runtime = self.program.distributed()
         self.runtime.transfer.ahead = not name.endswith(AT_NEED)     # runtime/p2p.py's receiving ahead
 
     def parameters(self):
         return self.runtime.parameters()
 
-    def step(self, x: torch.Tensor) -> float:
-        return float(self.runtime.train_step(x))
+    def step(self, batch: dict) -> float:
+        return float(self.runtime.train_step(**batch))
 
     def idle(self) -> float:
         return rank_idle(self.runtime)
@@ -128,24 +198,28 @@ def rank_idle(runtime) -> float:
 class Theirs:
     """torch.distributed.pipelining on 4 stages of equal blocks, 2 per rank."""
 
-    def __init__(self, kind: str, args: argparse.Namespace, m: int):
+    def __init__(self, kind: str, args: argparse.Namespace, m: int, cuts: list[int]):
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
         rank, model = dist.get_rank(), build(args)
-        per = args.layers // 4
+        bounds = [0, *cuts, args.layers]              # the layers of each of the 4 stages
         mine = [rank, 3 - rank] if kind == "torch zbv" else [rank, rank + 2]
-        self.modules = [nn.Sequential(*([model.norm] if s == 0 else []), *model.blocks[s * per:(s + 1) * per])
-                        for s in mine]
+        if args.model == "mlp":
+            self.modules = [nn.Sequential(*([model.norm] if s == 0 else []), *model.blocks[bounds[s]:bounds[s + 1]])
+                            for s in mine]
+        else:
+            self.modules = [LlamaPart(model, bounds[s], bounds[s + 1], s == 0, s == 3) for s in mine]
         stages = [PipelineStage(mod, s, 4, torch.device("cpu")) for mod, s in zip(self.modules, mine)]
         make = ScheduleZBVZeroBubble if kind == "torch zbv" else ScheduleInterleavedZeroBubble
-        self.schedule = make(stages, m, loss_fn=_square_mean)
+        self.schedule = make(stages, m, loss_fn=_square_mean if args.model == "mlp" else _shifted_cross_entropy)
         self.first, self.last = 0 in mine, 3 in mine
 
     def parameters(self):
         return [p for mod in self.modules for p in mod.parameters()]
 
-    def step(self, x: torch.Tensor) -> float:
+    def step(self, batch: dict) -> float:
         losses: list[torch.Tensor] = []
-        target = torch.zeros(x.shape[0])
+        x = batch["x"] if "x" in batch else batch["input_ids"]
+        target = torch.zeros(x.shape[0]) if "x" in batch else batch["labels"]
         args = (x,) if self.first else ()
         self.schedule.step(*args, target=target if self.last else None, losses=losses)
         loss = torch.stack(losses).mean().detach() if self.last else torch.zeros(())
@@ -153,10 +227,15 @@ class Theirs:
         return float(loss)
 
 
-def _timed(program, opt, x: torch.Tensor) -> tuple[float, float]:
+def _median_spans(records: list) -> dict[str, float]:
+    """This rank's median seconds per B and per W action in a step (0 where it ran none)."""
+    return {k: statistics.median([r.end - r.start for r in records if r.action.kind == k] or [0.0]) for k in "BW"}
+
+
+def _timed(program, opt, batch: dict) -> tuple[float, float]:
     dist.barrier()
     t0 = time.perf_counter()
-    loss = program.step(x)
+    loss = program.step(batch)
     opt.step()
     opt.zero_grad(set_to_none=True)
     dist.barrier()
@@ -172,35 +251,50 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     out = {}
     for m in args.microbatches:
-        batch = m * args.micro_size
-        gen = torch.Generator().manual_seed(1)
-        xs = [torch.randn(batch, args.seq, args.hidden, generator=gen) for _ in range(2)]
+        xs = batches(args, m)
         ours = _ours(args)
-        programs = {name: Ours(name, args, m) for name in ours}
-        programs.update({name: Theirs(name, args, m) for name in THEIRS})
+        # the V schedules' 4 stages: autoshard's own cut for zbv (balanced by cost), given to torch's too
+        programs = {"zbv": Ours("zbv", args, m, None)}
+        counts = programs["zbv"].program.stage_counts
+        cuts = [sum(counts[:k]) for k in range(1, len(counts))]
+        programs.update({name: Ours(name, args, m, cuts) for name in ours if name != "zbv"})
+        programs = {name: programs[name] for name in ours}
+        programs.update({name: Theirs(name, args, m, cuts) for name in THEIRS})
         opts = {name: torch.optim.SGD(p.parameters(), lr=1e-3) for name, p in programs.items()}
         first = {name: _timed(p, opts[name], xs[0])[1] for name, p in programs.items()}
         agree = max(abs(v - first["1f1b"]) / abs(first["1f1b"]) for v in first.values())
         names = list(programs)
         wall = {n: [] for n in names}
         idle = {n: [] for n in ours}
+        split_cost = []         # this rank's (B + W of ZB-H1) / (B of 1F1B), medians per step, per round
         for r in range(args.warmup + args.rounds):
+            backward = {}
             for name in names[r % len(names):] + names[:r % len(names)]:
                 seconds = _timed(programs[name], opts[name], xs[r % 2])[0]
                 step_idle = programs[name].idle() if name in ours else None
+                if name in ("1f1b", "zb-h1"):
+                    backward[name] = _median_spans(programs[name].runtime.records)
                 if r >= args.warmup:
                     wall[name].append(seconds)
                     if name in ours:
                         idle[name].append(step_idle)
+            if r >= args.warmup:
+                split_cost.append((backward["zb-h1"]["B"] + backward["zb-h1"]["W"]) / backward["1f1b"]["B"])
         fbw = stage_times(programs["zb-h1"].runtime.records) if rank == 1 else None
         gathered: list = [None] * 2
         dist.all_gather_object(gathered, {"idle": {n: statistics.median(v) for n, v in idle.items()},
+                                          "split": statistics.median(split_cost),
                                           "fbw": fbw and [fbw.forward, fbw.backward_input, fbw.backward_weight]})
         out[m] = {"loss_agree": agree, "wall": {n: statistics.median(v) for n, v in wall.items()},
                   "ratios": {n: statistics.median(a / b for a, b in zip(wall[n], wall["1f1b"])) for n in names},
                   "vs_torch": {f"{n}/{t}": statistics.median(a / b for a, b in zip(wall[n], wall[t]))
                                for n in ours for t in THEIRS},
-                  "idle": [g["idle"] for g in gathered], "fbw": gathered[1]["fbw"]}
+                  "idle": [g["idle"] for g in gathered], "fbw": gathered[1]["fbw"],
+                  "split": [g["split"] for g in gathered], "cuts": cuts,
+                  # as schedule="auto" would see them: the preset's split cost, and the one measured here
+                  "predicted": predicted_order(args, m, get_hardware("a100-80gb").split_backward),
+                  "predicted_measured": predicted_order(args, m, max(1.0, *(g["split"] for g in gathered))),
+                  "counts": {n: programs[n].program.stage_counts for n in ours}}
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.barrier()
@@ -227,7 +321,17 @@ def _tables(out: dict, args: argparse.Namespace) -> str:
             lines.append(f"| {'autoshard ' + n if n in ours else n} | {1e3 * r['wall'][n]:.1f} | "
                          f"{r['ratios'][n]:.3f} | {idle[0]} | {idle[1]} |")
         ratio_idle = max(r["idle"][k]["zb-h1"] / r["idle"][k]["1f1b"] for k in (0, 1))
-        lines += ["", f"ZB-H1 idle / 1F1B idle, the worse rank: {ratio_idle:.2f}; best autoshard zero-bubble "
+        measured = sorted(("1f1b", "interleaved", "zb-h1", "zbv", "v-half"), key=lambda n: r["wall"][n])
+        split = max(1.0, *r["split"])
+        lines += ["", f"Order, fastest first: measured {', '.join(measured)}; predicted by schedule=\"auto\" from the "
+                      f"graph ({args.gflops:g} GFLOP/s, {args.gb_s:g} GB/s, 1.5 ms a message), the split costing the preset's 1.05: "
+                      f"{', '.join(r['predicted'])}" + (" (the same)" if measured == r["predicted"] else " (differs)")
+                  + f"; costing the {split:.3f} measured here: {', '.join(r['predicted_measured'])}"
+                  + (" (the same)" if measured == r["predicted_measured"] else " (differs)")]
+        lines += ["", f"Layers per stage: 2-stage programs {r['counts']['1f1b']}, V programs (and torch's) "
+                      f"{r['counts']['zbv']}. ZB-H1's B + W over 1F1B's whole backward, per stage (rank 0, rank 1; "
+                      f"medians of per-round ratios): {r['split'][0]:.3f}, {r['split'][1]:.3f}.",
+                  "", f"ZB-H1 idle / 1F1B idle, the worse rank: {ratio_idle:.2f}; best autoshard zero-bubble "
                       f"({ours_zb}), median of per-round ratios: / 1F1B {r['ratios'][ours_zb]:.3f}, / torch ZBV "
                       f"{r['vs_torch'][ours_zb + '/torch zbv']:.3f}, / torch interleaved ZB "
                       f"{r['vs_torch'][ours_zb + '/torch interleaved-zb']:.3f}", ""]
@@ -255,6 +359,10 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
+    ap.add_argument("--model", choices=("mlp", "llama"), default="mlp")
+    ap.add_argument("--vocab", type=int, default=4096, help="the Llama's vocabulary")
+    ap.add_argument("--gflops", type=float, default=50.0, help="one core's matmul rate schedule=\"auto\" prices at")
+    ap.add_argument("--gb-s", type=float, default=10.0, help="one core's memory rate schedule=\"auto\" prices at")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
@@ -273,8 +381,10 @@ def main() -> None:
     print(table)
     if args.append:
         from results import append_result
-        shape = (f"MLP stack, {args.layers} blocks, hidden {args.hidden}, {args.micro_size} x {args.seq} tokens "
-                 f"per microbatch, 2 gloo processes pinned to a core each, SGD")
+        model = (f"MLP stack, {args.layers} blocks, hidden {args.hidden}" if args.model == "mlp" else
+                 f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}")
+        shape = (f"{model}, {args.micro_size} x {args.seq} tokens per microbatch, 2 gloo processes pinned to a core "
+                 f"each, SGD, {args.rounds} rounds")
         append_result("Zero-bubble schedules at pp=2 against 1F1B and torch.distributed.pipelining",
                       "python benchmarks/zero_bubble.py " + " ".join(sys.argv[1:]), shape, table)
 

@@ -15,6 +15,13 @@ Megatron's `--account-for-embedding-in-pipeline-split` and `--account-for-loss-i
 approximate by hand with one layer's worth each. Backward is taken as twice the forward for every
 op, so balancing the forwards balances F + B + W.
 
+`phase_costs` prices the backward's two halves as a zero-bubble schedule runs them (B: the input
+gradients, W: the weights'; runtime/backward_split.py): a matmul reading a weight costs its FLOPs
+once in each (the input-gradient and the weight-gradient matmul), a matmul of two activations (the
+attention scores) twice in B; any other op twice its forward bytes, split evenly between B and W
+when it reads a weight (a norm's scale: its gradient is a reduction as large as the output) and all
+in B otherwise. The planner's schedule choice reads them (planning/schedule_choice.py).
+
 The cut minimises the largest stage's cost over all contiguous cuts (dynamic programming over the
 layers, every stage at least one layer). A cut no better than the even layer counts of
 passes/stages.layers_per_stage by more than `_MARGIN` is not taken: the prices are estimates, and an
@@ -31,7 +38,7 @@ import torch.fx as fx
 from autoshard.passes.graph_reading import op_name
 from autoshard.passes.stages import find_layers, layer_of, layers_per_stage
 
-__all__ = ["LayerCosts", "Rates", "layer_costs", "balanced_counts"]
+__all__ = ["LayerCosts", "Rates", "layer_costs", "phase_costs", "balanced_counts", "boundary_bytes"]
 
 _MARGIN = 0.05      # a balanced cut must lower the largest stage's cost by 5% to replace the even one
 
@@ -103,36 +110,78 @@ class LayerCosts:
         return out
 
 
-def _seconds(n: fx.Node, rates: Rates, sh: _Shapes) -> float:
+def _weight_values(graph: fx.Graph) -> set[fx.Node]:
+    """Trainable parameters (get_attr) and the nodes computed from them alone (a transpose, a cast)."""
+    root = graph.owning_module
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            value = root
+            for part in n.target.split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                out.add(n)
+        elif n.op == "call_function" and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _seconds(n: fx.Node, rates: Rates, sh: _Shapes, weights: set[fx.Node]) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of one node (see the module doc)."""
     out = _val(n)
     if n.op != "call_function" or not isinstance(out, torch.Tensor):
-        return 0.0
+        return 0.0, 0.0, 0.0
     shape = sh.of(out)
     flops = _FLOPS.get(op_name(n.target))
-    if flops is not None:
-        return flops(n, shape, sh) / rates.flops
-    return prod(shape) * out.element_size() / rates.bytes
+    f = flops(n, shape, sh) / rates.flops if flops is not None else prod(shape) * out.element_size() / rates.bytes
+    if n in weights:
+        return f, 0.0, 0.0            # a weight's cast or transpose: its backward is on the way to .grad
+    if any(a in weights for a in n.all_input_nodes):
+        return f, f, f
+    return f, 2 * f, 0.0
 
 
-def layer_costs(graph: fx.Graph, rates: Rates) -> LayerCosts:
-    """Every node priced and counted for its layer, or for before / after the layers."""
+def phase_costs(graph: fx.Graph, rates: Rates) -> tuple[LayerCosts, LayerCosts, LayerCosts]:
+    """Every node priced (forward, B, W) and counted for its layer, or for before / after the layers."""
     stack = find_layers(graph)
     first = next((n for n in graph.nodes if n.op == "placeholder" and isinstance(_val(n), torch.Tensor)), None)
     sh = _Shapes(max(1, prod(_Shapes(1).of(first))) if first is not None else 1)     # the example's tokens
-    layers = [0.0] * stack.count
-    before = after = 0.0
+    weights = _weight_values(graph)
+    layers = [[0.0] * stack.count for _ in range(3)]
+    before, after = [0.0] * 3, [0.0] * 3
     seen_layer = False
     for n in graph.nodes:
         i = layer_of(n, stack.path)
-        cost = _seconds(n, rates, sh)
-        if i is not None:
-            layers[i] += cost
-            seen_layer = True
-        elif seen_layer:
-            after += cost
-        else:
-            before += cost
-    return LayerCosts(tuple(layers), before, after)
+        cost = _seconds(n, rates, sh, weights)
+        for k in range(3):
+            if i is not None:
+                layers[k][i] += cost[k]
+            elif seen_layer:
+                after[k] += cost[k]
+            else:
+                before[k] += cost[k]
+        seen_layer = seen_layer or i is not None
+    return tuple(LayerCosts(tuple(layers[k]), before[k], after[k]) for k in range(3))
+
+
+def boundary_bytes(graph: fx.Graph) -> float:
+    """Bytes one stage sends the next per microbatch: the values the first layer makes that later
+    nodes read (the residual stream), at the example's sizes."""
+    stack = find_layers(graph)
+    first = next((n for n in graph.nodes if n.op == "placeholder" and isinstance(_val(n), torch.Tensor)), None)
+    sh = _Shapes(max(1, prod(_Shapes(1).of(first))) if first is not None else 1)
+    out = 0.0
+    for n in graph.nodes:
+        v = _val(n)
+        if layer_of(n, stack.path) == 0 and isinstance(v, torch.Tensor) \
+                and any(layer_of(u, stack.path) != 0 for u in n.users):
+            out += prod(sh.of(v)) * v.element_size()
+    return out
+
+
+def layer_costs(graph: fx.Graph, rates: Rates) -> LayerCosts:
+    """Every node's forward priced and counted for its layer, or for before / after the layers."""
+    return phase_costs(graph, rates)[0]
 
 
 def balanced_counts(costs: LayerCosts, n_stages: int) -> list[int]:

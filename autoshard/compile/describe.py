@@ -35,6 +35,7 @@ class Described(Protocol):
     rank0_graph: fx.Graph
     rank0_calls: list[tuple[str, str | None]]
     predicted_stage_seconds: list[float] | None
+    schedule_choice: object | None      # planning/schedule_choice.py's ScheduleChoice, under schedule="auto"
 
     def stage_graphs(self, gm: fx.Graph) -> list[StageGraph]: ...
 
@@ -85,6 +86,8 @@ def describe(prog: Described) -> str:
         timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement)
         notes.append(f"pipeline: {prog.schedule_name} schedule, {prog.virtual} chunk(s) per rank, "
                      f"{prog.microbatches} microbatches, bubble {bubble_fraction(timeline):.3f} of ideal time")
+        if prog.schedule_choice is not None:
+            notes.append(f"  chosen by schedule=\"auto\": {prog.schedule_choice.explain()}")
         predicted = prog.predicted_stage_seconds
         for sg in prog.stage_graphs(graph):
             pp_rank, chunk = stage_owner(sg.index, prog.pp, prog.placement)

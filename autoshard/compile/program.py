@@ -42,11 +42,14 @@ class ShardedProgram:
 
     def __init__(self, compiler: Compiler, rank0: RankGraph, stages: StageLayout, dims: ParallelDims, *,
                  model: nn.Module, example_inputs: dict[str, object], virtual: int, microbatches: int,
-                 schedule_name: str, schedule: list[list[Action]]):
+                 schedule_name: str, schedule: list[list[Action]], schedule_choice: object | None = None):
         self._compiler, self._source = compiler, compiler.source
         self.tp, self.dims, self.virtual, self.microbatches = compiler.tp, dims, virtual, microbatches
         self.options, self.fuse, self.recompute = compiler.options, compiler.fuse, compiler.recompute
         self.schedule_name, self.schedule = schedule_name, schedule
+        # schedule="auto": planning/schedule_choice.py's ScheduleChoice, what was weighed and why this one
+        # (typed loosely: compile does not import planning)
+        self.schedule_choice = schedule_choice
         self.placement = schedule_spec(schedule_name).placement     # where each stage lives (pipeline_actions.py)
         self.example_inputs = example_inputs
         self.model_name = type(model).__name__

@@ -223,17 +223,22 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     work_cp = share * per_rank * ring.comm_exposed
     work = work_compute + work_comm + work_ep + work_cp
     one_node = tp * pp * dp <= node
+    split = 0.0
     if schedule_spec(schedule).split and pp > 1:
         # B and W: half the backward each (a layer's weight-gradient matmuls are as long as its
         # input-gradient ones); under full recompute the runtime computes a recomputed region's weight
-        # gradients in B (runtime/backward_split.py), so W is empty
+        # gradients in B (runtime/backward_split.py), so W is empty. Split, they cost the hardware's
+        # split_backward times one whole backward.
         f = per_rank * layer_forward
         rest = work - f
         w = 0.0 if recompute == "full" else rest / 2
-        bubble = bubble_of(schedule, pp, v, m, StageTimes(f, rest - w, w))
+        split = (hw.split_backward - 1.0) * rest
+        bubble = bubble_of(schedule, pp, v, m, StageTimes(f, (rest - w) * hw.split_backward, w * hw.split_backward))
     else:
         bubble = evaluate("bubble_fraction", p=pp, v=v, m=m)
-    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm, "bubble": bubble * m * work}
+    breakdown = {"compute": m * work_compute, "tp_comm": m * work_comm, "bubble": bubble * m * (work + split)}
+    if split:
+        breakdown["backward_split"] = m * split
     if moe is not None:
         breakdown["ep_comm"] = m * work_ep
     if cp > 1:

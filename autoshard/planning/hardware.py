@@ -50,11 +50,19 @@ class Hardware:
     # reduce-scatter costs about an all-reduce, its all-gather and a send about half): ((kind, us), ...)
     # for "all_reduce", "reduce_scatter", "all_gather" and "send"; a kind not listed: startup_seconds' rule.
     startup_us: tuple[tuple[str, float], ...] = ()
+    # A zero-bubble schedule's B + W over one whole backward (runtime/backward_split.py): what the
+    # split costs the schedule choice (planning/schedule_choice.py). Measured only on CPUs so far
+    # (benchmarks/RESULTS.md: 1.04-1.05 per stage on an HF Llama of hidden 512, one core a rank);
+    # the presets take the 1.05 the split is built to stay under.
+    split_backward: float = 1.05
 
     def __post_init__(self):
         for name in ("peak_tflops", "hbm_gb_s", "memory_gib", "nvlink_gb_s", "network_gb_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
+        if self.split_backward < 1:
+            raise ValueError(f"hardware {self.name!r}: split_backward (B + W over one backward) must be at least 1, "
+                             f"got {self.split_backward}")
         for name in ("matmul_efficiency", "memory_efficiency", "network_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")

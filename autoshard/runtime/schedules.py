@@ -186,12 +186,14 @@ def _dependencies(kind: str, s: int, i: int, n_stages: int) -> list[tuple[str, i
 
 def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost: float = 1.0,
           backward_cost: float = 1.0, weight_cost: float = 0.0, placement: str = "loop",
-          cost_of: Callable[[str, int], float] | None = None) -> Timeline:
+          cost_of: Callable[[str, int], float] | None = None, transfer: float = 0.0) -> Timeline:
     """Run `schedule` with the given action costs (per chunk); raise ShardingError if it is
     incomplete or deadlocks. Returns the timeline. `backward_cost` is the input-gradient part of a
     backward and `weight_cost` the weight-gradient part: a whole B (no W actions) costs their sum,
     a split one `backward_cost` and each W `weight_cost`. `cost_of(kind, stage)`, when given, is
-    each action's cost instead (stages differ: the first embeds, the last takes the loss)."""
+    each action's cost instead (stages differ: the first embeds, the last takes the loss).
+    `transfer`: seconds a stage's output or input gradient takes to reach another rank (an action
+    waiting on one starts that much after it ended)."""
     pp = len(schedule)
     n_stages = pp * v
     split = splits_backward(schedule)
@@ -201,7 +203,7 @@ def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost:
     seen: set[tuple[str, int, int]] = set()
     # per rank, each action with its (kind, stage, microbatch), what it waits for and its cost, worked
     # out once (the planner simulates schedules of 10^4 actions thousands of times a search)
-    prepared: list[list[tuple[Action, tuple[str, int, int], list[tuple[str, int, int]], float]]] = []
+    prepared: list[list[tuple[Action, tuple[str, int, int], list[tuple[tuple[str, int, int], float]], float]]] = []
     for r, acts in enumerate(schedule):
         row = []
         for a in acts:
@@ -210,8 +212,9 @@ def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost:
             if key in seen or key not in want:
                 raise ShardingError(f"rank {r}: action {a} is {'repeated' if key in seen else 'out of range'}")
             seen.add(key)
-            row.append((a, key, _dependencies(a.kind, s, a.microbatch, n_stages),
-                        cost_of(a.kind, s) if cost_of is not None else cost[a.kind]))
+            deps = [(d, transfer if d[1] != s and stage_owner(d[1], pp, placement)[0] != r else 0.0)
+                    for d in _dependencies(a.kind, s, a.microbatch, n_stages)]
+            row.append((a, key, deps, cost_of(a.kind, s) if cost_of is not None else cost[a.kind]))
         prepared.append(row)
     if seen != want:
         missing = sorted(want - seen)[:4]
@@ -231,12 +234,12 @@ def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost:
         while p < len(row):
             a, key, deps, seconds = row[p]
             start, blocker = t, None
-            for d in deps:
+            for d, delay in deps:
                 end = done.get(d)
                 if end is None:
                     blocker = d
                     break
-                start = max(start, end)
+                start = max(start, end + delay)
             if blocker is not None:
                 waiting.setdefault(blocker, []).append(r)
                 break

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--virtual", type=int, default=None, help="pipeline chunks per rank (default 1; 2 for the V "
                     "schedules zbv and v-half)")
     ap.add_argument("--microbatches", type=int, default=None, help="per data-parallel rank (default 2 x pp)")
-    ap.add_argument("--schedule", choices=SCHEDULES, default=None)
+    ap.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default=None,
+                    help="a pipeline schedule, or auto: the fastest predicted from the graph (autoshard(schedule=))")
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None)
     ap.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=False,

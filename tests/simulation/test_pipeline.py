@@ -207,3 +207,63 @@ def test_a_heavy_head_is_balanced_and_a_hand_cut_is_kept():
         errs = grad_errors(prog.full_grads(), ref_grads)
         assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
     assert worst[False] < 0.8 * worst[True], worst          # the balanced cut's slowest stage is faster
+
+
+def test_schedule_auto_is_chosen_from_the_graph_and_says_why():
+    """schedule="auto" prices the captured graph's F, B and W (passes/stage_balance.phase_costs),
+    runs the candidates in the event simulator and keeps the fastest: exact against one device,
+    its reasons in print(prog). A hardware whose split backward costs twice one backward gets no
+    zero-bubble schedule; hand cuts allow only the candidates with that many stages."""
+    import transformers as hf
+    from autoshard.planning.hardware import get_hardware
+    from autoshard.runtime.schedules import schedule_spec
+    cfg = hf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    kw = dict(input_ids=torch.randint(0, 512, (4, 16), generator=g), labels=torch.randint(0, 512, (4, 16), generator=g))
+    example = {k: v[:1] for k, v in kw.items()}
+    ref = model(**kw)
+    prog = autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example)
+    choice = prog.schedule_choice
+    assert prog.schedule_name == choice.name == choice.order()[0] and len(choice.order()) == 5
+    assert f'chosen by schedule="auto": schedule {choice.name}' in str(prog)
+    assert max_rel(prog.simulate(**kw).loss, ref.loss) <= 1e-5
+    dear = autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example,
+                     hardware=get_hardware("a100-80gb", split_backward=2.0))
+    assert not schedule_spec(dear.schedule_name).split, dear.schedule_choice.explain()
+    cut = autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example, stage_cuts=[2])
+    assert cut.virtual == 1 and cut.schedule_choice.order() and set(cut.schedule_choice.order()) == {"1f1b", "zb-h1"}
+    with pytest.raises(ShardingError, match=r'schedule="auto" with stage_cuts=\[1, 2\]'):
+        autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example, stage_cuts=[1, 2])
+
+
+def test_phase_costs_price_the_backward_halves():
+    """A matmul reading a weight costs its FLOPs once in B and once in W; a matmul of two
+    activations (attention's) twice in B; F + B + W stays three forwards for matmuls."""
+    from autoshard.passes.stage_balance import Rates, phase_costs
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(32, 32, bias=False)
+
+        def forward(self, x):
+            h = self.w(x)
+            return h @ h.transpose(-1, -2) @ h          # two matmuls of activations
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+    gm = torch.export.export(Two(), (torch.randn(4, 8, 32),)).module()
+    f, b, w = phase_costs(gm.graph, Rates(flops=1.0, bytes=1e30))
+    lin, scores = 2 * 4 * 8 * 32 * 32, 2 * 2 * 4 * 8 * 8 * 32
+    assert f.layers == pytest.approx((lin + scores,) * 2, rel=1e-6)
+    assert b.layers == pytest.approx((lin + 2 * scores,) * 2, rel=1e-6) and w.layers == pytest.approx((lin,) * 2, rel=1e-6)

@@ -54,3 +54,16 @@ def test_stage_times_from_a_trace():
     assert (t.forward, t.backward_input, t.backward_weight) == pytest.approx((0.2, 0.24, 0.16))
     with pytest.raises(ShardingError, match="recorded no W action"):
         stage_times(records, rank=0)
+
+
+def test_a_split_that_costs_more_than_the_bubble_it_removes_is_not_chosen():
+    """At pp=2, m=8, F = B = W: 1F1B idles 1/9 of its step, ZB-H1 less. A split backward that costs
+    what it was built to (B + W <= 1.05 one backward) still pays; one costing 1.3x does not, and
+    the choice says so in its numbers."""
+    names = ("1f1b", "zb-h1")
+    assert choose_schedule(pp=2, microbatches=8, times=EVEN, activation_bytes=None, names=names).name == "zb-h1"
+    assert choose_schedule(pp=2, microbatches=8, times=EVEN, activation_bytes=None, names=names,
+                           split_backward=1.05).name == "zb-h1"
+    dear = choose_schedule(pp=2, microbatches=8, times=EVEN, activation_bytes=None, names=names, split_backward=1.3)
+    assert dear.name == "1f1b" and dear.order() == ["1f1b", "zb-h1"]
+    assert "memory not weighed" in dear.explain() and "GiB" not in dear.explain()

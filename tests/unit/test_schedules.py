@@ -138,3 +138,14 @@ def test_the_timeline_does_not_depend_on_the_order_the_ranks_are_visited_in(name
     got = check(schedule, v, m, placement=placement, cost_of=lambda kind, stage: costs[(kind, stage)])
     want = _swept(schedule, v, placement, lambda kind, stage: costs[(kind, stage)])
     assert [[(str(a), s, e) for a, s, e in row] for row in got.spans] == want
+
+
+def test_a_transfer_delay_waits_between_ranks_only():
+    """check(transfer=): one microbatch through two stages waits for its activation and its gradient
+    once each (1F1B: F F B B plus two transfers); the V's turn (stages 1 and 2 on rank 1) does not."""
+    from autoshard.runtime.schedules import check, make_schedule
+    one = check(make_schedule("1f1b", 2, 1, 1), 1, 1, forward_cost=1.0, backward_cost=1.0, transfer=0.25)
+    assert one.makespan == pytest.approx(4.5)
+    v = check(make_schedule("zbv", 2, 2, 1), 2, 1, forward_cost=1.0, backward_cost=1.0, weight_cost=0.0,
+              placement="v", transfer=0.25)
+    assert v.makespan == pytest.approx(8.0 + 4 * 0.25)        # 0->1 and 2->3 each way, not 1->2
