@@ -47,6 +47,7 @@ from autoshard import autoshard  # noqa: E402
 from autoshard.planning.hardware import Hardware, get_hardware  # noqa: E402
 from autoshard.planning.schedule_choice import StageTimes, choose_schedule, stage_times  # noqa: E402
 from autoshard.runtime.schedules import make_schedule, overlapped_bubble  # noqa: E402
+from pipeline_overhead import LlamaStage, shifted_cross_entropy  # noqa: E402
 from self_launch import run_workers  # noqa: E402
 
 # One thread per process; glibc keeps freed memory for reuse instead of unmapping large tensors and
@@ -137,33 +138,6 @@ def batches(args: argparse.Namespace, m: int) -> list[dict]:
     return out
 
 
-class LlamaPart(nn.Module):
-    """Layers lo..hi-1 of a Hugging Face Llama as one torch.distributed.pipelining stage; the first
-    also embeds the ids, the last also runs the final norm and the head."""
-
-    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        inner = model.model
-        self.embed = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[lo:hi])
-        self.rotary = inner.rotary_emb
-        self.norm, self.head = (inner.norm, model.lm_head) if last else (None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        positions = torch.arange(h.shape[1])[None]
-        rotary = self.rotary(h, positions)
-        for layer in self.layers:       # no mask: causal attention (transformers' sdpa path)
-            h = layer(h, position_embeddings=rotary, position_ids=positions)
-            h = h[0] if isinstance(h, tuple) else h
-        return self.head(self.norm(h)) if self.head is not None else h
-
-
-def _shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The Llama's own loss: token t predicts label t + 1, the mean over the microbatch's tokens."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
-
-
 class Ours:
     def __init__(self, name: str, args: argparse.Namespace, m: int, cuts: list[int] | None):
         example = {k: v[:args.micro_size] for k, v in batches(args, 1)[0].items()}
@@ -207,10 +181,10 @@ class Theirs:
             self.modules = [nn.Sequential(*([model.norm] if s == 0 else []), *model.blocks[bounds[s]:bounds[s + 1]])
                             for s in mine]
         else:
-            self.modules = [LlamaPart(model, bounds[s], bounds[s + 1], s == 0, s == 3) for s in mine]
+            self.modules = [LlamaStage(model, bounds[s], bounds[s + 1], s == 0, s == 3) for s in mine]
         stages = [PipelineStage(mod, s, 4, torch.device("cpu")) for mod, s in zip(self.modules, mine)]
         make = ScheduleZBVZeroBubble if kind == "torch zbv" else ScheduleInterleavedZeroBubble
-        self.schedule = make(stages, m, loss_fn=_square_mean if args.model == "mlp" else _shifted_cross_entropy)
+        self.schedule = make(stages, m, loss_fn=_square_mean if args.model == "mlp" else shifted_cross_entropy)
         self.first, self.last = 0 in mine, 3 in mine
 
     def parameters(self):

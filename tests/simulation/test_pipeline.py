@@ -180,17 +180,23 @@ def test_balanced_cuts_follow_the_costs():
             counts_from_cuts(cuts, 8, 3)
 
 
-def test_a_heavy_head_is_balanced_and_a_hand_cut_is_kept():
-    """Llama, 8 layers, a 4096-word vocabulary: the head and loss cost about six layers, so layer
-    counts [4, 4] leave the first pipeline rank idle; the balanced cut gives the first stage more
-    layers. Exact against one device either way; print(prog) shows each stage's predicted time."""
+def _llama(*, vocab: int, layers: int, rows: int) -> tuple[nn.Module, dict]:
+    """A small HF Llama (hidden 64) and a batch of `rows` x 16 ids with labels."""
     import transformers as hf
-    cfg = hf.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    cfg = hf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = hf.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
-    kw = dict(input_ids=torch.randint(0, 4096, (2, 16), generator=g), labels=torch.randint(0, 4096, (2, 16), generator=g))
+    return model, dict(input_ids=torch.randint(0, vocab, (rows, 16), generator=g),
+                       labels=torch.randint(0, vocab, (rows, 16), generator=g))
+
+
+def test_a_heavy_head_is_balanced_and_a_hand_cut_is_kept():
+    """Llama, 8 layers, a 4096-word vocabulary: the head and loss cost about six layers, so layer
+    counts [4, 4] leave the first pipeline rank idle; the balanced cut gives the first stage more
+    layers. Exact against one device either way; print(prog) shows each stage's predicted time."""
+    model, kw = _llama(vocab=4096, layers=8, rows=2)
     ref = model(**kw)
     ref.loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -214,15 +220,9 @@ def test_schedule_auto_is_chosen_from_the_graph_and_says_why():
     runs the candidates in the event simulator and keeps the fastest: exact against one device,
     its reasons in print(prog). A hardware whose split backward costs twice one backward gets no
     zero-bubble schedule; hand cuts allow only the candidates with that many stages."""
-    import transformers as hf
     from autoshard.planning.hardware import get_hardware
     from autoshard.runtime.schedules import schedule_spec
-    cfg = hf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = hf.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    kw = dict(input_ids=torch.randint(0, 512, (4, 16), generator=g), labels=torch.randint(0, 512, (4, 16), generator=g))
+    model, kw = _llama(vocab=512, layers=4, rows=4)
     example = {k: v[:1] for k, v in kw.items()}
     ref = model(**kw)
     prog = autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example)
