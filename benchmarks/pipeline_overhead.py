@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autoshard import autoshard  # noqa: E402
 from autoshard.testing.launch import agree, run_checker  # noqa: E402
+from benchmarks.llama_stages import LlamaStage, shifted_cross_entropy  # noqa: E402
 
 PROGRAMS = ("autoshard 1f1b", "autoshard interleaved", "torch 1f1b", "torch interleaved")
 
@@ -47,31 +47,6 @@ def build_llama(args: argparse.Namespace) -> nn.Module:
                          hidden_size=args.hidden, intermediate_size=2 * args.hidden, vocab_size=args.vocab,
                          max_position_embeddings=args.seq)
     return hf.LlamaForCausalLM(cfg)
-
-
-class LlamaStage(nn.Module):
-    """Layers [lo, hi) of an HF Llama, with the embedding on the first stage and norm + head on the last."""
-
-    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        inner = model.model
-        self.embed = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[lo:hi])
-        self.rotary = inner.rotary_emb
-        self.norm, self.head = (inner.norm, model.lm_head) if last else (None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x                  # [b, s, hidden]
-        positions = torch.arange(h.shape[1], device=h.device)[None]          # [1, s]
-        rotary = self.rotary(h, position_ids=positions)
-        for layer in self.layers:
-            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
-        return self.head(self.norm(h)) if self.head is not None else h       # [b, s, vocab] on the last
-
-
-def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's causal-LM loss: position i predicts label i + 1, in fp32, mean over the tokens."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
 class TorchPipeline:

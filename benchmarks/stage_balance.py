@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,9 +28,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from autoshard import autoshard  # noqa: E402
-from autoshard.planning.hardware import get_hardware  # noqa: E402
 from self_launch import run_workers  # noqa: E402
-from zero_bubble import ALLOCATOR, rank_idle  # noqa: E402
+from zero_bubble import ALLOCATOR, one_core, rank_idle, timed  # noqa: E402
 
 PROGRAMS = ("even", "balanced")
 
@@ -51,35 +49,25 @@ def _batch(args: argparse.Namespace, seed: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _timed(runtime, opt, batch: dict) -> tuple[float, float]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    loss = float(runtime.train_step(**batch))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dist.barrier()
-    return time.perf_counter() - t0, loss
-
-
 def worker(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     example = {k: v[:args.micro_size] for k, v in _batch(args, 0).items()}
     progs = {name: autoshard(build(args), pp=2, microbatches=args.microbatches, example_kwargs=example,
-                             hardware=get_hardware("a100-80gb", peak_tflops=args.gflops / 1e3,
-                                                   hbm_gb_s=args.gb_s, matmul_efficiency=1.0, memory_efficiency=1.0),
+                             hardware=one_core(args),
                              stage_cuts=[args.layers // 2] if name == "even" else None)
              for name in PROGRAMS}
     runtimes = {name: p.distributed() for name, p in progs.items()}
     opts = {name: torch.optim.AdamW(rt.parameters(), lr=1e-4) for name, rt in runtimes.items()}
     batches = [_batch(args, 1), _batch(args, 2)]
-    first = {name: _timed(rt, opts[name], batches[0])[1] for name, rt in runtimes.items()}
+    first = {name: timed(lambda rt=rt: float(rt.train_step(**batches[0])), opts[name])[1]
+             for name, rt in runtimes.items()}
     wall = {n: [] for n in PROGRAMS}
     idle = {n: [] for n in PROGRAMS}
     for r in range(args.warmup + args.rounds):
         for name in (PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]):
-            seconds = _timed(runtimes[name], opts[name], batches[r % 2])[0]
+            seconds = timed(lambda: float(runtimes[name].train_step(**batches[r % 2])), opts[name])[0]
             idle_now = rank_idle(runtimes[name])
             if r >= args.warmup:
                 wall[name].append(seconds)

@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ from autoshard import autoshard  # noqa: E402
 from autoshard.planning.hardware import Hardware, get_hardware  # noqa: E402
 from autoshard.planning.schedule_choice import StageTimes, choose_schedule, stage_times  # noqa: E402
 from autoshard.runtime.schedules import make_schedule, overlapped_bubble  # noqa: E402
-from pipeline_overhead import LlamaStage, shifted_cross_entropy  # noqa: E402
+from benchmarks.llama_stages import LlamaStage, shifted_cross_entropy  # noqa: E402
 from self_launch import run_workers  # noqa: E402
 
 # One thread per process; glibc keeps freed memory for reuse instead of unmapping large tensors and
@@ -206,10 +207,12 @@ def _median_spans(records: list) -> dict[str, float]:
     return {k: statistics.median([r.end - r.start for r in records if r.action.kind == k] or [0.0]) for k in "BW"}
 
 
-def _timed(program, opt, batch: dict) -> tuple[float, float]:
+def timed(step: Callable[[], float], opt) -> tuple[float, float]:
+    """One training step (`step()` returns its loss) and `opt`'s update, fenced by barriers on every
+    rank: (seconds, loss)."""
     dist.barrier()
     t0 = time.perf_counter()
-    loss = program.step(batch)
+    loss = step()
     opt.step()
     opt.zero_grad(set_to_none=True)
     dist.barrier()
@@ -235,7 +238,7 @@ def worker(args: argparse.Namespace) -> None:
         programs = {name: programs[name] for name in ours}
         programs.update({name: Theirs(name, args, m, cuts) for name in THEIRS})
         opts = {name: torch.optim.SGD(p.parameters(), lr=1e-3) for name, p in programs.items()}
-        first = {name: _timed(p, opts[name], xs[0])[1] for name, p in programs.items()}
+        first = {name: timed(lambda p=p: p.step(xs[0]), opts[name])[1] for name, p in programs.items()}
         agree = max(abs(v - first["1f1b"]) / abs(first["1f1b"]) for v in first.values())
         names = list(programs)
         wall = {n: [] for n in names}
@@ -244,7 +247,7 @@ def worker(args: argparse.Namespace) -> None:
         for r in range(args.warmup + args.rounds):
             backward = {}
             for name in names[r % len(names):] + names[:r % len(names)]:
-                seconds = _timed(programs[name], opts[name], xs[r % 2])[0]
+                seconds = timed(lambda: programs[name].step(xs[r % 2]), opts[name])[0]
                 step_idle = programs[name].idle() if name in ours else None
                 if name in ("1f1b", "zb-h1"):
                     backward[name] = _median_spans(programs[name].runtime.records)
