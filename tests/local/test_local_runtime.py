@@ -99,3 +99,27 @@ def test_a_schedule_that_receives_before_its_peer_sends_is_reported_as_a_deadloc
                                             r"from rank 0"):
         mesh.train_step(**batch)
     assert time.perf_counter() - start < 10
+
+
+def test_schedule_auto_with_a_free_split_trains_as_one_device():
+    """schedule="auto" on hardware whose split costs nothing picks a zero-bubble schedule (W computed
+    from the saved tensors, the first stage's backward whole where its W follows its B); three AdamW
+    steps of an HF Llama with a padding mask, -100 labels and norm weights off their initial values
+    equal one device's."""
+    from autoshard.planning.hardware import get_hardware
+    from autoshard.runtime.schedules import schedule_spec
+    model, reference = (build_model("llama", layers=4) for _ in range(2))
+    with torch.no_grad():
+        for m in (model, reference):
+            for n, p in m.named_parameters():
+                if "norm" in n:
+                    p.add_(0.1 * torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) / p.numel())
+    batches = _batches(3, rows=4)
+    for b in batches:
+        b["attention_mask"] = torch.ones_like(b["input_ids"])
+        b["attention_mask"][1, -5:] = 0
+    prog = autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs={k: v[:1] for k, v in batches[0].items()},
+                     hardware=get_hardware("a100-80gb", split_backward=1.0))
+    assert schedule_spec(prog.schedule_name).split, prog.schedule_choice.explain()
+    _, loss_rel, param_rel = _train_both(prog, reference, batches, max_norm=None)
+    assert loss_rel < 1e-5 and param_rel < 1e-5, (loss_rel, param_rel)
