@@ -144,6 +144,8 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
         cert.split_refused = True
         cert.seconds = time.perf_counter() - started
         return cert
+    if prog.schedule_choice is not None:       # schedule="auto": the certificate names what it chose
+        cert.split["schedule"] = f"auto: {prog.schedule_name}"
     narrow = _narrow_ops(prog, dtype)
     if narrow:
         cert.tolerance = TOLERANCES[torch.float32]

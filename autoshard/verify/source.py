@@ -67,7 +67,8 @@ def model_to_verify(cfg, model: nn.Module | None, split: dict, *, twin: bool = F
     count = _parameters_of(cfg)
     said: list[str] = []
     if twin or (count > MAX_PARAMS and not full):
-        chunks = split.get("virtual") or (schedule_spec(split["schedule"]).chunks if split.get("schedule") else 1)
+        schedule = split.get("schedule")      # "auto" may choose a schedule of two chunks a rank
+        chunks = split.get("virtual") or (2 if schedule == "auto" else schedule_spec(schedule).chunks if schedule else 1)
         stages = split.get("pp", 1) * (chunks or 1)
         cfg, said = twin_config(cfg, stages=stages, tp=split.get("tp", 1))
         said.insert(0, f"the model has {count / 1e6:.1f}M parameters; its twin {_parameters_of(cfg) / 1e6:.2f}M")

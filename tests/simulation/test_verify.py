@@ -2,6 +2,7 @@
 differs), reduced twins of large configs, and the command line's exit status."""
 import contextlib
 import io
+import re
 import subprocess
 
 import pytest
@@ -140,6 +141,14 @@ def test_cli_verifies_a_v_schedule_on_the_twin_with_a_stage_per_layer():
     run = _cli("--model", "llama", "--pp", "2", "--schedule", "zbv")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "layers 32 -> 4 (>= one per stage of 4)" in run.stdout
+
+
+def test_cli_verifies_schedule_auto_and_names_the_schedule_it_chose():
+    """Regression: --schedule auto was not a choice, and the twin's layer count read the schedule's
+    chunks from its name ("unknown schedule 'auto'")."""
+    run = _cli("--model", "llama", "--pp", "2", "--schedule", "auto")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"schedule=auto: (1f1b|interleaved|zb-h1|zbv|v-half) ", run.stdout), run.stdout
 
 
 def test_cli_verifies_the_planners_split_and_refuses_plan_with_a_split():
