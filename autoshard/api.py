@@ -55,7 +55,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     costs and holds. "auto": the fastest of 1f1b, interleaved, zb-h1, zbv and v-half predicted from
     the captured graph's F, B and W times on `hardware` (planning/schedule_choice.choose_from_graph),
     the split's own cost included (Hardware.split_backward); `prog.schedule_choice.explain()` and
-    print(prog) say why. Memory is not weighed (the zero-bubble schedules hold what 1F1B holds or
+    print(prog) say why; a `virtual` or `stage_cuts` given keeps it to the candidates with that many
+    chunks a rank or stages. Memory is not weighed (the zero-bubble schedules hold what 1F1B holds or
     less; interleaved a little more). See `ShardedProgram.distributed` for training.
     stage_cuts: the first layer of every stage after the first (pp * virtual - 1 of them: [5] cuts 8
     layers into 0-4 and 5-7). Default: balanced by cost (passes/stage_balance.py): each layer, and
@@ -155,6 +156,7 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
     auto = schedule == "auto"
+    given_virtual = virtual                              # "auto" keeps to a virtual given
     if virtual is None and schedule is not None and not auto:
         virtual = schedule_spec(schedule).chunks         # a V schedule's two chunks
     tp, pp, dp, ep, cp, virtual, microbatches = (1 if x is None else x
@@ -184,7 +186,7 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     first = compiler.compile_signature(named)               # capture -> annotate
     choice = None
     if auto:                                                # the schedule, priced on the captured graph
-        choice = choose_from_graph(first.captured.gm.graph, pp=pp, virtual=virtual, microbatches=microbatches,
+        choice = choose_from_graph(first.captured.gm.graph, pp=pp, virtual=given_virtual, microbatches=microbatches,
                                    rates=_rates(hardware, tp), split_backward=get_hardware(hardware).split_backward,
                                    link_bytes_s=tp * get_hardware(hardware).nvlink_gb_s * 1e9,
                                    latency_s=get_hardware(hardware).latency_us * 1e-6, stage_cuts=stage_cuts)

@@ -148,24 +148,29 @@ def _run_stages(name: str, pp: int, v: int, m: int, stages: list[StageTimes], sp
     return t.makespan, (t.makespan - busy) / busy, max(peak_in_flight(steps))
 
 
-def choose_from_graph(graph: fx.Graph, *, pp: int, virtual: int, microbatches: int, rates: Rates,
+def choose_from_graph(graph: fx.Graph, *, pp: int, virtual: int | None, microbatches: int, rates: Rates,
                       split_backward: float, link_bytes_s: float = float("inf"), latency_s: float = 0.0,
                       stage_cuts: list[int] | None = None) -> ScheduleChoice | None:
     """autoshard(schedule="auto"): the candidate the event simulator finds fastest at each stage's
     F, B and W, priced on the captured `graph` by passes/stage_balance.phase_costs on the cut the
     candidate would get (balanced by cost into its pp * v stages, or `stage_cuts`), zero-bubble
     candidates paying `split_backward`, each message between stages `latency_s` plus its bytes at
-    `link_bytes_s`; None without a pipeline. Cuts given by hand allow only the candidates with that
-    many stages; `virtual` > 1 is the interleaved candidate's chunks."""
+    `link_bytes_s`; None without a pipeline. A `virtual` given (None: free) or cuts given by hand
+    allow only the candidates with that many chunks a rank or stages."""
     if pp == 1:
         if stage_cuts:
             raise ShardingError(f"stage_cuts={stage_cuts} need a pipeline (pp > 1)")
         return None
-    interleaved = virtual if virtual > 1 else 2
+    interleaved = virtual if virtual is not None and virtual > 1 else 2
     names = CANDIDATES
+    if virtual is not None:
+        names = tuple(n for n in CANDIDATES if (schedule_spec(n).chunks or virtual) == virtual)
+        if not names:
+            raise ShardingError(f"schedule=\"auto\" with virtual={virtual}: no candidate runs {virtual} chunks a "
+                                f"rank ({', '.join(CANDIDATES)})")
     if stage_cuts is not None:
         n_stages = len(stage_cuts) + 1
-        names = tuple(n for n in CANDIDATES if pp * (schedule_spec(n).chunks or interleaved) == n_stages)
+        names = tuple(n for n in names if pp * (schedule_spec(n).chunks or interleaved) == n_stages)
         if not names:
             raise ShardingError(f"schedule=\"auto\" with stage_cuts={stage_cuts}: {n_stages} stages are not 1 or "
                                 f"{interleaved} per rank of pp={pp}")

@@ -219,7 +219,8 @@ def test_schedule_auto_is_chosen_from_the_graph_and_says_why():
     """schedule="auto" prices the captured graph's F, B and W (passes/stage_balance.phase_costs),
     runs the candidates in the event simulator and keeps the fastest: exact against one device,
     its reasons in print(prog). A hardware whose split backward costs twice one backward gets no
-    zero-bubble schedule; hand cuts allow only the candidates with that many stages."""
+    zero-bubble schedule; hand cuts, or a virtual given, allow only the candidates with that many
+    stages or chunks a rank."""
     from autoshard.planning.hardware import get_hardware
     from autoshard.runtime.schedules import schedule_spec
     model, kw = _llama(vocab=512, layers=4, rows=4)
@@ -235,6 +236,8 @@ def test_schedule_auto_is_chosen_from_the_graph_and_says_why():
     assert not schedule_spec(dear.schedule_name).split, dear.schedule_choice.explain()
     cut = autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example, stage_cuts=[2])
     assert cut.virtual == 1 and cut.schedule_choice.order() and set(cut.schedule_choice.order()) == {"1f1b", "zb-h1"}
+    two = autoshard(model, pp=2, virtual=2, microbatches=4, schedule="auto", example_kwargs=example)
+    assert two.virtual == 2 and set(two.schedule_choice.order()) == {"interleaved", "zbv", "v-half"}
     with pytest.raises(ShardingError, match=r'schedule="auto" with stage_cuts=\[1, 2\]'):
         autoshard(model, pp=2, microbatches=4, schedule="auto", example_kwargs=example, stage_cuts=[1, 2])
 
