@@ -186,10 +186,11 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     first = compiler.compile_signature(named)               # capture -> annotate
     choice = None
     if auto:                                                # the schedule, priced on the captured graph
+        hw = get_hardware(hardware)
         choice = choose_from_graph(first.captured.gm.graph, pp=pp, virtual=given_virtual, microbatches=microbatches,
-                                   rates=_rates(hardware, tp), split_backward=get_hardware(hardware).split_backward,
-                                   link_bytes_s=tp * get_hardware(hardware).nvlink_gb_s * 1e9,
-                                   latency_s=get_hardware(hardware).latency_us * 1e-6, stage_cuts=stage_cuts)
+                                   rates=_rates(hw, tp), split_backward=hw.split_backward,
+                                   link_bytes_s=tp * hw.nvlink_gb_s * 1e9, latency_s=hw.latency_us * 1e-6,
+                                   stage_cuts=stage_cuts)
         virtual = choice.chosen.virtual if choice else 1
         schedule_name, steps, placement = _schedule(choice.name if choice else "1f1b", pp, virtual, microbatches)
     rank0 = compiler.rank_graph(first, 0)                   # rewrite -> fuse (rank 0: printing, stages)

@@ -85,6 +85,11 @@ def _run(name: str, pp: int, v: int, m: int, f: float, b: float, w: float) -> tu
     spec = schedule_spec(name)
     steps = frozen_schedule(name, pp, v, m)
     t = check(steps, v, m, forward_cost=f / v, backward_cost=b / v, weight_cost=w / v, placement=spec.placement)
+    return _summary(t, steps)
+
+
+def _summary(t, steps) -> tuple[float, float, int]:
+    """A run's makespan, its bubble (idle over busy time of the busiest rank) and its peak of chunks held."""
     busy = max(sum(e - s for _, s, e in row) for row in t.spans)
     return t.makespan, (t.makespan - busy) / busy, max(peak_in_flight(steps))
 
@@ -143,9 +148,7 @@ def _run_stages(name: str, pp: int, v: int, m: int, stages: list[StageTimes], sp
         if stage == 0:                                   # whole in B, W empty
             return t.backward_input + t.backward_weight if kind == "B" else 0.0
         return split_cost * (t.backward_input if kind == "B" else t.backward_weight)
-    t = check(steps, v, m, placement=spec.placement, cost_of=cost_of, transfer=hop)
-    busy = max(sum(e - s for _, s, e in row) for row in t.spans)
-    return t.makespan, (t.makespan - busy) / busy, max(peak_in_flight(steps))
+    return _summary(check(steps, v, m, placement=spec.placement, cost_of=cost_of, transfer=hop), steps)
 
 
 def choose_from_graph(graph: fx.Graph, *, pp: int, virtual: int | None, microbatches: int, rates: Rates,

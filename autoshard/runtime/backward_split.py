@@ -18,10 +18,10 @@ to `.grad`; any other node is run again by the engine, from B's gradients, on it
 Parameters whose frontiers are linked (a weight used twice in one stage, one use feeding the other)
 share one W call in which the saved gradients replace what would flow between the frontier nodes,
 so nothing is counted twice. A stage output computed from parameters alone (the first stage's,
-which has no inputs) is a frontier of its own, started from its received gradient. The first stage has no input that needs a gradient: the
-runtime taps the outputs of its first ops that read both the batch and a weight (an embedding, a
-first matmul: runtime/stage_actions.py's ChunkParams) and passes them as its inputs, so its B runs
-down to them and its W does the rest. A stage with no input needing a gradient at all has nothing
+which has no inputs) is a frontier of its own, started from its received gradient. The first stage
+has no input that needs a gradient: the runtime taps the outputs of its first ops that read both
+the batch and a weight (an embedding, a first matmul: runtime/stage_actions.py's ChunkParams) and
+passes them as its inputs, so its B runs down to them and its W does the rest. A stage with no input needing a gradient at all has nothing
 to split: its B is the whole backward and its W is empty.
 
 Each parameter's `.grad` is accumulated once per microbatch, by its group's engine call in W: the
@@ -162,9 +162,10 @@ def _groups(outputs: list[torch.Tensor], output_grads: list[torch.Tensor], input
 # stage that cost more than the weight matmuls it runs. For the nodes below, W computes the
 # parameter side's gradient from what the node saved in the forward and the gradient B captured at
 # it, by autograd's own formula (the same bits: the mm rules follow its column-major branch), and
-# hands all of them to one engine call that runs only the parameter-side chains (a transpose, a
-# bf16 cast, sp's f on a norm weight) into `.grad`. node name -> (node, its gradient, edge) -> the
-# gradient for that edge, or None when the node's state is not one the formula covers.
+# hands them to the engine, W_BATCH_BYTES at a time, which runs only the parameter-side chains (a
+# transpose, a bf16 cast, sp's f on a norm weight) into `.grad`. WEIGHT_GRADS: node name -> (node,
+# its gradient, edge) -> the gradient for that edge, or None when the node's state is not one the
+# formula covers.
 
 
 def _fit(d: torch.Tensor, node: Node, k: int) -> torch.Tensor:
@@ -341,19 +342,22 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor 
 
 def backward_weight(work: WeightWork) -> None:
     """W: the parameter gradients from what B left, accumulated into `.grad` once per parameter
-    (the groups partition the parameters; each group's engine call accumulates its own, as a whole
-    backward would, without a copy)."""
+    (the groups partition the parameters; the engine call a group's gradients go to accumulates
+    them, as a whole backward would, without a copy)."""
     if work.done:
         torch.autograd.backward([p for p, _ in work.done], [d for _, d in work.done])
     # The groups W computes itself go to the engine together, W_BATCH_BYTES at a time.
     edges: list[tuple[GradientEdge, torch.Tensor]] = []
     params: list[torch.Tensor] = []
+    held = 0                                     # bytes of the gradients in `edges`
 
     def flush() -> None:
+        nonlocal held
         if edges:
             torch.autograd.backward([e for e, _ in edges], [d for _, d in edges], retain_graph=True, inputs=params)
         edges.clear()
         params.clear()
+        held = 0
     for g in work.groups:
         got = _direct(g)
         if got is None:
@@ -362,7 +366,8 @@ def backward_weight(work: WeightWork) -> None:
             continue
         edges += got
         params += g.params
-        if sum(d.numel() * d.element_size() for _, d in edges) >= W_BATCH_BYTES:
+        held += sum(d.numel() * d.element_size() for _, d in got)
+        if held >= W_BATCH_BYTES:
             flush()
     flush()
     work.groups.clear()

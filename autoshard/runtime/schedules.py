@@ -212,7 +212,7 @@ def check(schedule: Sequence[Sequence[Action]], v: int, m: int, *, forward_cost:
             if key in seen or key not in want:
                 raise ShardingError(f"rank {r}: action {a} is {'repeated' if key in seen else 'out of range'}")
             seen.add(key)
-            deps = [(d, transfer if d[1] != s and stage_owner(d[1], pp, placement)[0] != r else 0.0)
+            deps = [(d, transfer if transfer and d[1] != s and stage_owner(d[1], pp, placement)[0] != r else 0.0)
                     for d in _dependencies(a.kind, s, a.microbatch, n_stages)]
             row.append((a, key, deps, cost_of(a.kind, s) if cost_of is not None else cost[a.kind]))
         prepared.append(row)
