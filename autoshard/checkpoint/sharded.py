@@ -16,6 +16,8 @@ Conversions to and from single-device checkpoints are in checkpoint_convert.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 
 import torch
@@ -147,9 +149,11 @@ def save(folder: str, prog: ShardedProgram, module: nn.Module, optimizer: torch.
         _start_over(folder)
     if distributed:
         world.barrier()          # nobody writes a file while an old index still describes the folder
+    gathered = optimizer.gathered() if hasattr(optimizer, "gathered") else contextlib.nullcontext()
     if hasattr(optimizer, "checkpoint_view"):      # a DistributedOptimizer: its state whole per parameter
         optimizer = optimizer.checkpoint_view()
-    manifest = _write_rank(folder, prog, module, optimizer)
+    with gathered:                                 # zero=3 holds 1/dp of each parameter between steps
+        manifest = _write_rank(folder, prog, module, optimizer)
     if distributed:
         everyone = all_gather_json(manifest)
         if world.rank() == 0:
@@ -206,7 +210,8 @@ def load(folder: str, prog: ShardedProgram, module: nn.Module, optimizer: torch.
     try:
         if hasattr(optimizer, "load_checkpoint_view"):     # a DistributedOptimizer takes its pieces
             view = optimizer.empty_view()
-            result = _load(folder, index, prog, module, view)
+            with optimizer.gathered():                     # zero=3: written whole, kept as this rank's shards
+                result = _load(folder, index, prog, module, view)
             optimizer.load_checkpoint_view(view)
             return result
         return _load(folder, index, prog, module, optimizer)

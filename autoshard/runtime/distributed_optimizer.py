@@ -49,8 +49,9 @@ parameter groups.
 """
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -58,6 +59,7 @@ from autoshard.errors import ShardingError
 from autoshard.runtime.flat_params import FlatParams
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.runtime.loss_scale import LossScaler
+from autoshard.runtime.sharded_params import ShardedParams, UnitGathers
 
 __all__ = ["DistributedOptimizer", "ELEMENTWISE"]
 
@@ -79,7 +81,7 @@ class DistributedOptimizer:
 
     def __init__(self, runtime, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, *,
                  shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20,
-                 loss_scaler: LossScaler | None = None, **defaults):
+                 loss_scaler: LossScaler | None = None, zero: int | None = None, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
             raise ShardingError(f"DistributedOptimizer steps flat pieces of parameters, which only an element-wise "
                                 f"optimizer does exactly; got {getattr(optimizer_class, '__name__', optimizer_class)!r}, "
@@ -91,10 +93,17 @@ class DistributedOptimizer:
         if len(dtypes) > 1:
             raise ShardingError(f"DistributedOptimizer needs one parameter dtype; this rank's trainable parameters "
                                 f"are {sorted(map(str, dtypes))}")
-        self.runtime = runtime
-        self.grads = runtime.shard_gradients(shard=shard, bucket_bytes=bucket_bytes, overlap=overlap)
-        self.parts = [FlatParams(part) for part in self.grads.parts]
+        zero = getattr(runtime, "zero", 1) if zero is None else zero
+        if zero not in (1, 2, 3) or (zero > 1 and not shard):
+            raise ShardingError(f"DistributedOptimizer: zero={zero!r}; 1 shards the optimizer state, 2 the gradients "
+                                f"too, 3 the parameters too (each needs shard=True)")
+        self.runtime, self.zero = runtime, zero
+        units = runtime.param_units() if zero > 1 else None
+        self.grads = runtime.shard_gradients(shard=shard, bucket_bytes=bucket_bytes, overlap=overlap, units=units)
+        self.parts = [(ShardedParams if zero == 3 else FlatParams)(part) for part in self.grads.parts]
         self.grads.pin()                 # the parameters now live in the parts' flat storage
+        if zero == 3:
+            runtime.use_unit_gathers(UnitGathers(self.parts, units))
         self.names = [n for part in self.grads.parts for n in part.names]
         self.params = [p for part in self.grads.parts for p in part.params]
         self.optimizer = optimizer_class([m for flat in self.parts for _, _, m in flat.pieces.values()], **defaults)
@@ -144,6 +153,16 @@ class DistributedOptimizer:
         for flat in self.parts:
             flat.publish()
 
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter whole on this rank inside (zero=3 releases them between uses); what is
+        written to them inside is kept. Other zero stages hold them whole anyway."""
+        with contextlib.ExitStack() as stack:
+            for flat in self.parts:
+                if isinstance(flat, ShardedParams):
+                    stack.enter_context(flat.gathered())
+            yield
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grads.zero()
 
@@ -162,10 +181,10 @@ class DistributedOptimizer:
         state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         main = sum(m.numel() * m.element_size() for flat, _, _, lo, hi, m in self._owned()
-                   if m.data_ptr() != flat.flat[lo:hi].data_ptr())
+                   if m.data_ptr() != flat.local(lo, hi).data_ptr())
         return {"optimizer_state": state, "main_params": main,
                 "grads": sum(part.buffer.data.numel() * part.buffer.data.element_size() for part in self.grads.parts),
-                "params": sum(flat.flat.numel() * flat.flat.element_size() for flat in self.parts)}
+                "params": sum(flat.param_bytes() for flat in self.parts)}
 
     # ---- checkpoints: the state whole per parameter ----------------------------------------------
     def _wholes(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -226,7 +245,7 @@ class DistributedOptimizer:
             self.optimizer.state[main] = {
                 k: (v.reshape(-1)[lo - o: hi - o].clone().to(main.dtype)
                     if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in whole.items()}
-            if main.data_ptr() != flat.flat[lo:hi].data_ptr():
-                main.copy_(flat.flat[lo:hi] if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
+            if main.data_ptr() != flat.local(lo, hi).data_ptr():
+                main.copy_(flat.local(lo, hi) if saved_main is None else saved_main.reshape(-1)[lo - o: hi - o])
         if self.scaler is not None:
             self.scaler.load(self.optimizer.param_groups[0])

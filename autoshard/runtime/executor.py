@@ -21,6 +21,7 @@ from autoshard.errors import ShardingError
 from autoshard.module_paths import assign_attr, fetch_attr, has_attr
 from autoshard.parallel.ring_steps import RingStep, recording
 from autoshard.passes.stages import StageGraph
+from autoshard.passes.unit_gathers import param_units
 from autoshard.runtime.batching import TARGETS, check_loss_options, pick_loss, refuse_num_items, split_batch
 from autoshard.runtime.gradients import Gradients, main_dtype, refuse_changed
 from autoshard.runtime.loss_tokens import loss_factors, loss_tokens_of
@@ -91,6 +92,7 @@ class MeshRuntime(nn.Module):
         self.records: list[ActionRecord] = []
         self.last_grad_norm: torch.Tensor | None = None
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
+        self.unit_gathers = None      # fully sharded parameters (runtime/sharded_params.py), set by the optimizer
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         self._prog = prog
         # `program`: a rank program given whole (the planner's meta copy of one, walked in a ShapeWorld)
@@ -124,8 +126,31 @@ class MeshRuntime(nn.Module):
         if id(gm) not in self._chunks:
             stages = self._prog.stage_graphs(gm)
             mine = [stages[stage_index(self.pp_rank, c, self.dims.pp, self.placement)] for c in range(self.virtual)]
-            self._chunks[id(gm)] = [build_chunk(self._program, sg, self.split) for sg in mine]
+            self._chunks[id(gm)] = [build_chunk(self._program, sg, self.split, self.unit_gathers) for sg in mine]
         return self._chunks[id(gm)]
+
+    def param_units(self) -> list[list[str]]:
+        """This rank's trainable parameters grouped into the units fully sharded data parallelism
+        gathers one at a time (passes/unit_gathers.py), in the order its chunks read them."""
+        gm, _, _ = self._program.graph_for((), self._prog.example_inputs)
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        units: list[list[str]] = []
+        seen: set[str] = set()
+        for sg, _, params in self._chunks_for(gm):
+            for unit in param_units(sg.graph, [n for n in params.names if n in trainable and n not in seen]):
+                units.append(unit)
+                seen.update(unit)
+        return units
+
+    def use_unit_gathers(self, gathers) -> None:
+        """Gather parameters unit by unit from now on (a DistributedOptimizer at zero=3): the chunks are
+        built again with the gather calls in their graphs."""
+        if self.split:
+            raise ShardingError("fully sharded parameters (zero=3) with a zero-bubble schedule are not built: W, "
+                                "run after B, would need each unit gathered from B until W; use schedule='1f1b' or "
+                                "'interleaved'")
+        self.unit_gathers = gathers
+        self._chunks = {}
 
     def stage_of(self, action: Action) -> int:
         return action.stage(self.pp_rank, self.dims.pp, self.placement)
@@ -243,16 +268,19 @@ class MeshRuntime(nn.Module):
         return self.grads or self.shard_gradients(shard=False)
 
     def shard_gradients(self, *, shard: bool = True, bucket_bytes: int = 25 * 2 ** 20,
-                        overlap: bool | None = None) -> Gradients:
+                        overlap: bool | None = None, units: list[list[str]] | None = None) -> Gradients:
         """Lay the trainable parameters' gradients out anew: each part reduce-scattered over its group
         for a distributed optimizer (all-reduced with shard=False) in buckets of `bucket_bytes`;
-        `overlap` starts each bucket's reduction inside backward (default: on, except on gloo)."""
+        `overlap` starts each bucket's reduction inside backward (default: on, except on gloo);
+        `units` (param_units()): one bucket per unit, reduce-scattered after every backward pass and
+        held 1/dp (zero=2 and 3)."""
         if self.grads is not None:
             self.grads.remove_hooks()
         tied = {n: group for pps, group in self.groups.shared.items() for n in self._prog.shared_params.get(pps, [])}
         self.grads = Gradients([(n, p) for n, p in self.named_parameters() if p.requires_grad], self.groups,
                                tied=tied, experts=self.expert_params, shard=shard, bucket_bytes=bucket_bytes,
-                               overlap=overlap, weight_of=lambda name: self._prog.param_weight(name, self.tp_rank))
+                               overlap=overlap, units=units,
+                               weight_of=lambda name: self._prog.param_weight(name, self.tp_rank))
         return self.grads
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

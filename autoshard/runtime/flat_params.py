@@ -25,44 +25,60 @@ class FlatParams:
     def __init__(self, part: GradPart):
         self.part, self.params, self.layout = part, part.params, part.buffer.layout
         self.group, self.shards, self.shard_rank = part.group, part.shards, part.buffer.shard_rank
-        dtype, device = self.params[0].dtype, self.params[0].device
-        wide = main_dtype(dtype)
-        self.flat = torch.zeros(self.layout.numel, dtype=dtype, device=device)     # the parameters' storage
+        self.dtype, device = self.params[0].dtype, self.params[0].device
+        wide = main_dtype(self.dtype)
         with torch.no_grad():
-            for i, p in enumerate(self.params):
-                o = self.layout.offsets[i]
-                self.flat[o: o + p.numel()].copy_(p.reshape(-1))
-                p.data = self.flat[o: o + p.numel()].view(p.shape)
+            self._place(device)
         self.pieces: dict[int, tuple[int, int, torch.Tensor]] = {}
         for i, lo, hi in part.owned():
-            main = self.flat[lo:hi] if dtype == wide else self.flat[lo:hi].to(wide)
+            main = self.local(lo, hi) if self.dtype == wide else self.local(lo, hi).to(wide)
             main.requires_grad_(True)
-            main.grad = part.buffer.data[lo:hi]
+            main.grad = part.buffer.local(lo, hi)
             self.pieces[i] = (lo, hi, main)
+
+    def _place(self, device: torch.device) -> None:
+        """Move the parameters into their flat storage, as views of it."""
+        self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)     # the parameters' storage
+        for i, p in enumerate(self.params):
+            o = self.layout.offsets[i]
+            self.flat[o: o + p.numel()].copy_(p.reshape(-1))
+            p.data = self.flat[o: o + p.numel()].view(p.shape)
+
+    def local(self, lo: int, hi: int) -> torch.Tensor:
+        """The owned range [lo, hi) of the layout in this rank's parameter storage."""
+        return self.flat[lo:hi]
+
+    def param_bytes(self) -> int:
+        """Bytes this rank holds for the parameters between steps (padding included)."""
+        return self.flat.numel() * self.flat.element_size()
 
     @property
     def replicas(self) -> int:
         return self.part.replicas
 
     def separate_main(self) -> bool:
-        return any(m.data_ptr() != self.flat[lo:hi].data_ptr() for lo, hi, m in self.pieces.values())
+        return any(m.data_ptr() != self.local(lo, hi).data_ptr() for lo, hi, m in self.pieces.values())
 
     @torch.no_grad()
     def publish(self) -> None:
         """After the optimizer's step: the main pieces copied into the storage (half precision), then
         the owned ranges all-gathered over the group."""
-        for lo, hi, main in self.pieces.values():
-            if main.data_ptr() != self.flat[lo:hi].data_ptr():
-                self.flat[lo:hi].copy_(main)
+        self._copy_mains()
         if self.shards > 1:
             for b in self.layout.buckets:
                 a, z = b.owned(self.shard_rank, self.shards)
                 current().all_gather(self.flat[b.start: b.stop], self.flat[a:z].clone(), group=self.group)
 
+    def _copy_mains(self) -> None:
+        for lo, hi, main in self.pieces.values():
+            if main.data_ptr() != self.local(lo, hi).data_ptr():
+                self.local(lo, hi).copy_(main)
+
     def whole(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A flat tensor (main weights' dtype) over the layout holding `value_of(main)` at every owned
         piece, summed over the group (the owned ranges are disjoint, so that is a gather)."""
-        full = torch.zeros(self.layout.numel, dtype=main_dtype(self.flat.dtype), device=self.flat.device)
+        device = self.pieces[next(iter(self.pieces))][2].device if self.pieces else self.params[0].device
+        full = torch.zeros(self.layout.numel, dtype=main_dtype(self.dtype), device=device)
         for lo, hi, main in self.pieces.values():
             full[lo:hi] = value_of(main)
         if self.shards > 1:

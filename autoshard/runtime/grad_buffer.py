@@ -19,9 +19,19 @@ on the 2-core CPU machine, benchmarks/RESULTS.md). With `overlap`, a bucket's re
 (async) as soon as each of its parameters has had its last microbatch's gradient; `reduce()` starts
 the rest and waits for all. runtime/gradients.py builds one per group of parameters. Each launch and
 completion time is recorded (`records`) for the trace.
+
+Per backward pass (`per_pass`, fully sharded data parallelism: runtime/sharded_params.py): the buffer
+holds only this rank's shard of every bucket (`data` is 1/shards of the layout), as FSDP's sharded
+gradients. A bucket (one unit of parameters, `plan_layout(units=...)`) gathers the gradients of one
+backward pass in a temporary full-size tensor; once every parameter of the bucket has added to it, it
+is reduce-scattered and the shard added into `data`, and the temporary is freed. A parameter whose
+gradient did not come in a pass (an expert no token reached) only delays the reduction: what came is
+summed either way. A bucket tied across pipeline stages keeps a full slot, reduced at the end as
+above. `local(lo, hi)` maps an owned range of the layout onto the tensor that holds it in either mode.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -65,7 +75,9 @@ class FlatLayout:
         return (lo, hi) if lo < hi else None
 
 
-def plan_layout(numels: list[int], shards: int, bucket_numel: int, tied: set[int] = frozenset()) -> FlatLayout:
+def plan_layout(numels: list[int], shards: int, bucket_numel: int, tied: set[int] = frozenset(),
+                units: list[list[int]] | None = None) -> FlatLayout:
+    """`units` (in forward order): one bucket per unit instead of packing by `bucket_numel`."""
     offsets, buckets, pos = [0] * len(numels), [], 0
     current: list[int] = []
 
@@ -77,6 +89,14 @@ def plan_layout(numels: list[int], shards: int, bucket_numel: int, tied: set[int
         pos = start + -(-(pos - start) // shards) * shards          # pad to a multiple of the shards
         buckets.append(Bucket(start, pos, tuple(members), is_tied))
 
+    if units is not None:
+        for unit in reversed(units):
+            members = [i for i in unit if i not in tied]
+            if members:
+                close(members)
+        for i in sorted(tied, reverse=True):
+            close([i], True)
+        return FlatLayout(tuple(offsets), tuple(numels), tuple(buckets), shards)
     for i in reversed(range(len(numels))):
         if i in tied:
             continue
@@ -103,6 +123,7 @@ class _Pending:
     work: object
     record: ReduceRecord
     out: torch.Tensor | None = field(default=None)
+    full: torch.Tensor | None = field(default=None)     # per pass: the bucket's gradient, kept until sent
 
 
 class GradBuffer:
@@ -110,12 +131,25 @@ class GradBuffer:
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group,
                  shard_rank: int, dp: int, tied_groups: dict[int, Group] | None = None,
-                 overlap: bool = True, dtype: torch.dtype = torch.float32, world: World | None = None):
+                 overlap: bool = True, dtype: torch.dtype = torch.float32, world: World | None = None,
+                 per_pass: bool = False):
         self.params, self.layout, self.group, self.dp = params, layout, group, dp
         self.world = current() if world is None else world
         self.shard_rank, self.overlap, self.tied_groups = shard_rank, overlap, tied_groups or {}
+        self.per_pass = per_pass
         device = params[0].device if params else None
-        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+        # per pass: this rank's shard of each bucket, one after another (`_local_start`)
+        self._local_start, start = [], 0
+        for b in layout.buckets:
+            self._local_start.append(start)
+            start += (b.stop - b.start) // layout.shards
+        self._owned_starts = [b.owned(shard_rank, layout.shards)[0] for b in layout.buckets]
+        self.data = torch.zeros(start if per_pass else layout.numel, dtype=dtype, device=device)
+        self._temp: dict[int, torch.Tensor] = {}        # per pass: bucket -> its gradient since its last send
+        self._arrived: dict[int, int] = {}
+        self._tied_full = {self._bucket_of_param(i): torch.zeros(layout.numels[i], dtype=dtype, device=device)
+                           for i in (tied_groups or {})} if per_pass else {}
+        self.on_sent = None           # per pass: called with a bucket's index once its pass is sent
         self.records: list[ReduceRecord] = []
         self.reduced = False          # reduce() ran and zero() did not since: the data is a reduced step's
         self._seen = [0] * len(params)
@@ -127,12 +161,75 @@ class GradBuffer:
         self._bucket_index = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
 
+    def _bucket_of_param(self, i: int) -> int:
+        return next(k for k, b in enumerate(self.layout.buckets) if i in b.params)
+
     def view(self, i: int) -> torch.Tensor:
         o, n = self.layout.offsets[i], self.layout.numels[i]
+        if self.per_pass:
+            return self._tied_full[self._bucket_index[i]].view(self.params[i].shape)   # tied only
         return self.data[o: o + n].view(self.params[i].shape)
+
+    def local(self, lo: int, hi: int) -> torch.Tensor:
+        """The tensor holding the owned range [lo, hi) of the layout (a slice of `data`)."""
+        if not self.per_pass:
+            return self.data[lo:hi]
+        k = bisect.bisect_right(self._owned_starts, lo) - 1
+        start = self._local_start[k] + lo - self._owned_starts[k]
+        return self.data[start: start + hi - lo]
+
+    def _add_pass(self, i: int, grad: torch.Tensor) -> None:
+        """Per pass: parameter i's gradient into its bucket's temporary; the bucket is sent once each
+        of its parameters added to it."""
+        k = self._bucket_index[i]
+        b = self.layout.buckets[k]
+        if b.tied:
+            slot = self.view(i)
+            slot.copy_(grad) if self._stale[i] else slot.add_(grad)
+            self._stale[i] = False
+            return
+        temp = self._temp.get(k)
+        if temp is None:
+            temp = self._temp[k] = torch.zeros(b.stop - b.start, dtype=self.data.dtype, device=self.data.device)
+            self._arrived[k] = 0
+        o = self.layout.offsets[i] - b.start
+        temp[o: o + grad.numel()].add_(grad.reshape(-1))
+        self._arrived[k] += 1
+        if self._arrived[k] >= len(b.params):
+            self._send_pass(k)
+
+    def _send_pass(self, k: int) -> None:
+        full = self._temp.pop(k)
+        self._arrived.pop(k)
+        self.records.append(ReduceRecord(k, time.time() - self._origin))
+        n = full.numel() // self.layout.shards
+        if self.layout.shards == 1:
+            out, work = full, None
+        else:
+            out = torch.empty(n, dtype=full.dtype, device=full.device)
+            work = self.world.reduce_scatter(out, full, group=self.group, async_op=True)
+        self._pending.append(_Pending(work, self.records[-1], out, full))
+        while len(self._pending) > 2:          # at most two buckets' gradients in flight
+            self._fold(self._pending.pop(0))
+        if self.on_sent is not None:
+            self.on_sent(k)
+
+    def _fold(self, p: _Pending) -> None:
+        """Per pass: wait for a sent bucket and add this rank's shard of it into `data`."""
+        if p.work is not None:
+            p.work.wait()
+        if p.record.done is None:
+            p.record.done = time.time() - self._origin
+        k, n = p.record.bucket, p.out.numel()
+        self.data[self._local_start[k]: self._local_start[k] + n].add_(p.out)
 
     def _hook(self, i: int):
         def add(p: torch.nn.Parameter) -> None:
+            if self.per_pass:
+                self._add_pass(i, p.grad)
+                p.grad = None
+                self._seen[i] += 1
+                return
             if self._stale[i]:
                 self.view(i).copy_(p.grad)
                 self._stale[i] = False
@@ -190,6 +287,9 @@ class GradBuffer:
     def reduce(self) -> None:
         """Sum tied parameters over their pipeline ranks, start every reduction not started yet, wait
         for all and scale: afterwards this rank's owned ranges hold the data-parallel result."""
+        if self.per_pass:
+            self._reduce_passes()
+            return
         for i, group in self.tied_groups.items():
             self._zero_stale((i,))
             self.world.all_reduce(self.view(i), group=group)
@@ -209,8 +309,34 @@ class GradBuffer:
         self.data.mul_(self._scale)
         self.reduced = True
 
+    def _reduce_passes(self) -> None:
+        for k in sorted(self._temp):                # buckets whose last pass some gradient skipped
+            self._send_pass(k)
+        for p in self._pending:
+            self._fold(p)
+        self._pending = []
+        for i, group in self.tied_groups.items():   # summed over its stages, then reduce-scattered
+            k = self._bucket_index[i]
+            self._zero_stale((i,))
+            self.world.all_reduce(self.view(i), group=group)
+            self._stale[i] = True                    # the slot starts the next step afresh
+            self.records.append(ReduceRecord(k, time.time() - self._origin))
+            full = torch.zeros(self.layout.buckets[k].stop - self.layout.buckets[k].start, dtype=self.data.dtype,
+                               device=self.data.device)
+            full[: self.layout.numels[i]] = self.view(i).reshape(-1)
+            out = full if self.layout.shards == 1 else torch.empty(full.numel() // self.layout.shards,
+                                                                   dtype=full.dtype, device=full.device)
+            if self.layout.shards > 1:
+                self.world.reduce_scatter(out, full, group=self.group)
+            self._fold(_Pending(None, self.records[-1], out))
+        self.data.mul_(self._scale)
+        self.reduced = True
+
     def zero(self) -> None:
         """Forget the gradients, writing nothing (module doc): every slice stale, every `.grad` None."""
+        if self.per_pass:           # 1/shards of the parameters: zeroed outright
+            self.data.zero_()
+            self._temp, self._arrived = {}, {}
         self.reduced = False
         self._stale = [True] * len(self.params)
         for p in self.params:

@@ -16,7 +16,9 @@ Unsharded (plain data parallelism, any torch optimizer): buckets are all-reduced
 parameter's `.grad` is its slice of the buffer after `end` (a copy in the parameter's dtype when
 that is narrower). Sharded (`shard=True`, made by the distributed optimizer): buckets are
 reduce-scattered, rank r of the part's group owns the r-th 1/size of every bucket, and the optimizer
-steps those owned ranges (`GradPart.owned`); no `.grad` is set.
+steps those owned ranges (`GradPart.owned`); no `.grad` is set. With `units` (fully sharded data
+parallelism: lists of parameter names, in forward order) each unit is one bucket, reduce-scattered
+after every backward pass and held 1/size (grad_buffer.py's `per_pass`).
 
 Written once here, for both: the loss normalisation's factor on the reduced gradient, the loss
 scaler's inf/NaN check (fp16), the global norm (every element counted once over tp x pp x dp, with
@@ -112,7 +114,8 @@ class Gradients:
 
     def __init__(self, trainable: list[tuple[str, torch.nn.Parameter]], groups: MeshGroups, *,
                  tied: dict[str, Group], experts: set[str], weight_of: WeightOf,
-                 shard: bool = False, bucket_bytes: int = 25 * 2 ** 20, overlap: bool | None = None):
+                 shard: bool = False, bucket_bytes: int = 25 * 2 ** 20, overlap: bool | None = None,
+                 units: list[list[str]] | None = None):
         dims = groups.dims
         self.dims, self.sharded, self.weight_of = dims, shard, weight_of
         if overlap is None:      # on gloo the reduction costs the cores backward runs on (benchmarks/RESULTS.md)
@@ -129,9 +132,16 @@ class Gradients:
             names, params = [n for n, _ in named], [p for _, p in named]
             shards = size if shard else 1
             tied_here = {i: tied[n] for i, n in enumerate(names) if n in tied}
-            layout = plan_layout([p.numel() for p in params], shards, max(1, bucket_bytes // 4), set(tied_here))
+            where = {n: i for i, n in enumerate(names)}
+            groups_here = None if units is None else \
+                [[where[n] for n in unit if n in where] for unit in units if any(n in where for n in unit)]
+            if groups_here is not None:            # a parameter no unit names: a unit of its own
+                covered = {i for unit in groups_here for i in unit}
+                groups_here += [[i] for i in range(len(names)) if i not in covered]
+            layout = plan_layout([p.numel() for p in params], shards, max(1, bucket_bytes // 4), set(tied_here),
+                                 units=groups_here)
             buffer = GradBuffer(params, layout, group, rank if shard else 0, size, tied_here, overlap,
-                                dtype=main_dtype(params[0].dtype), world=groups.world)
+                                dtype=main_dtype(params[0].dtype), world=groups.world, per_pass=units is not None)
             self.parts.append(GradPart(names, params, group, size, rank, buffer))
         self.base_replicas = 1 if shard else dims.data        # ranks holding each non-expert element
         self.scaler: LossScaler | None = None
@@ -188,7 +198,7 @@ class Gradients:
         if self.sharded:
             if not part.buffer.reduced:
                 return {}
-            return {i: part.buffer.data[lo:hi].clone() for i, lo, hi in part.owned()}
+            return {i: part.buffer.local(lo, hi).clone() for i, lo, hi in part.owned()}
         return {i: p.grad.detach().reshape(-1).to(part.buffer.data.dtype, copy=True)
                 for i, p in enumerate(part.params) if p.grad is not None}
 
@@ -202,7 +212,7 @@ class Gradients:
             for i, lo, hi in part.owned():
                 if i in earlier:
                     o = layout.offsets[i]
-                    part.buffer.data[lo:hi] += earlier[i][lo - o: hi - o] if not self.sharded else earlier[i]
+                    part.buffer.local(lo, hi).add_(earlier[i][lo - o: hi - o] if not self.sharded else earlier[i])
         self._earlier = []
         norm = None
         self.skipped = False
@@ -221,7 +231,7 @@ class Gradients:
         """(part, index in the part, start in the flat buffer, flat gradient) of every range this rank owns."""
         for part in self.parts:
             for i, lo, hi in part.owned():
-                yield part, i, lo, part.buffer.data[lo:hi]
+                yield part, i, lo, part.buffer.local(lo, hi)
 
     def norm(self) -> torch.Tensor:
         """The global L2 norm of the reduced gradient (every rank must call it)."""

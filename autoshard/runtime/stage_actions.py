@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.module_paths import fetch_attr
 from autoshard.passes.stages import StageGraph
+from autoshard.passes.unit_gathers import insert_unit_gathers
 from autoshard.runtime.backward_split import WeightWork, backward_input, backward_weight
 from autoshard.runtime.gradients import main_dtype
 from autoshard.runtime.p2p import BACKWARD, FORWARD, Receive
@@ -107,12 +108,17 @@ class ChunkParams:
         return [t for t in out if isinstance(t, torch.nn.Parameter) and t.requires_grad]
 
 
-def build_chunk(root: torch.nn.Module, sg: StageGraph, split: bool) -> tuple[StageGraph, fx.GraphModule, ChunkParams]:
+def build_chunk(root: torch.nn.Module, sg: StageGraph, split: bool, gathers=None
+                ) -> tuple[StageGraph, fx.GraphModule, ChunkParams]:
     """One chunk as run_actions takes it: stage `sg`'s graph over `root`'s tensors and what it reads;
     in a zero-bubble schedule (`split`) the first stage's B stops where the batch meets the first
-    weights (ChunkParams.tap_boundaries)."""
+    weights (ChunkParams.tap_boundaries); with fully sharded parameters (`gathers`, a
+    runtime/sharded_params.py UnitGathers) each unit is gathered around the ops that read it
+    (passes/unit_gathers.py)."""
     params = ChunkParams(sg.graph)
     graph = params.tap_boundaries(sg.graph) if split and sg.index == 0 else sg.graph
+    if gathers is not None:
+        graph = insert_unit_gathers(graph, gathers.unit_of, gathers.acquire, gathers.release, gathers.before_backward)
     return sg, fx.GraphModule(root, graph, class_name=f"Stage{sg.index}"), params
 
 
@@ -206,6 +212,8 @@ def run_actions(rt, chunks: list[tuple[StageGraph, fx.GraphModule, ChunkParams]]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 back = [t.grad for t in floats]
+            if rt.unit_gathers is not None:
+                rt.unit_gathers.end_backward()
             if stage > 0:
                 back = [g if g is not None else torch.zeros_like(t) for t, g in zip(floats, back)]
                 rt.transfer.send(back, rt.rank_of_stage(stage - 1), stage, i, BACKWARD)
