@@ -39,7 +39,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               vocab_parallel: bool = True, gather_output: bool = True, sequence_parallel: bool = False,
               fuse: bool = False, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
-              hardware: str | Hardware = "a100-80gb", distributed_optimizer: bool | None = False) -> ShardedProgram:
+              hardware: str | Hardware = "a100-80gb", distributed_optimizer: bool | None = False,
+              zero: int = 1) -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
 
     tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
@@ -103,6 +104,13 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     divided over the data-parallel ranks (False, the default: a plain optimizer); None lets the
     planner choose, and `prog.planned.distributed_optimizer` then says whether to build
     autoshard.runtime.DistributedOptimizer(runtime, torch.optim.AdamW, shard=True).
+    zero: what the data-parallel ranks divide among them when training with
+    autoshard.runtime.DistributedOptimizer (its default; ZeRO's stages, Rajbhandari et al. 2020): 1
+    (default) the optimizer state and fp32 main weights; 2 the gradients too (each unit's gradients
+    reduce-scattered after every backward pass, as FSDP does); 3 the parameters too (fully sharded
+    data parallelism: each layer's parameters gathered just before its forward and again before its
+    backward, released after each: runtime/sharded_params.py). 3 is refused with the zero-bubble
+    schedules.
     sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
     1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
     and each new input shape is compiled once (sizes are exported static).
@@ -117,6 +125,9 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
+    if zero not in (1, 2, 3):
+        raise ShardingError(f"zero={zero!r}: 1 divides the optimizer state over the data-parallel ranks, 2 the "
+                            f"gradients too, 3 the parameters too")
     if recompute is not None and recompute not in RECOMPUTE_MODES:
         raise ShardingError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     if recompute is None and getattr(model, "is_gradient_checkpointing", False) is True:
@@ -127,7 +138,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                             "tp/pp/dp/cp yourself")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
-                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts)
+                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts, zero=zero)
     if world_size is None:
         return _program(model, args, kwargs, tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches,
                         schedule=schedule, recompute=recompute, **common)
@@ -152,7 +163,7 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
              ep: int | None, cp: int | None, virtual: int | None, microbatches: int | None, schedule: str | None,
              recompute: str | None, cp_attention: str, vocab_parallel: bool, gather_output: bool,
              sequence_parallel: bool, fuse: bool, hardware: str | Hardware,
-             stage_cuts: list[int] | None = None) -> ShardedProgram:
+             stage_cuts: list[int] | None = None, zero: int = 1) -> ShardedProgram:
     """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
     auto = schedule == "auto"
@@ -200,6 +211,11 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
     prog = ShardedProgram(compiler, rank0, stages, dims, model=model, example_inputs=named, virtual=virtual,
                           microbatches=microbatches, schedule_name=schedule_name, schedule=steps,
                           schedule_choice=choice)
+    if zero == 3 and any(a.kind == "W" for actions in steps for a in actions):
+        raise ShardingError(f"zero=3 with schedule {schedule_name!r}: a zero-bubble schedule computes weight "
+                            f"gradients (W) after the input gradients (B), and fully sharded parameters are not "
+                            f"kept gathered from B until W; use schedule='1f1b' or 'interleaved', or zero=1 or 2")
+    prog.zero = zero
     return prog
 
 

@@ -36,6 +36,7 @@ class Described(Protocol):
     rank0_calls: list[tuple[str, str | None]]
     predicted_stage_seconds: list[float] | None
     schedule_choice: object | None      # planning/schedule_choice.py's ScheduleChoice, under schedule="auto"
+    zero: int
 
     def stage_graphs(self, gm: fx.Graph) -> list[StageGraph]: ...
 
@@ -82,6 +83,12 @@ def describe(prog: Described) -> str:
         notes.append(f"expert parallelism: {len(experts)} experts call(s) (e.g. {experts[0]}), each "
                      f"rank of an ep group of {ep} data-parallel ranks owning 1/{ep} of the experts; per call, "
                      f"two all-to-alls forward (tokens out, results back) and two backward")
+    data = prog.dims.dp * prog.dims.cp
+    if prog.zero > 1 and data > 1:
+        what = "gradients and optimizer state" if prog.zero == 2 else "parameters, gradients and optimizer state"
+        notes.append(f"zero={prog.zero}: {what} divided over the {data} data-parallel ranks"
+                     + (" (each layer's parameters all-gathered before its forward and again before its backward, "
+                        "its gradients reduce-scattered after it)" if prog.zero == 3 else ""))
     if prog.pp * prog.virtual > 1:
         timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement)
         notes.append(f"pipeline: {prog.schedule_name} schedule, {prog.virtual} chunk(s) per rank, "

@@ -59,6 +59,7 @@ class ShardedProgram:
         for n, p in model.named_parameters(remove_duplicate=False):
             self.param_aliases.setdefault(by_id.setdefault(id(p), n), []).append(n)
         self._bind = InputBinder.of(model)
+        self.zero = 1           # what DistributedOptimizer divides over dp by default (autoshard's `zero`)
         self.planned = None     # the planner's Estimate when autoshard chose the split (world_size=)
         self.planned_memory = None      # then each pipeline rank's peak read off its graphs (planning/graph_fit.py)
         self.planned_seconds = None     # and its step's seconds read off them

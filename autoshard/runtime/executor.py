@@ -93,6 +93,7 @@ class MeshRuntime(nn.Module):
         self.last_grad_norm: torch.Tensor | None = None
         self.grads: Gradients | None = None     # built at the first step, or sharded by a DistributedOptimizer
         self.unit_gathers = None      # fully sharded parameters (runtime/sharded_params.py), set by the optimizer
+        self.zero = getattr(prog, "zero", 1)      # DistributedOptimizer's default stage
         self._origin = 0.0            # when the current step began (time.time()): records count from it
         self._prog = prog
         # `program`: a rank program given whole (the planner's meta copy of one, walked in a ShapeWorld)

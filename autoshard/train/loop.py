@@ -75,6 +75,11 @@ def _on_rank0(fn):
     return box[0]
 
 
+# what the banner says the data-parallel ranks divide, by zero stage
+_ZERO_WORDS = {1: "AdamW state", 2: "AdamW state and gradients (zero=2)",
+               3: "parameters, gradients and AdamW state (zero=3)"}
+
+
 def split_of(opts: TrainOptions, world: int) -> dict:
     """tp, pp, dp, cp, virtual, microbatches from the options and the world size (not with --plan)."""
     tp, pp, cp = opts.tp, opts.pp, opts.cp
@@ -91,7 +96,8 @@ def split_of(opts: TrainOptions, world: int) -> dict:
         raise TrainError(f"--batch {opts.batch} cannot be split into dp={dp} x microbatches={micro} equal parts")
     if (problem := expert_split_problem(dp, opts.ep, cp=cp)) is not None:
         raise TrainError(f"--ep: {problem}")
-    return dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, cp=cp, virtual=opts.virtual, microbatches=micro)
+    split = dict(tp=tp, pp=pp, dp=dp, ep=opts.ep, cp=cp, virtual=opts.virtual, microbatches=micro)
+    return {**split, "zero": opts.zero} if opts.zero else split
 
 
 def _peak_gib(place: Placement) -> float | None:
@@ -123,11 +129,11 @@ def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | 
     if opts.plan:       # planned at --seq-len tokens: the example's
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=hardware or PLAN_DEFAULT,
                          sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
-                         distributed_optimizer=True if opts.distributed_optimizer else None,
-                         example_kwargs={source.input_name: example, source.label_name: example})
+                         distributed_optimizer=True if opts.distributed_optimizer or opts.zero else None,
+                         zero=opts.zero or 1, example_kwargs={source.input_name: example, source.label_name: example})
         split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, ep=prog.dims.ep, virtual=prog.virtual,
                      microbatches=prog.microbatches, recompute=prog.recompute,
-                     distributed_optimizer=prog.planned.distributed_optimizer)
+                     distributed_optimizer=prog.planned.distributed_optimizer, zero=prog.zero)
         if opts.batch % (split["dp"] * split["microbatches"]):
             raise TrainError(f"the planner's dp={split['dp']} x microbatches={split['microbatches']} does not divide "
                              f"--batch {opts.batch}")
@@ -237,7 +243,8 @@ def run(opts: TrainOptions) -> int:
         if place.is_cuda:
             move_runtime(rt, place.device)
     adamw = dict(lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
-    shard = opts.distributed_optimizer or split.get("distributed_optimizer", False)     # given, or --plan's
+    # given (--zero too), or --plan's
+    shard = opts.distributed_optimizer or bool(opts.zero) or split.get("distributed_optimizer", False)
     optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=shard, **adamw)
                  if shard or opts.precision != "fp32"
                  else torch.optim.AdamW(rt.parameters(), **adamw))
@@ -258,7 +265,7 @@ def run(opts: TrainOptions) -> int:
         print(f"autoshard train: {type(source.model).__name__} ({count / 1e6:.2f}M parameters), tp={split['tp']} pp={split['pp']} dp={split['dp']} "
               + (f"ep={split['ep']} " if split.get("ep", 1) > 1 else "")
               + (f"cp={split['cp']} " if split.get("cp", 1) > 1 else "") + f"virtual={split['virtual']} microbatches={split['microbatches']} recompute={split['recompute']}, "
-              + (f"AdamW state sharded over dp={split['dp']}"
+              + (f"{_ZERO_WORDS[prog.zero]} sharded over dp={split['dp']}"
                  + (f" (experts' over dp/ep={split['dp'] // split['ep']})" if split.get("ep", 1) > 1 else "") + ", "
                  if shard else "")
               + (f"{opts.precision} with fp32 main weights, " if opts.precision != "fp32" else "") +

@@ -40,6 +40,7 @@ class TrainOptions:
     fuse: bool
     recompute: str | None
     distributed_optimizer: bool
+    zero: int | None
     precision: str | None
     device: str
     seq_len: int
@@ -124,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--distributed-optimizer", action="store_true",
                    help="AdamW's state and fp32 gradients' reduction sharded over data-parallel ranks (ZeRO-1)")
+    o.add_argument("--zero", type=int, choices=[1, 2, 3], default=None,
+                   help="what the data-parallel ranks divide: 1 AdamW's state (as --distributed-optimizer), 2 the "
+                        "gradients too, 3 the parameters too (fully sharded data parallelism: each layer gathered "
+                        "before its forward and backward, released after)")
     o.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                    help="compute dtype; bf16/fp16 keep fp32 main weights and gradients in the optimizer "
                         "(fp16: dynamic loss scaling). Default: bf16 on GPUs, fp32 on the CPU")

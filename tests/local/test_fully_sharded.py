@@ -154,3 +154,16 @@ def test_refusals_name_the_reason():
         prog.local_mesh().each(lambda rt: DistributedOptimizer(rt, zero=3))
     with pytest.raises(ShardingError, match="zero=4; 1 shards the optimizer state"):
         autoshard(model, dp=2, example_kwargs=example).local_mesh().each(lambda rt: DistributedOptimizer(rt, zero=4))
+
+
+def test_the_program_carries_zero_to_the_optimizer_and_the_printout():
+    model, _ = _pair("llama", layers=2)
+    example = {k: v[:1] for k, v in _batches(2)[0].items()}
+    prog = autoshard(model, dp=2, zero=3, example_kwargs=example)
+    assert "zero=3: parameters, gradients and optimizer state divided over the 2 data-parallel ranks" in str(prog)
+    opts = prog.local_mesh().each(lambda rt: DistributedOptimizer(rt))
+    assert all(o.zero == 3 for o in opts)
+    with pytest.raises(ShardingError, match="zero=3 with schedule 'zb-h1'"):
+        autoshard(model, pp=2, dp=2, microbatches=2, schedule="zb-h1", zero=3, example_kwargs=example)
+    with pytest.raises(ShardingError, match="zero=0: 1 divides"):
+        autoshard(model, dp=2, zero=0, example_kwargs=example)
