@@ -63,8 +63,10 @@ def _bytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def state_bytes(held: dict[str, torch.Tensor], prog, distributed_optimizer: bool, moments: int = 2) -> tuple[int, int, int]:
-    """(weights and optimizer state, gradient buffer, the optimizer step's temporaries) in bytes."""
+def state_bytes(held: dict[str, torch.Tensor], prog, distributed_optimizer: bool, moments: int = 2,
+                zero: int = 1) -> tuple[int, int, int]:
+    """(weights and optimizer state, gradient buffer, the optimizer step's temporaries) in bytes;
+    `zero` 2 divides the gradient buffer over the data-parallel ranks too, 3 the trainable weights."""
     dims = prog.dims
     trainable = [(n, t) for n, t in held.items() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
     shared = {n for names in prog.shared_params.values() for n in names}
@@ -80,7 +82,9 @@ def state_bytes(held: dict[str, torch.Tensor], prog, distributed_optimizer: bool
         tied = {i for i, t in enumerate(params) if any(held.get(n) is t for n in shared)}
         layout = plan_layout([t.numel() for t in params], shards, _BUCKET_BYTES // 4, tied)
         fp32 = torch.finfo(main_dtype(params[0].dtype)).bits // 8
-        grads += layout.numel * fp32
+        grads += layout.numel * fp32 // (shards if zero > 1 else 1)
+        if zero == 3:            # only this rank's 1/shards of each trainable weight is held
+            weights -= _bytes({id(t): t for t in params}.values()) - layout.numel * params[0].element_size() // shards
         elements = sum(t.numel() for t in params)
         main = 0 if params[0].dtype == torch.float32 else fp32
         optimizer += elements * (moments * 4 + main) // shards + 4 * len(params)
@@ -154,8 +158,11 @@ def rank_memory_of(prog, pp_rank: int = 0, *, tp_rank: int = 0, data_rank: int =
 
 
 def memory_of(run: RankWalk, prog, *, distributed_optimizer: bool = False, moments: int = 2) -> RankMemory:
-    """A walked rank's peak, by cause: what it holds between steps and what its step added."""
-    state, grads, optimizer_step = state_bytes(run.held, prog, distributed_optimizer, moments)
+    """A walked rank's peak, by cause: what it holds between steps and what its step added (at the
+    program's `zero` 2 or 3 the distributed optimizer is implied; the walk gathered and released
+    zero=3's units and made each unit's per-pass gradient as the runtime does)."""
+    zero = getattr(prog, "zero", 1)
+    state, grads, optimizer_step = state_bytes(run.held, prog, distributed_optimizer or zero > 1, moments, zero)
     step = run.step
     peak = state + grads + max(step.peak, optimizer_step)
     return RankMemory(state=state, gradients=grads, activations=step.held,

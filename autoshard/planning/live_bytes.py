@@ -8,7 +8,9 @@ returns and learns of its release from the storage's finalizer.
 It counts storages, not tensors (a view adds nothing), and only on one device type: "meta" for a
 step run on shapes alone, "cpu" for a measured one (autoshard.testing.memory.PeakBytes). Memory
 that never reaches Python (an op's scratch space inside a kernel, a communication library's
-buffers) is not seen.
+buffers) is not seen. A storage resized in place (`untyped_storage().resize_`, what fully sharded
+data parallelism frees and refills parameters with: runtime/sharded_params.py, and torch's FSDP2)
+is no op: the mode wraps UntypedStorage.resize_ while it is active and counts the change.
 """
 from __future__ import annotations
 
@@ -28,12 +30,36 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, device: str = "cpu", base: int = 0):
         super().__init__()
         self.device, self.base, self.live, self.peak = device, base, 0, base
-        self._alive: set[int] = set()
+        self._alive: dict[int, int] = {}          # storage id -> its bytes now
+        self._resize = None
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _free(self, key: int) -> None:
         if key in self._alive:
-            self._alive.discard(key)
-            self.live -= nbytes
+            self.live -= self._alive.pop(key)
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.base + self.live)
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(storage, nbytes):
+            before = storage.nbytes()
+            out = original(storage, nbytes)
+            if storage.device.type == mode.device:
+                key = id(storage)
+                if key in mode._alive:
+                    mode._alive[key] += nbytes - before
+                mode._add(nbytes - before)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -49,8 +75,7 @@ class LiveBytes(TorchDispatchMode):
                     inputs = {id(a.untyped_storage()) for a in pytree.tree_leaves((args, kwargs))
                               if isinstance(a, torch.Tensor) and a.device.type == self.device}
                 if key not in inputs:
-                    self._alive.add(key)
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.base + self.live)
-                    weakref.finalize(st, self._free, key, st.nbytes())
+                    self._alive[key] = st.nbytes()
+                    self._add(st.nbytes())
+                    weakref.finalize(st, self._free, key)
         return out

@@ -32,6 +32,7 @@ from autoshard.runtime.executor import MeshRuntime
 from autoshard.runtime.mesh import MeshGroups
 from autoshard.runtime.p2p import FORWARD, header, read_tag
 from autoshard.runtime.schedules import splits_backward, stage_index
+from autoshard.runtime.sharded_params import ShardedParams, UnitGathers
 from autoshard.runtime.stage_actions import build_chunk, receive_order, run_actions
 from autoshard.world import P2P
 from autoshard.world.shapes import ShapeWorld
@@ -85,8 +86,13 @@ def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) 
     world = ShapeWorld(prog.dims.world_size, me, answer=lambda op: _answer(op, inputs_of, n_stages))
     rt = MeshRuntime(prog, me, MeshGroups(prog.dims, me, list(prog.shared_params), world), prog.schedule,
                      program=rank)
-    chunks = [build_chunk(rank, graphs[stage_index(pp_rank, c, pp, placement)], split) for c in range(prog.virtual)]
-    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in rank.parameters() if p.requires_grad]
+    mine = [graphs[stage_index(pp_rank, c, pp, placement)] for c in range(prog.virtual)]
+    chunks = [build_chunk(rank, sg, split) for sg in mine]
+    zero = getattr(prog, "zero", 1)
+    if zero > 1:
+        chunks, hooks = _sharded(rt, rank, mine, chunks, split, zero, prog.microbatches), []
+    else:
+        hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in rank.parameters() if p.requires_grad]
     log = getattr(rank, "collective_log", [])
     try:
         with _grouped_mm_on_meta(), LiveBytes("meta") as live, OpCost() as cost:
@@ -110,6 +116,20 @@ def step_bytes(rank, prog, *, pp_rank: int, graphs: list, flat: list, out_spec) 
     finally:
         for h in hooks:
             h.remove()
+
+
+def _sharded(rt: MeshRuntime, rank, mine: list, chunks: list, split: bool, zero: int, microbatches: int) -> list:
+    """zero 2 and 3: the runtime's own per-pass gradients (each unit's full-size gradient made,
+    reduce-scattered and dropped as in a real step) and at zero=3 its sharded parameters, gathered
+    and released by the same calls in the chunks' graphs; made here, before the walk counts, as the
+    optimizer makes them before the first step. Returns the chunks to walk."""
+    units = rt.param_units(chunks)
+    grads = rt.shard_gradients(shard=True, units=units)
+    grads.begin(microbatches, 1.0, 0.0)
+    if zero < 3:
+        return chunks
+    rt.unit_gathers = UnitGathers([ShardedParams(part) for part in grads.parts], units)
+    return [build_chunk(rank, sg, split, rt.unit_gathers) for sg in mine]
 
 
 def _answer(op: P2P, inputs_of: dict[int, list[tuple[torch.Size, torch.dtype]]], n_stages: int) -> None:

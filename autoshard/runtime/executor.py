@@ -130,14 +130,16 @@ class MeshRuntime(nn.Module):
             self._chunks[id(gm)] = [build_chunk(self._program, sg, self.split, self.unit_gathers) for sg in mine]
         return self._chunks[id(gm)]
 
-    def param_units(self) -> list[list[str]]:
+    def param_units(self, chunks: list | None = None) -> list[list[str]]:
         """This rank's trainable parameters grouped into the units fully sharded data parallelism
-        gathers one at a time (passes/unit_gathers.py), in the order its chunks read them."""
-        gm, _, _ = self._program.graph_for((), self._prog.example_inputs)
+        gathers one at a time (passes/unit_gathers.py), in the order its chunks (default: those of
+        the example inputs' graph) read them."""
+        if chunks is None:
+            chunks = self._chunks_for(self._program.graph_for((), self._prog.example_inputs)[0])
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         units: list[list[str]] = []
         seen: set[str] = set()
-        for sg, _, params in self._chunks_for(gm):
+        for sg, _, params in chunks:
             for unit in param_units(sg.graph, [n for n in params.names if n in trainable and n not in seen]):
                 units.append(unit)
                 seen.update(unit)

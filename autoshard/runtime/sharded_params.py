@@ -33,7 +33,6 @@ import torch
 
 from autoshard.runtime.flat_params import FlatParams
 from autoshard.runtime.gradients import GradPart
-from autoshard.world import current
 
 __all__ = ["ShardedParams", "UnitGathers"]
 
@@ -100,7 +99,7 @@ class ShardedParams(FlatParams):
             unit.copy_(self._shard_of(k))
             self.state[k] = _HERE
             return
-        self._coming[k] = current().all_gather(unit, self._shard_of(k), group=self.group, async_op=True)
+        self._coming[k] = self.part.buffer.world.all_gather(unit, self._shard_of(k), group=self.group, async_op=True)
         self.state[k] = _COMING
 
     def acquire(self, k: int) -> None:

@@ -28,10 +28,12 @@ CONFIGS = {"tp2-none": (2, 1, 1, 1, 1, "none", False), "pp2-m4-selective": (1, 2
 JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(worker_args(config) + ["--steps", "1"]), 2,
                   local=False)          # a process's own memory is what is measured
         for name, config in CONFIGS.items()}
-# two other families, read off their graphs only: Llama with the distributed optimizer; Mixtral's
+# two other families, read off their graphs only: Llama with the distributed optimizer (zero 1 and 3); Mixtral's
 # experts over ep = 2, whose measured routing is uneven where the prediction spreads it evenly
 GRAPH_JOBS = {name: Job(f"memory/{name}", "benchmarks.sweep_worker", tuple(argv.split()), 2, local=False) for name, argv in {
     "llama-dp2-distributed-optimizer": "--model llama --dp 2 --distributed-optimizer --microbatches 2 --steps 1",
+    # fully sharded: the walk gathers and releases each unit and makes its per-pass gradient as the step does
+    "llama-dp2-zero3": "--model llama --dp 2 --zero 3 --microbatches 2 --steps 1",
     "mixtral-ep2": "--model mixtral --dp 2 --ep 2 --microbatches 2 --steps 1"}.items()}
 
 

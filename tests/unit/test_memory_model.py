@@ -115,6 +115,20 @@ def test_peak_bytes_sees_allocations_and_frees():
     del c
 
 
+def test_peak_bytes_sees_storages_resized_in_place():
+    """Fully sharded parameters free and refill a storage in place (runtime/sharded_params.py), as
+    FSDP2 does: no op makes a tensor, yet the bytes come and go."""
+    held = torch.zeros(1000)                 # made before: in `base`
+    with PeakBytes(base=4000) as peak:
+        held.untyped_storage().resize_(0)                # -4000
+        made = torch.zeros(500)                          # +2000
+        held.untyped_storage().resize_(4000)             # +4000: the peak
+        made.untyped_storage().resize_(0)                # -2000, and nothing more when it is freed
+        del made
+    assert peak.peak == 4000 + 2000 and peak.live == 0, (peak.peak, peak.live)
+    assert torch.UntypedStorage.resize_ is not None and held.untyped_storage().nbytes() == 4000
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
 def test_bytes_per_parameter_follow_megatrons_accounting(dp):
     """bf16 weights + fp32 grads + fp32 main + 2 fp32 moments = 18; the distributed optimizer
