@@ -40,7 +40,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               fuse: bool = False, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
               hardware: str | Hardware = "a100-80gb", distributed_optimizer: bool | None = False,
-              zero: int = 1) -> ShardedProgram:
+              zero: int | None = None) -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
 
     tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
@@ -106,7 +106,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     autoshard.runtime.DistributedOptimizer(runtime, torch.optim.AdamW, shard=True).
     zero: what the data-parallel ranks divide among them when training with
     autoshard.runtime.DistributedOptimizer (its default; ZeRO's stages, Rajbhandari et al. 2020): 1
-    (default) the optimizer state and fp32 main weights; 2 the gradients too (each unit's gradients
+    (default; with world_size, the planner's choice unless given) the optimizer state and fp32 main
+    weights; 2 the gradients too (each unit's gradients
     reduce-scattered after every backward pass, as FSDP does); 3 the parameters too (fully sharded
     data parallelism: each layer's parameters gathered just before its forward and again before its
     backward, released after each: runtime/sharded_params.py). 3 is refused with the zero-bubble
@@ -125,7 +126,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard expects an nn.Module, got {type(model).__name__}")
-    if zero not in (1, 2, 3):
+    if zero not in (None, 1, 2, 3):
         raise ShardingError(f"zero={zero!r}: 1 divides the optimizer state over the data-parallel ranks, 2 the "
                             f"gradients too, 3 the parameters too")
     if recompute is not None and recompute not in RECOMPUTE_MODES:
@@ -138,10 +139,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                             "tp/pp/dp/cp yourself")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
-                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts, zero=zero)
+                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts)
     if world_size is None:
         return _program(model, args, kwargs, tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches,
-                        schedule=schedule, recompute=recompute, **common)
+                        schedule=schedule, recompute=recompute, zero=zero or 1, **common)
     # the planner ranks the splits (and the recompute mode, unless given); of its first few, compiled,
     # the fastest whose every pipeline rank fits, both read off its own graphs, is kept
     given_example = example_inputs is not None or example_kwargs is not None
@@ -149,10 +150,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches),
                                 None if schedule == "auto" else schedule,
                                 seq=_sequence_length(args, kwargs) if given_example else None,
-                                distributed_optimizer=distributed_optimizer)
+                                distributed_optimizer=distributed_optimizer, zero=zero)
 
     def build(chosen: Estimate) -> ShardedProgram:
-        return _program(model, args, kwargs, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, ep=chosen.ep,
+        return _program(model, args, kwargs, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, ep=chosen.ep, zero=chosen.zero,
                         virtual=chosen.virtual, microbatches=chosen.microbatches, recompute=chosen.recompute,
                         schedule=(None if schedule == "auto" else schedule) or (chosen.schedule if chosen.pp > 1 else None),
                         **common)
@@ -271,7 +272,7 @@ def _check_context_attention(attention: str) -> None:
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
                    sequence_parallel: bool, recompute: str | None, given: dict[str, int | None],
                    schedule: str | None = None, seq: int | None = None,
-                   distributed_optimizer: bool | None = False) -> list[Estimate]:
+                   distributed_optimizer: bool | None = False, zero: int | None = None) -> list[Estimate]:
     """The planner's splits of `world_size` GPUs at `seq` tokens per sequence (the example call's;
     None: the config's maximum, which plan() warns of), fastest first; refused when the caller also
     fixed one."""
@@ -282,7 +283,7 @@ def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, 
     try:
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
                     sequence_parallel=sequence_parallel, recompute=recompute, seq=seq,
-                    distributed_optimizer=distributed_optimizer,
+                    distributed_optimizer=distributed_optimizer, zero=zero,
                     **({"schedules": (schedule,)} if schedule else {}))
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "

@@ -100,7 +100,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
              distributed_optimizer: bool = False, moe: MoEShape | None = None,
              ep: int = 1, cp: int = 1, kv_heads: int | None = None, cp_overlap: bool = True,
-             attention: str = "math", schedules: tuple[str, ...] | None = None) -> Estimate:
+             attention: str = "math", schedules: tuple[str, ...] | None = None, zero: int = 1) -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
     gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
@@ -110,6 +110,11 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     which reduces after the backward.
     distributed_optimizer: main parameters and AdamW's moments divided over dp (memory_model.param_bytes;
     the reduce-scatter and all-gather move what the all-reduce does, so time is unchanged).
+    zero: 2 also divides the gradients (each layer's reduce-scattered after every microbatch's
+    backward), 3 the weights too (each layer's all-gathered before its forward and again before its
+    backward, every microbatch): `breakdown["fsdp_comm"]`, the part of those collectives the layer's
+    compute does not hide (the next layer's gather is issued before this one computes), and the
+    first layer's gather, which nothing hides. Implies the distributed optimizer.
     moe: every layer's MLP is E experts (planning/moe_cost.py), divided over `ep` data-parallel
     ranks (ep divides dp and E); their all-to-alls are `breakdown["ep_comm"]`.
     cp: context-parallel ranks (each holds seq / cp tokens; planning/context_cost.py): the ring's
@@ -143,6 +148,9 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
                              f"global_batch/dp = {global_batch}/{dp} = {global_batch // dp}")
     require_positive_int("ep", ep)
     require_positive_int("cp", cp)
+    if zero not in (1, 2, 3):
+        raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+    distributed_optimizer = distributed_optimizer or zero > 1
     if seq % (2 * cp):
         raise ValueError(f"cp={cp} cuts the sequence in 2 * cp = {2 * cp} pieces, which seq={seq} is not a multiple of")
     if ep > 1 and moe is None:
@@ -162,8 +170,12 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
                  global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
                  overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits,
                  distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, kv_heads=kv_heads,
-                 cp_overlap=cp_overlap, attention=attention)
-    runs = [(mb, vv, s) for mb, vv in pairs for s in _schedules_for(vv, pp, schedules)]
+                 cp_overlap=cp_overlap, attention=attention, zero=zero)
+    # zero=3 does not run the zero-bubble schedules (the runtime refuses them: W would need B's gathers)
+    runs = [(mb, vv, s) for mb, vv in pairs for s in _schedules_for(vv, pp, schedules)
+            if not (zero == 3 and schedule_spec(s).split)]
+    if not runs:
+        raise ValueError(f"zero=3 runs none of the schedules {schedules} (the zero-bubble ones are not built with it)")
     results = [_one(hw, microbatch=mb, v=vv, schedule=s, **shape) for mb, vv, s in runs]
     fitting = [e for e in results if e.fits]
     best = min(fitting, key=lambda e: e.seconds_per_iteration) if fitting else \
@@ -190,7 +202,7 @@ def _schedules_for(v: int, pp: int, names: tuple[str, ...] | None) -> list[str]:
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
          recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer, moe, ep, cp,
-         kv_heads, cp_overlap, attention, schedule: str = "1f1b") -> Estimate:
+         kv_heads, cp_overlap, attention, zero: int = 1, schedule: str = "1f1b") -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
     x = LayerShape(microbatch, seq // cp, hidden, heads, tp, sequence_parallel)     # this rank's tokens
@@ -260,6 +272,10 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     grad_reduce = allreduce_seconds(grads, dp * cp, dp_link, hw) + allreduce_seconds(expert_grads, dp * cp // ep, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward
         grad_reduce = max(grad_reduce - per_rank * layer_backward, 0.0)
+    if zero > 1:                # reduce-scattered per microbatch instead (fsdp_comm)
+        grad_reduce = 0.0
+        breakdown["fsdp_comm"] = share * m * _fsdp_seconds(grads / per_rank if per_rank else 0.0, hw, dp * cp, dp_link,
+                                                           per_rank, layer_forward, layer_backward, zero)
     breakdown["dp_comm"] = (tied + grad_reduce) * share
     params = evaluate("parameters_per_gpu", **sym) + per_rank * experts.params
     tensors = 12 * per_rank + 4        # GPT: 12 per layer; embeddings and the final norm's 2
@@ -283,7 +299,7 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                                  sequence_parallel=sequence_parallel, dp=dp * cp, ep=ep, expert_params=experts.expert_params,
                                  attention=attention,
                                  distributed_optimizer=distributed_optimizer, layer_params_added=experts.params,
-                                 schedule=schedule,
+                                 schedule=schedule, zero=zero,
                                  ffn=4.0 if moe is None else 2 * moe.top_k * moe.ffn / hidden)
     memory = held.peak
     return Estimate(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, tp=tp, pp=pp, dp=dp,
@@ -293,4 +309,21 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
                     model_tflops_per_gpu=model_flops / seconds / gpus / 1e12,
                     memory_gib_total=hw.memory_gib, memory_gib_per_gpu=memory / 2**30, fits=memory <= (1 - RESERVED) * hw.memory_gib * 2**30,
                     peak_tflops=hw.peak_tflops, breakdown=breakdown, memory=held, busiest_pp_rank=busiest, ep=ep, moe=moe,
-                    cp=cp, schedule=schedule, distributed_optimizer=distributed_optimizer)
+                    cp=cp, schedule=schedule, distributed_optimizer=distributed_optimizer, zero=zero)
+
+
+def _fsdp_seconds(layer_grad_bytes: float, hw: Hardware, ranks: int, link_gb_s: float, layers: int,
+                  forward: float, backward: float, zero: int) -> float:
+    """One microbatch's exposed fully-sharded collectives on a rank of `layers` layers: each layer's
+    gradients reduce-scattered after its backward (zero 2, 3) and its weights all-gathered before its
+    forward and its backward (3), each hidden behind the layer's compute where it is shorter; the
+    first gather of a forward is exposed whole. An all-gather or a reduce-scatter moves half an
+    all-reduce's bytes."""
+    if ranks == 1 or layers == 0:
+        return 0.0
+    scatter = allreduce_seconds(layer_grad_bytes, ranks, link_gb_s, hw) / 2
+    if zero < 3:
+        return layers * max(scatter - backward, 0.0)
+    weights = layer_grad_bytes / hw.reduce_bytes * hw.weight_bytes
+    gather = allreduce_seconds(weights, ranks, link_gb_s, hw) / 2
+    return gather + layers * (max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0))

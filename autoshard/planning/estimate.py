@@ -43,6 +43,7 @@ class Estimate:
     schedule: str = "1f1b"              # the pipeline schedule (runtime/schedules.py)
     schedules_weighed: tuple[str, ...] = ()     # the schedules the planner compared, at this microbatch
     distributed_optimizer: bool = False     # AdamW's state and main weights divided over dp x cp
+    zero: int = 1                       # 2: gradients divided too; 3: parameters too (fully sharded)
 
     @property
     def gpus(self) -> int:
@@ -61,7 +62,7 @@ class Estimate:
                           for k, x in self.breakdown.items() if x > 0)
         split = f"tp={self.tp} pp={self.pp} dp={self.dp}" + f" ep={self.ep}" * (self.ep > 1) + \
             f" cp={self.cp}" * (self.cp > 1) + " sp" * self.sequence_parallel + \
-            " distributed-optimizer" * self.distributed_optimizer
+            (f" zero={self.zero}" if self.zero > 1 else " distributed-optimizer" * self.distributed_optimizer)
         schedule = f" schedule={self.schedule}" if self.pp > 1 else ""
         return (f"{split} microbatch={self.microbatch} virtual={self.virtual}{schedule}: "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s per GPU ({self.percent_of_peak:.0f}% of peak), "

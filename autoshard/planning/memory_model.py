@@ -39,7 +39,7 @@ from functools import lru_cache
 
 from autoshard.runtime.schedules import frozen_schedule, held_at_peak, peak_in_flight, schedule_spec, stage_owner
 
-__all__ = ["ActivationShape", "ParamBytes", "param_bytes", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
+__all__ = ["ActivationShape", "ParamBytes", "param_bytes", "in_flight", "RankMemory", "busiest_rank", "gpt_rank_memory", "gpt_params_on_rank", "rank_memory", "TERMS", "layer_activation_bytes", "activation_terms", "inflight_microbatches",
            "inflight_layers", "RECOMPUTE_KEEPS"]
 
 
@@ -178,11 +178,24 @@ class ParamBytes:
 
 
 def param_bytes(weight_bytes: int, grad_bytes: int, *, dp: int = 1, distributed_optimizer: bool = False,
-                moments: int = 2) -> ParamBytes:
+                moments: int = 2, zero: int = 1) -> ParamBytes:
     """`moments` fp32 tensors of optimizer state per parameter (AdamW: 2); the main parameters and
-    moments are divided over the dp ranks by the distributed optimizer."""
-    shards = dp if distributed_optimizer else 1
-    return ParamBytes(weight_bytes, grad_bytes, (0 if weight_bytes == 4 else 4) / shards, 4 * moments / shards)
+    moments are divided over the dp ranks by the distributed optimizer, the gradients too at
+    `zero` 2 and the weights too at 3 (what is gathered for a step is the memory model's
+    `in_flight`)."""
+    shards = dp if distributed_optimizer or zero > 1 else 1
+    return ParamBytes(weight_bytes / (shards if zero == 3 else 1), grad_bytes / (shards if zero > 1 else 1),
+                      (0 if weight_bytes == 4 else 4) / shards, 4 * moments / shards)
+
+
+def in_flight(largest: float, layer: float, weight_bytes: int, grad_bytes: int, zero: int) -> float:
+    """Bytes fully sharded data parallelism holds beyond the shards at a backward's peak, from the
+    parameters of the rank's largest unit (a layer, or the embedding's or head's rows) and of a
+    layer: at zero=3 two units gathered (the one computing and the next, prefetched), and at zero 2
+    and 3 three units' gradients of one backward pass (the one filling and two being
+    reduce-scattered: runtime/grad_buffer.py keeps at most two in flight)."""
+    return (largest + layer) * (weight_bytes if zero == 3 else 0) + \
+        (largest + 2 * layer) * (grad_bytes if zero > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -201,7 +214,7 @@ class RankMemory:
 
 
 def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recompute: str, layers_here: int, inflight: float, chunk_microbatches: int, virtual: int = 1,
-                vocab_here: int = 0, waiting_for_w: float = 0.0) -> RankMemory:
+                vocab_here: int = 0, waiting_for_w: float = 0.0, gathered: float = 0.0) -> RankMemory:
     """Peak bytes of one rank during a training step.
 
     The peak is at the start of a backward: the in-flight microbatches' saved activations (each
@@ -212,9 +225,10 @@ def rank_memory(x: ActivationShape, *, params: int, per_param: ParamBytes, recom
     `inflight` run (else the first backward is the peak, and its own freed activations make room
     for them: at most one chunk fewer in flight with the gradients). `waiting_for_w`: chunks whose B
     has run and whose W has not, at that peak (zero-bubble schedules), each keeping
-    `weight_gradient_inputs` per layer besides its activations."""
+    `weight_gradient_inputs` per layer besides its activations. `gathered`: fully sharded data
+    parallelism's units and gradients in flight (`in_flight`), working memory too."""
     chunk = layers_here / virtual * layer_activation_bytes(x, recompute)
-    working = 2 * x.ffn * x.e * x.s * x.b * x.h / x.t + 12 * x.b * x.s * vocab_here
+    working = 2 * x.ffn * x.e * x.s * x.b * x.h / x.t + 12 * x.b * x.s * vocab_here + gathered
     if recompute != "none":      # what the recomputation makes again, for one layer
         working += layer_activation_bytes(x, "none") - layer_activation_bytes(x, recompute)
     grads = per_param.grads * params
@@ -231,7 +245,7 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
                     sequence_parallel: bool, resid_dropouts: int = 2, dp: int = 1,
                     distributed_optimizer: bool = False, layer_params_added: float = 0.0,
                     ffn: float = 4.0, expert_params: float = 0.0, ep: int = 1, attention: str = "math",
-                    schedule: str | None = None) -> RankMemory:
+                    schedule: str | None = None, zero: int = 1) -> RankMemory:
     """Peak of pipeline rank `pp_rank` for a GPT of these shapes on `hw` (its activation, mask,
     weight and gradient bytes) under 1F1B (interleaved when virtual > 1), with AdamW's state whole or
     divided over `dp` ranks (`distributed_optimizer`). A mixture-of-experts layer: its parameters
@@ -240,7 +254,8 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
     optimizer state the distributed optimizer divides over dp / ep ranks only. `attention`: "math"
     (the s^2 scores kept) or "flash" (a fused kernel: a log-sum-exp per row). `schedule`: another
     pipeline schedule (runtime/schedules.py) than 1F1B / interleaved; a V schedule puts the first and
-    the last stage on pipeline rank 0."""
+    the last stage on pipeline rank 0. `zero`: 2 and 3 divide the gradients, 3 the weights too,
+    over dp (fully sharded data parallelism), with what they gather in flight."""
     x = ActivationShape(s=seq, b=microbatch, h=hidden, a=heads, t=tp, sp=sequence_parallel,
                         e=hw.activation_bytes, m=hw.mask_bytes, resid_dropouts=resid_dropouts, ffn=ffn,
                         attention=attention)
@@ -250,10 +265,11 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
     first, last = pp_rank == 0, pp_rank == last_rank
     params = gpt_params_on_rank(h=hidden, layers_here=here, vocab=vocab, positions=seq, t=tp, first=first, last=last)
     params += int(here * layer_params_added)
-    per_param = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp, distributed_optimizer=distributed_optimizer)
-    if distributed_optimizer and ep > 1 and expert_params:      # bytes per parameter, averaged over both kinds
+    per_param = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp, distributed_optimizer=distributed_optimizer,
+                            zero=zero)
+    if (distributed_optimizer or zero > 1) and ep > 1 and expert_params:      # bytes per parameter, both kinds
         experts = here * expert_params
-        held = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp // ep, distributed_optimizer=True)
+        held = param_bytes(hw.weight_bytes, hw.grad_bytes, dp=dp // ep, distributed_optimizer=True, zero=zero)
         mix = lambda a, b: (a * (params - experts) + b * experts) / params        # noqa: E731
         per_param = ParamBytes(*(mix(getattr(per_param, f), getattr(held, f))
                                  for f in ("weights", "grads", "main", "moments")))
@@ -262,8 +278,12 @@ def gpt_rank_memory(hw, *, hidden: int, layers: int, heads: int, vocab: int, seq
         inflight, waiting = _split_held(schedule, pp, virtual, min(microbatches, 4 * pp), round(ratio, 2))[pp_rank]
     else:
         inflight, waiting = inflight_microbatches(schedule, pp, pp_rank, microbatches, virtual), 0
+    # the largest unit: a layer, or the embedding's or head's vocabulary rows on the first / last stage
+    layer = 12 * hidden * hidden / tp + layer_params_added
+    largest = max(layer, hidden * vocab / tp if first or last else 0)
     return rank_memory(x, params=params, per_param=per_param, recompute=recompute, layers_here=here,
                        inflight=inflight, waiting_for_w=waiting,
+                       gathered=in_flight(largest, layer, hw.weight_bytes, hw.grad_bytes, zero),
                        chunk_microbatches=microbatches * virtual, virtual=virtual,
                        vocab_here=-(-vocab // tp) if last else 0)
 

@@ -97,12 +97,17 @@ def _expert_splits(dp: int, moe: MoEShape | None, sequence_parallel: bool) -> li
     return [e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0]
 
 
-def _optimizer_modes(distributed_optimizer: bool | None, data: int) -> tuple[bool, ...]:
-    """Whether to divide the optimizer's state, to try: as given, or both where there is a data axis
-    to divide it over (with one replica it changes nothing)."""
-    if distributed_optimizer is not None:
-        return (distributed_optimizer,)
-    return (False, True) if data > 1 else (False,)
+def _optimizer_modes(distributed_optimizer: bool | None, data: int, zero: int | None = None
+                     ) -> tuple[tuple[bool, int], ...]:
+    """(divide the optimizer's state, zero stage) pairs to try: as given, or each where there is a
+    data axis to divide over (with one replica it changes nothing). A plain optimizer is zero=1 with
+    nothing divided; `zero` given keeps to it (and implies the distributed optimizer when > 1)."""
+    if data == 1:
+        return ((bool(distributed_optimizer), 1),)
+    if zero is not None and zero > 1:
+        return ((True, zero),)
+    modes = {False: ((False, 1),), True: ((True, 1), (True, 3)), None: ((False, 1), (True, 1), (True, 3))}
+    return tuple(m for m in modes[distributed_optimizer] if zero is None or m[1] == zero)
 
 
 def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_batch: int,
@@ -110,12 +115,14 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
          sequence_parallel: bool = False, top: int | None = None,
          distributed_optimizer: bool | None = False, moe: MoEShape | None = None,
          context_parallel: bool = False, attention: str = "math",
-         schedules: tuple[str, ...] = CANDIDATES) -> list[Estimate]:
+         schedules: tuple[str, ...] = CANDIDATES, zero: int | None = None) -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
     and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory and in
     the optimizer's time; None searches both where dp x cp > 1 (the estimate's
-    `distributed_optimizer` says which: it is the optimizer you build, not part of the program).
+    `distributed_optimizer` says which: it is the optimizer you build, not part of the program);
+    with it (True or None) the fully sharded zero=3 is weighed too (the estimate's `zero` says
+    which), unless `zero` is given (2 and 3 imply the distributed optimizer).
     moe: the model's experts (read from a model's config when not given); the planner then also
     searches ep (dividing dp and the experts; ep=1 with sequence parallelism). context_parallel:
     also search cp (each rank seq / cp tokens; not with sequence parallelism or experts, which the
@@ -143,10 +150,10 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
                       seq=seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
                       distributed_optimizer=sharded, moe=moe, ep=ep, cp=cp, attention=attention,
-                      schedules=schedules)
+                      schedules=schedules, zero=stage)
              for tp, pp, dp, cp in _splits(shape, gpus, global_batch, hw, seq, context)
              for ep in _expert_splits(dp, moe, sequence_parallel) for mode in modes
-             for sharded in _optimizer_modes(distributed_optimizer, dp * cp)]
+             for sharded, stage in _optimizer_modes(distributed_optimizer, dp * cp, zero)]
     fitting = sorted((e for e in found if e.fits), key=lambda e: e.seconds_per_iteration)
     if not fitting:
         least = min(found, key=lambda e: e.memory_gib_per_gpu, default=None)

@@ -167,3 +167,12 @@ def test_the_program_carries_zero_to_the_optimizer_and_the_printout():
         autoshard(model, pp=2, dp=2, microbatches=2, schedule="zb-h1", zero=3, example_kwargs=example)
     with pytest.raises(ShardingError, match="zero=0: 1 divides"):
         autoshard(model, dp=2, zero=0, example_kwargs=example)
+
+
+def test_the_planner_may_choose_zero3_and_the_program_takes_it():
+    """autoshard(world_size=) with the optimizer searched: the plan's zero goes into the program (and
+    a zero given keeps the planner to it)."""
+    model, _ = _pair("llama", layers=2)
+    example = {k: v[:1] for k, v in _batches(2)[0].items()}
+    prog = autoshard(model, world_size=2, global_batch=2, zero=3, distributed_optimizer=None, example_kwargs=example)
+    assert prog.planned.zero == 3 and prog.zero == 3 and prog.dp == 2

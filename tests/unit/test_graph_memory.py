@@ -44,6 +44,22 @@ def test_a_planner_sized_model_is_read_on_meta_tensors():
     assert "MiB = state" in first.explain()
 
 
+def test_the_1t_shape_fully_sharded_over_1024_ranks_holds_a_1024th():
+    """Two layers of the 1T shape (hidden 25600, 160 heads) on meta at dp=1024, zero=3: 16 bytes a
+    parameter / 1024 held between steps (benchmarks/compile_scaling.py walks all 128 layers), and the
+    step gathers a layer at a time: two layers' weights and their fp32 gradients in flight, far more
+    than what is held."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_head=160, n_embd=25600, vocab_size=50304, block_size=64)).train()
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    prog = autoshard(model, dp=1024, zero=3, example_inputs=(ids, ids))
+    memory = rank_memory_of(prog)
+    params = sum(p.numel() for p in model.parameters())
+    assert abs(memory.state + memory.gradients - 16 * params / 1024) <= 0.01 * 16 * params / 1024, memory.explain()
+    layer = 12 * 25600 ** 2
+    assert memory.working >= 2 * 4 * layer, memory.explain()
+
+
 def test_the_program_is_left_as_it_was():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)).train()

@@ -6,6 +6,7 @@ import torch
 
 from autoshard import ShardingError, autoshard
 from autoshard.models import GPT, GPTConfig
+from autoshard.planning.costmodel import estimate
 from autoshard.planning.planner import ModelShape, explain, plan, shape_of
 from autoshard.testing.models import build_model
 
@@ -95,16 +96,46 @@ def test_plan_searches_the_distributed_optimizer():
     shape = ModelShape(hidden=5120, layers=40, heads=40, vocab=51200, seq=2048)
     key = lambda e: (e.tp, e.pp, e.dp, e.microbatch, e.virtual, e.recompute, e.schedule)     # noqa: E731
     plain = {key(e): e for e in plan(shape, gpus=8, global_batch=64)}
-    divided = {key(e): e for e in plan(shape, gpus=8, global_batch=64, distributed_optimizer=True)}
+    divided = {key(e): e for e in plan(shape, gpus=8, global_batch=64, distributed_optimizer=True, zero=1)}
     both = plan(shape, gpus=8, global_batch=64, distributed_optimizer=None)
     assert not any(e.distributed_optimizer for e in plain.values())
-    assert {e.distributed_optimizer for e in both} == {False, True}
+    assert {e.distributed_optimizer for e in both} == {False, True} and {e.zero for e in both} == {1, 3}
     assert set(divided) - set(plain) and both[0].distributed_optimizer and both[0].dp > 1
-    assert "distributed-optimizer" in both[0].explain()
+    assert ("zero=3" if both[0].zero == 3 else "distributed-optimizer") in both[0].explain()
     k = next(k for k in plain if k in divided and k[2] > 1)
     assert divided[k].memory_gib_per_gpu < plain[k].memory_gib_per_gpu
     assert divided[k].breakdown["optimizer"] == pytest.approx(plain[k].breakdown["optimizer"] / k[2])
     assert all(not e.distributed_optimizer for e in both if e.dp == 1)       # one replica: nothing to divide
+
+
+def test_an_8b_llama_on_8_gpus_fits_fully_sharded_where_zero1_does_not():
+    """Fully sharded data parallelism weighed beside tp/pp: for an 8B Llama (a config on meta) on
+    8 x 80 GB at seq 4096 the fastest plan that fits is zero=3, and the same split at zero=1 needs
+    more than the GPU holds; the plan says so in its memory breakdown."""
+    import transformers as hf
+    cfg = hf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = hf.LlamaForCausalLM(cfg)
+    best = plan(model, gpus=8, global_batch=64, seq=4096, distributed_optimizer=None)[0]
+    assert best.fits and best.zero == 3 and best.tp * best.pp < 8, best.explain()
+    assert "zero=3" in best.explain() and "fsdp_comm" in best.breakdown
+    same = dict(hidden=best.hidden, layers=best.layers, heads=best.heads, vocab=best.vocab, seq=best.seq, tp=best.tp,
+                pp=best.pp, dp=best.dp, global_batch=64, microbatch=best.microbatch, virtual=best.virtual,
+                recompute=best.recompute, schedules=None)
+    zero1 = estimate(**same, distributed_optimizer=True)
+    assert not zero1.fits and zero1.memory_gib_per_gpu > best.memory_gib_per_gpu + 5, zero1.explain()
+    assert estimate(**same, zero=3).memory_gib_per_gpu == pytest.approx(best.memory_gib_per_gpu)
+
+
+def test_zero_stages_divide_what_they_name():
+    """Bytes per parameter: zero=2 divides the gradients too, zero=3 the weights too."""
+    from autoshard.planning.memory_model import param_bytes
+    assert param_bytes(2, 4, dp=8, zero=2).total == pytest.approx(2 + 4 / 8 + 12 / 8)
+    assert param_bytes(2, 4, dp=8, zero=3).total == pytest.approx(18 / 8)
+    assert param_bytes(4, 4, dp=4, zero=3).total == pytest.approx(16 / 4)
+    with pytest.raises(ValueError, match="zero must be 1, 2 or 3, got 4"):
+        estimate(hidden=64, layers=2, heads=4, vocab=128, seq=32, tp=1, pp=1, dp=2, global_batch=4, zero=4)
 
 
 def test_autoshard_world_size_excludes_an_explicit_split():
