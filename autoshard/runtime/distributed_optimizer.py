@@ -36,6 +36,14 @@ reduction runs beside the compute; on gloo it runs on the CPU cores the ranks' b
 and measured side by side it made steps 2-4% slower here (2 cores, dp=2; benchmarks/RESULTS.md),
 so gloo reduces after backward unless asked.
 
+`zero` (default: the program's, autoshard's `zero`): 1 is the above; 2 also holds 1/dp of the
+gradients (each unit's reduce-scattered after every backward pass: runtime/grad_buffer.py's
+per_pass); 3 also holds 1/dp of the parameters, each unit gathered only while forward or backward
+reads it (runtime/sharded_params.py; `keep_last` units, the last of the rank's forward, stay
+gathered from forward to backward). A unit is one repeated layer, or the parameters read before or
+after the layers (passes/unit_gathers.py). `gathered()` makes every parameter whole for reading or
+writing them outside a step (checkpoints use it).
+
 Expert parallelism (ep > 1): the rank's experts are a second part of the gradients and a second
 flat storage, reduced and sharded over the dp/ep ranks holding the same experts
 (MeshGroups.expert_dp), the rest over dp.
@@ -81,7 +89,7 @@ class DistributedOptimizer:
 
     def __init__(self, runtime, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, *,
                  shard: bool = True, overlap: bool | None = None, bucket_bytes: int = 25 * 2 ** 20,
-                 loss_scaler: LossScaler | None = None, zero: int | None = None, **defaults):
+                 loss_scaler: LossScaler | None = None, zero: int | None = None, keep_last: int = 0, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
             raise ShardingError(f"DistributedOptimizer steps flat pieces of parameters, which only an element-wise "
                                 f"optimizer does exactly; got {getattr(optimizer_class, '__name__', optimizer_class)!r}, "
@@ -103,7 +111,7 @@ class DistributedOptimizer:
         self.parts = [(ShardedParams if zero == 3 else FlatParams)(part) for part in self.grads.parts]
         self.grads.pin()                 # the parameters now live in the parts' flat storage
         if zero == 3:
-            runtime.use_unit_gathers(UnitGathers(self.parts, units))
+            runtime.use_unit_gathers(UnitGathers(self.parts, units, keep_last))
         self.names = [n for part in self.grads.parts for n in part.names]
         self.params = [p for part in self.grads.parts for p in part.params]
         self.optimizer = optimizer_class([m for flat in self.parts for _, _, m in flat.pieces.values()], **defaults)

@@ -17,8 +17,10 @@ check): `gathered()` is the context in which every unit is whole (checkpoints, e
 and writes made to the parameters in it are kept.
 
 When a unit is gathered (UnitGathers): forward's graph calls acquire before the unit's first op and
-release after its last (resharding after forward, as FSDP2 does by default), starting the next unit's
-all-gather as it acquires one (prefetch); backward gathers a unit again just before the first op
+release after its last (resharding after forward, as FSDP2 does by default; `keep` names units left
+gathered from a training forward to its backward, the last ones of the rank's forward: backward
+needs them first, so releasing them only to gather them again costs two collectives for nothing
+but the memory), starting the next unit's all-gather as it acquires one (prefetch); backward gathers a unit again just before the first op
 whose backward reads it and starts the unit before it; a unit is released in backward once its
 gradients have all been sent (grad_buffer.py's per-pass reduce-scatter), and whatever backward
 gathered is released when the backward action ends (a unit with frozen parameters only, or one
@@ -165,7 +167,7 @@ class UnitGathers:
     """The calls the stage graphs make (passes/unit_gathers.py), over units numbered across this
     rank's ShardedParams: unit u is bucket `where[u][1]` of `where[u][0]`."""
 
-    def __init__(self, flats: list[ShardedParams], units: list[list[str]]):
+    def __init__(self, flats: list[ShardedParams], units: list[list[str]], keep_last: int = 0):
         self.flats = flats
         self.where: list[tuple[ShardedParams, int]] = []
         self.unit_of: dict[str, int] = {}
@@ -174,6 +176,7 @@ class UnitGathers:
                 self.unit_of.update({flat.part.names[i]: len(self.where) for i in b.params})
                 self.where.append((flat, k))
         self.units = units
+        self.keep = {self.unit_of[unit[0]] for unit in units[len(units) - keep_last:]} if keep_last else set()
         self.in_backward: set[int] = set()
         self.gathers = 0             # all-gathers started (the trace and the tests count them)
 
@@ -191,6 +194,9 @@ class UnitGathers:
         flat.acquire(k)
 
     def release(self, u: int) -> None:
+        if u in self.keep and torch.is_grad_enabled():      # its backward comes next: keep it (`keep`)
+            self.in_backward.add(u)
+            return
         flat, k = self.where[u]
         flat.release(k)
 
@@ -217,7 +223,8 @@ class UnitGathers:
             self.in_backward.add(u)
 
     def end_backward(self) -> None:
-        """A backward action ended: release what it gathered and is still whole."""
+        """A backward action ended: release what it gathered (or forward kept) and is still whole."""
         for u in sorted(self.in_backward):
-            self.release(u)
+            flat, k = self.where[u]
+            flat.release(k)
         self.in_backward = set()

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                     "gloo), as verify runs them on a local world in this process by default")
     ap.add_argument("--distributed-optimizer", action="store_true", help="the runtime steps with its "
                     "DistributedOptimizer (AdamW's state sharded over data-parallel ranks), as autoshard train does")
+    ap.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
+                    help="the DistributedOptimizer's stage the runtime steps with: 2 divides the gradients too, 3 the "
+                         "parameters too (fully sharded); 2 and 3 imply --distributed-optimizer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
     return ap
@@ -73,7 +76,7 @@ def _split(args) -> dict[str, object]:
     microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
     return Split(tp=args.tp, pp=args.pp, virtual=args.virtual, dp=args.dp, ep=args.ep, cp=args.cp,
                  microbatches=microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel,
-                 recompute=args.recompute, fuse=args.fuse)
+                 recompute=args.recompute, fuse=args.fuse, zero=args.zero)
 
 
 def certify(args) -> Certificate:
@@ -82,6 +85,7 @@ def certify(args) -> Certificate:
         raise VerifyError("--plan verifies the split the planner chooses; give none of --tp --pp --virtual --dp --ep "
                           "--cp --microbatches with it")
     split = _split(args)
+    args.distributed_optimizer = args.distributed_optimizer or (args.zero or 1) > 1
     model, twin = model_from_args(args, split)
     notes = []
     if args.precision in ("bf16", "fp16"):

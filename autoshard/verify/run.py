@@ -24,7 +24,7 @@ __all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "TOLERANCE
 # relative tolerance -> why: all ops in float64, or some in float32 (the model's own casts)
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-5}
 _SPLIT_KEYS = ("tp", "pp", "virtual", "dp", "ep", "cp", "microbatches", "schedule", "sequence_parallel",
-               "vocab_parallel", "gather_output", "recompute", "fuse")
+               "vocab_parallel", "gather_output", "recompute", "fuse", "zero")
 
 
 def Split(**given) -> dict[str, object]:       # noqa: N802 (a record's constructor)
@@ -108,8 +108,10 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     labels and every vocabulary shard's edge ids (verify/batch.py), in simulation and (`runtime`)
     in the runtime of every rank on a local world (verify/runtime.py; `distributed_optimizer`:
     stepping with the runtime's DistributedOptimizer), and return the certificate. `twin`: what
-    was reduced, when `model` stands in for a larger one (verify/twin.py)."""
+    was reduced, when `model` stands in for a larger one (verify/twin.py). A split's `zero` 2 or 3
+    steps the runtime with the DistributedOptimizer at that stage."""
     started = time.perf_counter()
+    distributed_optimizer = distributed_optimizer or split.get("zero", 1) > 1
     vocab = vocab or vocab_of(model)
     rows, seq = rows_and_seq(split, seq)
     model = copy.deepcopy(model)

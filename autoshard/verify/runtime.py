@@ -17,6 +17,7 @@ state or a moved weight exists shows from step 2, and each input kind is taken o
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -82,7 +83,9 @@ def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, 
                                                  {n: local_slice(prog, rt, n, ref[n].grad) for n in mine})   # owned only
         optimizer.step()
         ref_optimizer.step()
-        weights = {n: norm_rel({n: p.detach()}, {n: local_slice(prog, rt, n, ref[n].detach())}) for n, p in mine.items()}
+        with optimizer.gathered() if sharded else contextlib.nullcontext():     # zero=3 holds 1/dp between steps
+            weights = {n: norm_rel({n: p.detach()}, {n: local_slice(prog, rt, n, ref[n].detach())})
+                       for n, p in mine.items()}
         rows += ([("output", f"loss ({run})", max_rel(loss, ref_loss), f"loss ({here})")]
                  + _worst("gradient", grads, lambda n: f"{n} ({here})")
                  + _worst("weight", weights, lambda n: f"{n} ({here})"))

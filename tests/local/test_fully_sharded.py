@@ -176,3 +176,49 @@ def test_the_planner_may_choose_zero3_and_the_program_takes_it():
     example = {k: v[:1] for k, v in _batches(2)[0].items()}
     prog = autoshard(model, world_size=2, global_batch=2, zero=3, distributed_optimizer=None, example_kwargs=example)
     assert prog.planned.zero == 3 and prog.zero == 3 and prog.dp == 2
+
+
+def test_recompute_gathers_each_layer_once_for_its_recomputation_and_backward():
+    """recompute="full": a layer's region call is where the batch meets its weights, so its unit is
+    gathered before the region's backward, which runs the forward again and then its backward under
+    that one gather; the last unit kept from forward to backward (keep_last=1) saves two collectives
+    and changes no number."""
+    batches = _batches(2)[:3]
+    example = {k: v[:1] for k, v in batches[0].items()}
+    model, reference = _pair("llama", layers=2)
+    prog = autoshard(model, dp=2, recompute="full", example_kwargs=example)
+    loss_rel, param_rel, mesh, opts = _train(prog, reference, batches)
+    assert loss_rel < 1e-5 and param_rel < 1e-5, (loss_rel, param_rel)
+    units = len(mesh.runtimes[0].unit_gathers.where)
+    assert mesh.runtimes[0].unit_gathers.gathers == 3 * 2 * units       # 3 steps, forward and backward each
+    first = {}
+    for keep in (0, 1):
+        prog = autoshard(_pair("llama", layers=2)[0], dp=2, recompute="full", example_kwargs=example)
+        mesh = prog.local_mesh()
+        mesh.each(lambda rt: DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, zero=3, keep_last=keep))
+        first[keep] = mesh.train_step(**batches[0], max_norm=1.0)[0]
+        assert mesh.runtimes[0].unit_gathers.gathers == 2 * units - keep
+    assert torch.equal(first[0], first[1])
+
+
+def test_bf16_gathers_bf16_and_reduces_fp32_as_zero1_does():
+    """Half-precision weights: the units are gathered in bf16, each pass's gradients reduce-scattered
+    in fp32, the optimizer steps fp32 main pieces: the losses of zero=1's run within bf16's rounding."""
+    batches = _batches(2)[:4]
+    example = {k: v[:1] for k, v in batches[0].items()}
+    runs = {}
+    for zero in (1, 3):
+        model = _pair("llama", layers=2)[0].to(torch.bfloat16)
+        prog = autoshard(model, dp=2, example_kwargs=example)
+        mesh = prog.local_mesh()
+        opts = mesh.each(lambda rt: DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, zero=zero))
+        losses = []
+        for b in batches:
+            losses.append(float(mesh.train_step(**b, max_norm=1.0)[0]))
+            mesh.each(lambda rt, opt: (opt.step(), opt.zero_grad()), opts)
+        runs[zero] = losses
+        if zero == 3:
+            flat = opts[0].parts[0]
+            assert flat.units[0].dtype == torch.bfloat16 and opts[0].grads.parts[0].buffer.data.dtype == torch.float32
+            assert all(m.dtype == torch.float32 for _, _, m in flat.pieces.values())
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs[3], runs[1])) < 1e-2, runs

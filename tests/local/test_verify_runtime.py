@@ -44,3 +44,18 @@ def test_runtime_bugs_fail_verify_without_gloo_and_their_controls_pass(name):
         assert cert.passed, failing
     else:
         assert failing and all("runtime rank" in i.where for i in failing), failing
+
+
+def test_zero3_is_certified_and_a_stale_gather_fails_it():
+    """A split at zero=3 steps the runtime with fully sharded parameters; planted: units kept gathered
+    across the optimizer's step (the gathered copies hold the old weights), which only steps 2 and 3
+    of the runtime's rows can see."""
+    from autoshard.runtime.sharded_params import ShardedParams
+    split = dict(dp=2, pp=2, microbatches=2, zero=3)
+    cert = verify_model(build_model("llama", layers=2), split)
+    assert cert.passed and cert.split["zero"] == 3, [i for i in cert.items if not i.holds]
+    stale = mock.patch.multiple(ShardedParams, publish=lambda self: self._copy_mains(), release=lambda self, k: None)
+    with stale:
+        planted = verify_model(build_model("llama", layers=2), split)
+    failing = [i for i in planted.items if not i.holds]
+    assert failing and all("runtime rank" in i.where and "step 1" not in i.where for i in failing), failing
