@@ -12,7 +12,7 @@ agree within 1e-5. Then, per program and rank:
 - held: bytes live between steps (parameters as this rank holds them, gradients, AdamW's state);
 - peak: the most bytes live through one step (autoshard.testing.memory.PeakBytes on top of held:
   every tensor an op makes, and storages resized in place, which is how both FSDPs free and refill
-  gathered parameters), the lowest of three steps';
+  gathered parameters), the lowest of `--peak-steps` steps' (3);
 - predicted: autoshard's own prediction of that peak (planning/graph_memory.py, read off the
   rank's graphs), for its programs;
 - step: seconds per step, the median over rounds (one step of each program per round, order
@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace) -> bool:
     for name, p in programs.items():
         held = p.held()
         peaks = []
-        for s in range(3):
+        for s in range(args.peak_steps):
             with PeakBytes(base=held) as peak:
                 p.step(batch(args, 10 + s))
             peaks.append(peak.peak)
@@ -186,6 +186,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rows", type=int, default=2, help="sequences per rank and step")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--peak-steps", type=int, default=3, help="steps whose lowest peak is reported")
     ap.add_argument("--append", action="store_true")
     ap.add_argument("--worker", action="store_true")
     return ap

@@ -117,7 +117,8 @@ def test_expert_parallel_benchmark_runs_both_programs(launched):
 
 
 FULLY_SHARDED = Job("benchmarks/fully-sharded", "benchmarks.fully_sharded:cli",
-                    ("--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "1"), 4,
+                    ("--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--rounds", "1",
+                     "--peak-steps", "1"), 4,
                     local=False)      # torch's FSDP2 beside ours: real processes
 
 

@@ -17,6 +17,9 @@ key bias: a constant added to every score leaves softmax unchanged). In fp32 tho
 whose signs depend on the summation order: a difference of order, not of algorithm. In fp64 the
 noise is ~1e-17, nine orders below eps, so Adam cannot amplify it and every element is compared.
 
+`--zero 3` runs the sharded model fully sharded (parameters and gradients 1/dp, gathered a layer at
+a time: runtime/sharded_params.py).
+
 `--one-device` also trains the whole model on one device with torch's AdamW on the same batches
 and reports this rank's parameters against the same slices of it (`one_device_rel`). For Qwen2 the
 float64 run is float64 everywhere (`every_op_in_float64`): transformers computes RMSNorm, the rotary
@@ -159,10 +162,12 @@ def compare(name: str, args: argparse.Namespace) -> dict:
     plain = torch.optim.AdamW(plain_rt.parameters(), lr=LR)
     plain_losses = _train(plain_rt, plain, batches, args.max_norm)
     _, rt = _runtime(name, args)
-    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, bucket_bytes=args.bucket_kib * 1024, overlap=True)
+    opt = DistributedOptimizer(rt, torch.optim.AdamW, lr=LR, bucket_bytes=args.bucket_kib * 1024, overlap=True,
+                               zero=args.zero)
     losses = _train(rt, opt, batches, args.max_norm)
     want = {n: p.detach() for n, p in plain_rt.named_parameters()}
-    mine = {n: p.detach() for n, p in rt.named_parameters()}
+    with opt.gathered():            # zero=3 holds 1/dp of each parameter between steps
+        mine = {n: p.detach().clone() for n, p in rt.named_parameters()}
     last_backward_end = max(r.end for r in rt.records if r.action.kind == "B")
     early = sum(r.start < last_backward_end for r in rt.records if r.action.kind == REDUCE)   # as traced
     return {"model": name, "rank": current().rank(), "tp": args.tp, "pp": args.pp, "dp": args.dp,
@@ -170,12 +175,11 @@ def compare(name: str, args: argparse.Namespace) -> dict:
             "param_rel": norm_rel(mine, want), "param_rel_worst_tensor": worst(want, mine),
             "state_bytes": opt.state_bytes()["optimizer_state"], "plain_state_bytes": _state_bytes(plain),
             "params": sum(p.numel() for p in rt.parameters()), "launched_in_backward": early,
-            "buckets": opt.buckets, **(_against_one_device(name, args, batches, prog, rt) if args.one_device else {})}
+            "buckets": opt.buckets, **(_against_one_device(name, args, batches, prog, rt, mine) if args.one_device else {})}
 
 
-def _against_one_device(name, args, batches, prog, rt) -> dict:
+def _against_one_device(name, args, batches, prog, rt, mine: dict[str, torch.Tensor]) -> dict:
     whole = _one_device(name, args, batches)
-    mine = {n: p.detach() for n, p in rt.named_parameters()}
     want = {}
     for n in mine:
         use = prog.sharding.params.get(n)
@@ -220,6 +224,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"],
                     help="the model's dtype (half: fp32 main weights in the optimizer, saved in checkpoints; "
                          "float64 by default, see the module doc)")
+    ap.add_argument("--zero", type=int, default=1, choices=(1, 2, 3),
+                    help="the sharded run's stage: 2 divides the gradients too, 3 the parameters too")
     ap.add_argument("--one-device", action="store_true", help="also compare with the whole model trained on one device")
     ap.add_argument("--save")
     ap.add_argument("--load")
