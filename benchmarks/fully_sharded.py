@@ -1,11 +1,11 @@
-"""Fully sharded data parallelism on gloo at dp=4: autoshard's zero=3 against torch's own FSDP2
-(`fully_shard` on each decoder layer, then on the model) on the same Hugging Face Llama, weights
-and batches, with autoshard's zero=1 beside them; memory per rank and step time.
+"""Fully sharded data parallelism on gloo (dp=4 by default): autoshard's zero=3 against torch's
+own FSDP2 (`fully_shard` on each decoder layer, then on the model) on the same Hugging Face Llama,
+weights and batches, with autoshard's zero=1 beside them; memory per rank and step time.
 
     python benchmarks/fully_sharded.py [--layers 8] [--hidden 256] [--rounds 7] [--append]
 
-Four gloo processes (two to a core on the 2-core machine: the ratios, measured in the same rounds,
-are what to read), one compute thread each, glibc told to keep freed memory (zero_bubble.py's
+--dp gloo processes (four: two to a core on the 2-core machine; the ratios, measured in the same
+rounds, are what to read), one compute thread each, glibc told to keep freed memory (zero_bubble.py's
 ALLOCATOR). Every program first takes three AdamW steps from the same weights; their losses must
 agree within 1e-5. Then, per program and rank:
 
@@ -38,7 +38,6 @@ from autoshard.planning.graph_memory import rank_memory_of  # noqa: E402
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from autoshard.testing.memory import PeakBytes, state_bytes  # noqa: E402
 
-DP = 4
 LR = 1e-3
 
 
@@ -52,9 +51,9 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def batch(args: argparse.Namespace, step: int) -> dict[str, torch.Tensor]:
-    """The global batch (every rank makes the same one): DP x rows sequences, labels the ids."""
+    """The global batch (every rank makes the same one): dp x rows sequences, labels the ids."""
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, args.vocab, (DP * args.rows, args.seq), generator=g)
+    ids = torch.randint(0, args.vocab, (args.dp * args.rows, args.seq), generator=g)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -63,7 +62,7 @@ class Ours:
 
     def __init__(self, args: argparse.Namespace, zero: int):
         example = {k: v[: args.rows] for k, v in batch(args, 0).items()}
-        self.prog = autoshard(build(args), dp=DP, zero=zero, example_kwargs=example)
+        self.prog = autoshard(build(args), dp=args.dp, zero=zero, example_kwargs=example)
         self.rt = self.prog.distributed(mesh=True)
         self.opt = DistributedOptimizer(self.rt, torch.optim.AdamW, lr=LR)
 
@@ -89,8 +88,8 @@ class Theirs:
     def __init__(self, args: argparse.Namespace):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        self.model, self.rows = build(args), args.rows
-        mesh = init_device_mesh("cpu", (DP,))
+        self.model, self.rows, self.dp = build(args), args.rows, args.dp
+        mesh = init_device_mesh("cpu", (args.dp,))
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -105,7 +104,7 @@ class Theirs:
         self.opt.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)
-        return float(total) / DP
+        return float(total) / self.dp
 
     def held(self) -> int:
         local = [p.to_local() for p in self.model.parameters()] + list(self.model.buffers())
@@ -123,7 +122,9 @@ def worker(args: argparse.Namespace) -> None:
 def measure(args: argparse.Namespace) -> bool:
     """Every program's numbers on this rank; rank 0 prints everyone's as one JSON line."""
     torch.set_num_threads(1)
-    programs = {"autoshard zero=3": Ours(args, 3), "torch FSDP2": Theirs(args), "autoshard zero=1": Ours(args, 1)}
+    makers = {"autoshard zero=3": lambda: Ours(args, 3), "torch FSDP2": lambda: Theirs(args),
+              "autoshard zero=1": lambda: Ours(args, 1)}
+    programs = {name: make() for name, make in makers.items() if name in ("torch FSDP2", *args.ours)}
     losses = {name: [p.step(batch(args, s)) for s in range(1, 4)] for name, p in programs.items()}
     first = losses["torch FSDP2"]
     agree = max(abs(a - b) / abs(b) for name in losses for a, b in zip(losses[name], first))
@@ -155,16 +156,17 @@ def measure(args: argparse.Namespace) -> bool:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)
     if dist.get_rank() == 0:
-        print(json.dumps({"ranks": everyone, "agree": agree}), flush=True)
+        params = sum(p.numel() for p in programs["torch FSDP2"].model.parameters())      # DTensors: whole sizes
+        print(json.dumps({"ranks": everyone, "agree": agree, "params": params}), flush=True)
     return agree <= 1e-5
 
 
 def table(result: dict, args: argparse.Namespace) -> str:
-    params = sum(p.numel() for p in build(args).parameters())
-    lines = [f"losses of the three programs' first 3 steps agree within {result['agree']:.1e}; "
+    params, dp = result["params"], args.dp
+    lines = [f"losses of the programs' first 3 steps agree within {result['agree']:.1e}; "
              f"{params / 1e6:.2f}M parameters, fp32 (16 bytes each with AdamW: {16 * params / 2 ** 20:.1f} MiB "
-             f"unsharded, {16 * params / DP / 2 ** 20:.1f} MiB / dp)", "",
-             "| program | held MiB (rank 0..3) | peak MiB (rank 0..3) | predicted peak MiB (worst error) | step s | "
+             f"unsharded, {16 * params / dp / 2 ** 20:.1f} MiB / dp)", "",
+             "| program | held MiB (each rank) | peak MiB (each rank) | predicted peak MiB (worst error) | step s | "
              "step / FSDP2 |", "| --- | --- | --- | --- | --- | --- |"]
     mib = 2 ** 20
     def each(rows: list[dict], key: str) -> str:
@@ -180,6 +182,7 @@ def table(result: dict, args: argparse.Namespace) -> str:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, default=4, help="processes (one data-parallel mesh)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -187,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=int, default=2, help="sequences per rank and step")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--peak-steps", type=int, default=3, help="steps whose lowest peak is reported")
+    ap.add_argument("--ours", nargs="+", default=["autoshard zero=3", "autoshard zero=1"],
+                    choices=["autoshard zero=3", "autoshard zero=1"], help="autoshard's programs beside FSDP2")
     ap.add_argument("--append", action="store_true")
     ap.add_argument("--worker", action="store_true")
     return ap
@@ -205,13 +210,13 @@ def main() -> None:
         return worker(args)
     from benchmarks.self_launch import run_workers
     from benchmarks.zero_bubble import ALLOCATOR       # (run as a script: its folder is on the path)
-    result = run_workers(__file__, sys.argv[1:], nproc=DP, env=ALLOCATOR)
+    result = run_workers(__file__, sys.argv[1:], nproc=args.dp, env=ALLOCATOR)
     text = table(result, args)
     print(text)
     if args.append:
         from results import append_result
         shape = (f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, {args.rows} x "
-                 f"{args.seq} tokens per rank, dp=4 on 4 gloo processes (2 cores), AdamW, {args.rounds} rounds")
+                 f"{args.seq} tokens per rank, dp={args.dp} on {args.dp} gloo processes (2 cores), AdamW, {args.rounds} rounds")
         append_result("Fully sharded data parallelism against torch's FSDP2",
                       "python benchmarks/fully_sharded.py " + " ".join(sys.argv[1:]), shape, text)
 
