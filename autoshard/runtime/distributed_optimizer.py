@@ -164,7 +164,8 @@ class DistributedOptimizer:
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every parameter whole on this rank inside (zero=3 releases them between uses); what is
-        written to them inside is kept. Other zero stages hold them whole anyway."""
+        written to them inside is kept. Other zero stages hold them whole anyway. Every
+        data-parallel rank must enter it together (it all-gathers)."""
         with contextlib.ExitStack() as stack:
             for flat in self.parts:
                 if isinstance(flat, ShardedParams):

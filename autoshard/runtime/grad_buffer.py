@@ -32,6 +32,7 @@ above. `local(lo, hi)` maps an owned range of the layout onto the tensor that ho
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -67,6 +68,22 @@ class FlatLayout:
 
     def bucket_of(self, i: int) -> Bucket:
         return next(b for b in self.buckets if i in b.params)
+
+    @functools.cached_property
+    def shard_starts(self) -> tuple[int, ...]:
+        """Where each bucket's 1/shards begins in one rank's shards laid end to end (the per-pass
+        gradient buffer, zero=3's parameter shard)."""
+        out, start = [], 0
+        for b in self.buckets:
+            out.append(start)
+            start += (b.stop - b.start) // self.shards
+        return tuple(out)
+
+    def local_span(self, lo: int, hi: int, shard_rank: int) -> tuple[int, int]:
+        """An owned range [lo, hi) of the layout, in one rank's shards laid end to end."""
+        k = bisect.bisect_right([b.start for b in self.buckets], lo) - 1
+        start = self.shard_starts[k] + lo - self.buckets[k].owned(shard_rank, self.shards)[0]
+        return start, start + hi - lo
 
     def owned_piece(self, i: int, shard_rank: int) -> tuple[int, int] | None:
         """The part [lo, hi) of parameter i's flat range that shard rank `shard_rank` owns, or None."""
@@ -138,16 +155,12 @@ class GradBuffer:
         self.shard_rank, self.overlap, self.tied_groups = shard_rank, overlap, tied_groups or {}
         self.per_pass = per_pass
         device = params[0].device if params else None
-        # per pass: this rank's shard of each bucket, one after another (`_local_start`)
-        self._local_start, start = [], 0
-        for b in layout.buckets:
-            self._local_start.append(start)
-            start += (b.stop - b.start) // layout.shards
-        self._owned_starts = [b.owned(shard_rank, layout.shards)[0] for b in layout.buckets]
-        self.data = torch.zeros(start if per_pass else layout.numel, dtype=dtype, device=device)
+        # per pass: this rank's shard of each bucket, one after another (layout.shard_starts)
+        self.data = torch.zeros(layout.numel // layout.shards if per_pass else layout.numel, dtype=dtype, device=device)
         self._temp: dict[int, torch.Tensor] = {}        # per pass: bucket -> its gradient since its last send
         self._arrived: dict[int, int] = {}
-        self._tied_full = {self._bucket_of_param(i): torch.zeros(layout.numels[i], dtype=dtype, device=device)
+        self._bucket_index = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
+        self._tied_full = {self._bucket_index[i]: torch.zeros(layout.numels[i], dtype=dtype, device=device)
                            for i in (tied_groups or {})} if per_pass else {}
         self.on_sent = None           # per pass: called with a bucket's index once its pass is sent
         self.records: list[ReduceRecord] = []
@@ -158,11 +171,7 @@ class GradBuffer:
         self._scale, self._origin = 1.0, 0.0
         self._launched: set[int] = set()
         self._pending: list[_Pending] = []
-        self._bucket_index = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
-
-    def _bucket_of_param(self, i: int) -> int:
-        return next(k for k, b in enumerate(self.layout.buckets) if i in b.params)
 
     def view(self, i: int) -> torch.Tensor:
         o, n = self.layout.offsets[i], self.layout.numels[i]
@@ -174,9 +183,8 @@ class GradBuffer:
         """The tensor holding the owned range [lo, hi) of the layout (a slice of `data`)."""
         if not self.per_pass:
             return self.data[lo:hi]
-        k = bisect.bisect_right(self._owned_starts, lo) - 1
-        start = self._local_start[k] + lo - self._owned_starts[k]
-        return self.data[start: start + hi - lo]
+        start, stop = self.layout.local_span(lo, hi, self.shard_rank)
+        return self.data[start:stop]
 
     def _add_pass(self, i: int, grad: torch.Tensor) -> None:
         """Per pass: parameter i's gradient into its bucket's temporary; the bucket is sent once each
@@ -221,7 +229,8 @@ class GradBuffer:
         if p.record.done is None:
             p.record.done = time.time() - self._origin
         k, n = p.record.bucket, p.out.numel()
-        self.data[self._local_start[k]: self._local_start[k] + n].add_(p.out)
+        start = self.layout.shard_starts[k]
+        self.data[start: start + n].add_(p.out)
 
     def _hook(self, i: int):
         def add(p: torch.nn.Parameter) -> None:

@@ -49,18 +49,13 @@ class ShardedParams(FlatParams):
         self.part.buffer.on_sent = self.release
 
     def _place(self, device: torch.device) -> None:
-        layout, shards = self.layout, self.shards
+        layout = self.layout
         self.units = [torch.zeros(b.stop - b.start, dtype=self.dtype, device=device) for b in layout.buckets]
         bucket_of = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
         for i, p in enumerate(self.params):
             unit, o = self.units[bucket_of[i]], layout.offsets[i] - layout.buckets[bucket_of[i]].start
             unit[o: o + p.numel()].copy_(p.reshape(-1))
             p.data = unit[o: o + p.numel()].view(p.shape)
-        self._owned_starts = [b.owned(self.shard_rank, shards)[0] for b in layout.buckets]
-        self._local_start, start = [], 0
-        for b in layout.buckets:
-            self._local_start.append(start)
-            start += (b.stop - b.start) // shards
         self.shard = torch.cat([self._owned_of(k) for k in range(len(self.units))]) if self.units else \
             torch.zeros(0, dtype=self.dtype, device=device)
         self.state = [_HERE] * len(self.units)
@@ -71,17 +66,16 @@ class ShardedParams(FlatParams):
     def _owned_of(self, k: int) -> torch.Tensor:
         """This rank's range of unit k's gathered tensor."""
         b = self.layout.buckets[k]
-        n = (b.stop - b.start) // self.shards
-        return self.units[k][self._owned_starts[k] - b.start: self._owned_starts[k] - b.start + n]
+        a, z = b.owned(self.shard_rank, self.shards)
+        return self.units[k][a - b.start: z - b.start]
 
     def local(self, lo: int, hi: int) -> torch.Tensor:
-        k = next(k for k in range(len(self._owned_starts) - 1, -1, -1) if self._owned_starts[k] <= lo)
-        start = self._local_start[k] + lo - self._owned_starts[k]
-        return self.shard[start: start + hi - lo]
+        start, stop = self.layout.local_span(lo, hi, self.shard_rank)
+        return self.shard[start:stop]
 
     def _shard_of(self, k: int) -> torch.Tensor:
-        n = self.units[k].numel() // self.shards
-        return self.shard[self._local_start[k]: self._local_start[k] + n]
+        start = self.layout.shard_starts[k]
+        return self.shard[start: start + self.units[k].numel() // self.shards]
 
     def param_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
@@ -131,7 +125,8 @@ class ShardedParams(FlatParams):
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every unit whole; on leaving, what was written to the parameters is kept (the owned
-        ranges copied into the shard) and the units released."""
+        ranges copied into the shard) and the units released. A collective: every rank of the
+        part's group enters it together."""
         for k in range(len(self.units)):
             self.prefetch(k)
         for k in range(len(self.units)):

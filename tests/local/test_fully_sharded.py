@@ -223,3 +223,31 @@ def test_bf16_gathers_bf16_and_reduces_fp32_as_zero1_does():
             assert flat.units[0].dtype == torch.bfloat16 and opts[0].grads.parts[0].buffer.data.dtype == torch.float32
             assert all(m.dtype == torch.float32 for _, _, m in flat.pieces.values())
     assert max(abs(a - b) / abs(b) for a, b in zip(runs[3], runs[1])) < 1e-2, runs
+
+
+def test_two_train_steps_per_optimizer_step_and_a_new_shape():
+    """Gradients accumulated over two train_step calls before a step, then a longer sequence (a new
+    graph, whose chunks get their gather calls too), then both in one step: as on one device."""
+    model, reference = _pair("llama", layers=2)
+    short = [context_batch(batch=4, seq=16, seed=s) for s in (1, 2, 3)]
+    long = [context_batch(batch=4, seq=24, seed=s) for s in (4, 5)]
+    prog = autoshard(model, dp=2, zero=3, example_kwargs={k: v[:1] for k, v in short[0].items()})
+    mesh = prog.local_mesh()
+    opts = mesh.each(lambda rt: DistributedOptimizer(rt, torch.optim.AdamW, lr=LR))
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    for group in ([short[0], short[1]], [long[0]], [short[2], long[1]]):
+        losses = [mesh.train_step(**b)[0] for b in group]
+        mesh.each(lambda rt, opt: (opt.step(), opt.zero_grad()), opts)
+        ref_opt.zero_grad()
+        for b, loss in zip(group, losses):
+            ref_loss = pick_loss(reference(**b))
+            ref_loss.backward()
+            assert max_rel(loss, ref_loss) < 1e-5, (loss, ref_loss)
+        ref_opt.step()
+    whole = {n: p.detach() for n, p in reference.named_parameters()}
+
+    def param_rel(rt, opt):                  # gathered() is a collective: every rank at once
+        with opt.gathered():
+            mine = {n: p.detach().clone() for n, p in rt.named_parameters()}
+        return norm_rel(mine, {n: local_slice(prog, rt, n, whole[n]) for n in mine})
+    assert max(mesh.each(param_rel, opts)) < 1e-5
