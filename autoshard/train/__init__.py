@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 
+from autoshard.train.cluster import launched_by, rendezvous_args, sbatch_script
 from autoshard.train.options import TrainError, TrainOptions, parse
 
 __all__ = ["ERRORS", "command", "failure_line", "main", "worker_argv", "TrainError", "TrainOptions"]
@@ -23,17 +24,22 @@ __all__ = ["ERRORS", "command", "failure_line", "main", "worker_argv", "TrainErr
 ERRORS = "AUTOSHARD_TRAIN_ERRORS"     # the folder where launched ranks write why they stopped
 
 
-def worker_argv(argv: list[str]) -> list[str]:
-    """The arguments torchrun passes on to each process: without --nproc-per-node, and --virtual
-    spelled --virtual-pipeline (torchrun reads a bare --virtual as a prefix of its own
+# the launcher's own flags (each with a value): the processes it starts are not given them again
+LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+                  "--slurm-script")
+
+
+def worker_argv(argv: list[str], drop: tuple[str, ...] = LAUNCHER_FLAGS) -> list[str]:
+    """The arguments torchrun passes on to each process: without the launcher's flags (`drop`), and
+    --virtual spelled --virtual-pipeline (torchrun reads a bare --virtual as a prefix of its own
     --virtual-local-rank)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc-per-node":
+        elif a in drop:
             skip = True
-        elif a.startswith("--nproc-per-node="):
+        elif a.split("=", 1)[0] in drop:
             continue
         elif a == "--virtual" or a.startswith("--virtual="):
             out.append(a.replace("--virtual", "--virtual-pipeline", 1))
@@ -62,9 +68,10 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     placement(opts, {"LOCAL_WORLD_SIZE": str(opts.nproc_per_node)}, gpus)     # --device cuda without GPUs enough
     _check_before_ranks(opts)
-    args = get_args_parser().parse_args([f"--nproc-per-node={opts.nproc_per_node}", "-m", "autoshard.train",
-                                         *worker_argv(argv)])
-    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())   # --standalone
+    rendezvous = rendezvous_args(opts.nnodes, opts.rdzv_endpoint, opts.rdzv_id, opts.max_restarts,
+                                 run_id=str(uuid.uuid4()))     # without --nnodes: torchrun --standalone's
+    args = get_args_parser().parse_args([f"--nproc-per-node={opts.nproc_per_node}", *rendezvous, "-m",
+                                         "autoshard.train", *worker_argv(argv)])
     os.environ.setdefault("OMP_NUM_THREADS", "1")          # torchrun's default, without its warning (run() sets threads)
     config, entrypoint, entry_args = config_from_args(args)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)    # the failure is said below
@@ -125,13 +132,33 @@ def _say(error: TrainError) -> None:
         print(f"autoshard train: {error}", file=sys.stderr, flush=True)
 
 
+def _write_slurm_script(opts: TrainOptions, argv: list[str]) -> int:
+    """--slurm-script: the job file for this training on --nnodes x --nproc-per-node, nothing run."""
+    text = sbatch_script(worker_argv(argv), nodes=opts.nnodes, per_node=opts.nproc_per_node,
+                         gpus=opts.device != "cpu", python=sys.executable)
+    with open(opts.slurm_script, "w") as f:
+        f.write(text)
+    os.chmod(opts.slurm_script, 0o755)
+    print(f"autoshard train: wrote {opts.slurm_script} ({opts.nnodes} nodes x {opts.nproc_per_node} processes); "
+          f"submit it with: sbatch {opts.slurm_script}", flush=True)
+    return 0
+
+
 def command(argv: list[str]) -> int:
     """`autoshard train ARGV`'s work and exit status, without leaving the process (main() leaves)."""
     try:
         opts = parse(argv)
+        if opts.slurm_script:
+            return _write_slurm_script(opts, argv)
+        started = launched_by(os.environ)
+        if started is not None:
+            os.environ.update(started[1])           # srun's variables, as torch.distributed reads them
+            if os.environ["RANK"] == "0" and ERRORS not in os.environ:     # not the ranks _launch started
+                print(f"autoshard train: started by {started[0]} as rank 0 of {os.environ['WORLD_SIZE']}; running "
+                      f"as the given ranks (no launch of our own)", flush=True)
         if opts.in_process:
             return _in_process(opts)
-        if opts.nproc_per_node and "RANK" not in os.environ:      # launch the ranks, which run us again
+        if opts.nproc_per_node and started is None:      # launch the ranks, which run us again
             return _launch(opts, argv)
         from autoshard.train.loop import run
         return run(opts)

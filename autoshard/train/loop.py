@@ -22,6 +22,7 @@ from autoshard.planning.hardware import Hardware
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
+from autoshard.train.cluster import NodeLayout
 from autoshard.train.device import Placement, move_runtime, placement
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
@@ -217,6 +218,11 @@ def run(opts: TrainOptions) -> int:
     # sharded and compiled on every rank (minutes): the split, the fit of model and tokenizer, the data.
     # --plan's split is the planner's; until it is known, the cpu profile's shapes take all ranks as dp
     given = {"dp": world, "microbatches": 1} if opts.plan else split_of(opts, world)
+    nodes = NodeLayout(world, local)              # which ranks share a machine (LOCAL_WORLD_SIZE)
+    if not opts.plan:
+        nodes.check_tp(given["tp"], opts.allow_cross_node_tp)
+    if rank == 0 and nodes.nodes > 1:
+        print(f"autoshard train: {nodes.describe()}", flush=True)
     tokenizer = tokenizer_for(opts.model)
     token_file = _on_rank0(lambda: check_data(opts, tokenizer))     # the launcher tokenized it already
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
@@ -234,6 +240,8 @@ def run(opts: TrainOptions) -> int:
         prog, split = _on_rank0(lambda: _compile(opts, source, world, hardware, capture_device))
     else:
         prog, split = _compile(opts, source, world, hardware, capture_device)
+    if opts.plan:                                 # the planner's tp, placed as the split given is above
+        nodes.check_tp(split["tp"], opts.allow_cross_node_tp)
     if opts.verify:
         verify_first(source, prog, rank)
     rt = prog.distributed(mesh=True)

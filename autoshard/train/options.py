@@ -61,6 +61,13 @@ class TrainOptions:
     in_process: bool
     halt_after: int | None
     verify: bool
+    nnodes: int | None
+    node_rank: int
+    rdzv_endpoint: str | None
+    rdzv_id: str
+    max_restarts: int
+    allow_cross_node_tp: bool
+    slurm_script: str | None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,6 +122,20 @@ def parser() -> argparse.ArgumentParser:
                    help="with --nproc-per-node N: run the N ranks as threads of this one process, their "
                         "collectives meeting in a local world (autoshard/world/local.py) instead of gloo: the "
                         "same schedule, buckets, optimizer and checkpoints, to try a split on one CPU; CPU only")
+    c = ap.add_argument_group("more than one machine (torchrun's rendezvous; see the README)")
+    c.add_argument("--nnodes", type=int, default=None, help="machines, each running this command with "
+                   "--nproc-per-node processes; they meet at --rdzv-endpoint (default: this machine alone)")
+    c.add_argument("--node-rank", type=int, default=0, help="this machine's place, checked against --nnodes (c10d's "
+                   "rendezvous numbers the nodes in the order they join)")
+    c.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, the same on every machine")
+    c.add_argument("--rdzv-id", default="autoshard", help="the run's name at the rendezvous, the same on every machine")
+    c.add_argument("--max-restarts", type=int, default=0, help="times torchrun's agents restart the group after a "
+                   "process or a node fails (training resumes from --out's last complete checkpoint with --resume)")
+    c.add_argument("--allow-cross-node-tp", action="store_true",
+                   help="let a tensor-parallel group span two machines (refused by default: its all-reduces would "
+                        "cross the network every layer)")
+    c.add_argument("--slurm-script", default=None, help="write a SLURM job file that runs this training on --nnodes "
+                   "nodes x --nproc-per-node processes (through srun and this command's launcher), then stop")
     o = ap.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
@@ -174,6 +195,18 @@ def parse(argv: list[str]) -> TrainOptions:
     if opts.in_process and (opts.nproc_per_node is None or opts.device == "cuda"):
         raise TrainError("--in-process runs the --nproc-per-node ranks on this CPU: give --nproc-per-node, and "
                          "not --device cuda")
+    if opts.nnodes is not None:
+        if opts.nnodes < 1 or not 0 <= opts.node_rank < opts.nnodes or opts.max_restarts < 0:
+            raise TrainError(f"--nnodes {opts.nnodes} --node-rank {opts.node_rank} --max-restarts {opts.max_restarts}: "
+                             f"nnodes must be positive, the node rank in 0..nnodes-1, restarts >= 0")
+        if opts.nproc_per_node is None or opts.in_process:
+            raise TrainError("--nnodes launches --nproc-per-node processes on each machine: give --nproc-per-node "
+                             "(and not --in-process)")
+        if opts.nnodes > 1 and not opts.rdzv_endpoint and not opts.slurm_script:
+            raise TrainError(f"--nnodes {opts.nnodes}: the machines meet at --rdzv-endpoint HOST:PORT (the same on "
+                             "each, e.g. the first machine's address and a free port)")
+    if opts.slurm_script and (opts.nnodes is None or opts.nproc_per_node is None):
+        raise TrainError("--slurm-script writes a job for --nnodes nodes x --nproc-per-node processes: give both")
     given = opts.dp is not None or opts.microbatches is not None or \
         (opts.tp, opts.pp, opts.cp, opts.virtual) != (1, 1, 1, 1)
     if opts.plan and given:

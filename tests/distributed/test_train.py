@@ -273,3 +273,27 @@ def test_zero3_trains_as_zero1_resumes_exactly_and_exports(tmp_path):
     assert exported.keys() == reference.keys()
     for k, v in reference.items():        # trained weights (AdamW moved each), equal to zero=1's
         assert torch.allclose(exported[k], v, rtol=1e-3, atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_two_agents_on_localhost_train_as_one_node_does(tmp_path):
+    """Two "nodes" (two `autoshard train --nnodes 2` agents of two processes each, meeting at a c10d
+    rendezvous on 127.0.0.1) train tp=2 x dp=2 for 20 steps with the losses of the 4 ranks run on one
+    machine (in this process, which gloo matches to the bit: test_gloo_and_in_process_runs_agree_to_the_bit),
+    bit for bit; the banner says which ranks share a node."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*LLAMA, "--tp", "2", "--steps", "20", "--save-every", "1000"]
+    argv = ["--data", os.path.join(ROOT, "README.md"), "--out", str(tmp_path / "two"), "--log-every", "10", *args,
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "autoshard.train", *argv, "--node-rank", str(r)], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [a.communicate(timeout=600) for a in agents]
+    assert all(a.returncode == 0 for a in agents), [o[0][-2000:] + o[1][-2000:] for o in outs]
+    assert "2 nodes x 2 processes (node 0: ranks 0-1; node 1: ranks 2-3)" in outs[0][0] + outs[1][0], outs
+    _train(tmp_path / "one", *args, nproc=4)
+    assert [r["loss"] for r in _rows(tmp_path / "two")] == [r["loss"] for r in _rows(tmp_path / "one")]
+    assert len(_rows(tmp_path / "two")) == 20
