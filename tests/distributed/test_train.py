@@ -275,25 +275,41 @@ def test_zero3_trains_as_zero1_resumes_exactly_and_exports(tmp_path):
         assert torch.allclose(exported[k], v, rtol=1e-3, atol=1e-5), k
 
 
+# stand-ins for SLURM's commands on this machine: every node of the allocation is 127.0.0.1, and srun
+# runs its command once per node (SLURM_NNODES of them), each with its SLURM_NODEID, and waits for all
+_STUBS = {"scontrol": '#!/bin/bash\nfor _ in $(seq "$SLURM_NNODES"); do echo 127.0.0.1; done\n',
+          "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\npids=()\n'
+                  'for n in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$n "$@" > "agent$n.log" 2>&1 & pids+=($!); done\n'
+                  'code=0; for p in "${pids[@]}"; do wait "$p" || code=$?; done; exit $code\n'}
+
+
 @pytest.mark.slow
-def test_two_agents_on_localhost_train_as_one_node_does(tmp_path):
-    """Two "nodes" (two `autoshard train --nnodes 2` agents of two processes each, meeting at a c10d
-    rendezvous on 127.0.0.1) train tp=2 x dp=2 for 20 steps with the losses of the 4 ranks run on one
-    machine (in this process, which gloo matches to the bit: test_gloo_and_in_process_runs_agree_to_the_bit),
-    bit for bit; the banner says which ranks share a node."""
+def test_the_slurm_job_file_trains_on_two_nodes_as_one_node_does(tmp_path):
+    """The job file `--slurm-script` writes, run by bash with stand-ins for srun and scontrol (two
+    "nodes" on localhost): two agents of two processes meet at the first host's c10d rendezvous and
+    train tp=2 x dp=2 for 20 steps with the losses of the 4 ranks run on one machine (in this process,
+    which gloo matches to the bit: test_gloo_and_in_process_runs_agree_to_the_bit), bit for bit; the
+    banner says which ranks share a node."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [*LLAMA, "--tp", "2", "--steps", "20", "--save-every", "1000"]
-    argv = ["--data", os.path.join(ROOT, "README.md"), "--out", str(tmp_path / "two"), "--log-every", "10", *args,
-            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen([sys.executable, "-m", "autoshard.train", *argv, "--node-rank", str(r)], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [a.communicate(timeout=600) for a in agents]
-    assert all(a.returncode == 0 for a in agents), [o[0][-2000:] + o[1][-2000:] for o in outs]
-    assert "2 nodes x 2 processes (node 0: ranks 0-1; node 1: ranks 2-3)" in outs[0][0] + outs[1][0], outs
+    job = tmp_path / "job.sbatch"
+    from autoshard.train import command
+    assert command(["--data", os.path.join(ROOT, "README.md"), "--out", str(tmp_path / "two"), "--log-every", "10",
+                    *args, "--device", "cpu", "--nnodes", "2", "--nproc-per-node", "2", "--slurm-script", str(job)]) == 0
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in _STUBS.items():
+        (stubs / name).write_text(body)
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_JOB_ID": "4242", "AUTOSHARD_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(job)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    logs = [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
+    assert proc.returncode == 0, proc.stderr[-2000:] + "".join(log[-2000:] for log in logs)
+    assert "2 nodes x 2 processes (node 0: ranks 0-1; node 1: ranks 2-3)" in "".join(logs), logs
     _train(tmp_path / "one", *args, nproc=4)
     assert [r["loss"] for r in _rows(tmp_path / "two")] == [r["loss"] for r in _rows(tmp_path / "one")]
     assert len(_rows(tmp_path / "two")) == 20
