@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from autoshard.train.options import TrainError
 
-__all__ = ["NodeLayout", "launched_by", "rendezvous_args", "sbatch_script"]
+__all__ = ["NodeLayout", "launched_by", "node_layout", "rendezvous_args", "sbatch_script"]
 
 
 def launched_by(env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
@@ -69,6 +69,12 @@ class NodeLayout:
                              f"adjacent ranks would span two nodes, and each layer's all-reduces would cross the "
                              f"network; use a tp dividing {self.per_node} (pp and dp cross nodes instead), or "
                              f"--allow-cross-node-tp")
+
+
+def node_layout(env: Mapping[str, str], world: int) -> NodeLayout:
+    """This run's layout from its launcher's LOCAL_WORLD_SIZE (torchrun's, or srun's mapped); a
+    launcher that does not set it is taken as one node (nothing is known to cross one)."""
+    return NodeLayout(world, int(env.get("LOCAL_WORLD_SIZE", world)))
 
 
 def rendezvous_args(nnodes: int | None, endpoint: str | None, rdzv_id: str, max_restarts: int,

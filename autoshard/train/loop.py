@@ -22,7 +22,7 @@ from autoshard.planning.hardware import Hardware
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
-from autoshard.train.cluster import NodeLayout
+from autoshard.train.cluster import node_layout
 from autoshard.train.device import Placement, move_runtime, placement
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
@@ -218,7 +218,7 @@ def run(opts: TrainOptions) -> int:
     # sharded and compiled on every rank (minutes): the split, the fit of model and tokenizer, the data.
     # --plan's split is the planner's; until it is known, the cpu profile's shapes take all ranks as dp
     given = {"dp": world, "microbatches": 1} if opts.plan else split_of(opts, world)
-    nodes = NodeLayout(world, local)              # which ranks share a machine (LOCAL_WORLD_SIZE)
+    nodes = node_layout({} if _in_process() else os.environ, world)     # which ranks share a machine
     if not opts.plan:
         nodes.check_tp(given["tp"], opts.allow_cross_node_tp)
     if rank == 0 and nodes.nodes > 1:

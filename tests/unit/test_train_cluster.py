@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from autoshard.train import command, worker_argv
-from autoshard.train.cluster import NodeLayout, launched_by, rendezvous_args
+from autoshard.train.cluster import NodeLayout, launched_by, node_layout, rendezvous_args
 from autoshard.train.options import TrainError, parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -99,3 +99,12 @@ def test_under_srun_it_runs_as_the_given_rank_and_launches_nothing(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "started by SLURM as rank 0 of 1; running as the given ranks (no launch of our own)" in proc.stdout
     assert "tp=1 pp=1 dp=1" in proc.stdout and os.path.isfile(tmp_path / "metrics.csv")
+
+
+
+def test_a_launcher_that_does_not_say_what_shares_a_node_is_taken_as_one_node():
+    """RANK and WORLD_SIZE without LOCAL_WORLD_SIZE (some launchers set only those): one node, so a
+    tp=2 is not refused as crossing nodes of one process each (LOCAL_WORLD_SIZE's default of 1 would)."""
+    assert node_layout({"RANK": "0", "WORLD_SIZE": "4"}, world=4) == NodeLayout(4, 4)
+    node_layout({"RANK": "0", "WORLD_SIZE": "4"}, world=4).check_tp(2, allow=False)
+    assert node_layout({"LOCAL_WORLD_SIZE": "2"}, world=4) == NodeLayout(4, 2)
