@@ -5,7 +5,7 @@ import operator
 
 import torch.fx as fx
 
-__all__ = ["param_read", "module_path", "op_name"]
+__all__ = ["param_read", "module_path", "op_name", "weight_values"]
 
 
 def op_name(target: object) -> str:
@@ -67,3 +67,17 @@ def module_path(node: fx.Node) -> str:
     path, cls = list(stack.values())[-1]
     cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
     return f"{path or '<top>'} ({cls.rsplit('.', 1)[-1]})"
+
+
+_OPS = ("call_function", "call_method", "call_module")
+
+
+def weight_values(graph: fx.Graph) -> set[fx.Node]:
+    """get_attr nodes and the nodes computed from them alone (a transpose, a cast, sp's f on a norm
+    weight); a recomputed region's call is never one (its body runs activations)."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr" or (n.op in _OPS and not n.meta.get("recompute") and n.all_input_nodes
+                                  and all(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out

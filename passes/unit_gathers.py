@@ -29,6 +29,7 @@ from typing import Callable, Hashable
 import torch.fx as fx
 
 from autoshard.errors import ShardingError
+from autoshard.passes.graph_reading import weight_values
 from autoshard.passes.stages import find_layers
 
 __all__ = ["insert_unit_gathers", "param_units", "unit_reads"]
@@ -39,17 +40,13 @@ _OPS = ("call_function", "call_method", "call_module")
 def unit_reads(graph: fx.Graph, unit_of: dict[str, Hashable]) -> tuple[dict[fx.Node, set], set[fx.Node]]:
     """For each op, the units whose parameters it reads (through weight-only ops too), and the ops
     computed from weights alone (they run in forward only on the weights: no activation meets them)."""
+    weights = weight_values(graph)
     reads: dict[fx.Node, set] = {}
-    weights: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op == "get_attr":
-            weights.add(n)
             reads[n] = {unit_of[n.target]} if n.target in unit_of else set()
         elif n.op in _OPS:
-            from_weights = [a for a in n.all_input_nodes if a in weights]
-            reads[n] = set().union(*(reads[a] for a in from_weights)) if from_weights else set()
-            if n.all_input_nodes and len(from_weights) == len(n.all_input_nodes) and not n.meta.get("recompute"):
-                weights.add(n)
+            reads[n] = set().union(*(reads[a] for a in n.all_input_nodes if a in weights))
     return reads, weights
 
 

@@ -77,8 +77,7 @@ class FlatParams:
     def whole(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A flat tensor (main weights' dtype) over the layout holding `value_of(main)` at every owned
         piece, summed over the group (the owned ranges are disjoint, so that is a gather)."""
-        device = self.pieces[next(iter(self.pieces))][2].device if self.pieces else self.params[0].device
-        full = torch.zeros(self.layout.numel, dtype=main_dtype(self.dtype), device=device)
+        full = torch.zeros(self.layout.numel, dtype=main_dtype(self.dtype), device=self.params[0].device)
         for lo, hi, main in self.pieces.values():
             full[lo:hi] = value_of(main)
         if self.shards > 1:

@@ -160,8 +160,8 @@ class GradBuffer:
         self._temp: dict[int, torch.Tensor] = {}        # per pass: bucket -> its gradient since its last send
         self._arrived: dict[int, int] = {}
         self._bucket_index = {i: k for k, b in enumerate(layout.buckets) for i in b.params}
-        self._tied_full = {self._bucket_index[i]: torch.zeros(layout.numels[i], dtype=dtype, device=device)
-                           for i in (tied_groups or {})} if per_pass else {}
+        self._tied_full = {k: torch.zeros(layout.buckets[k].stop - layout.buckets[k].start, dtype=dtype, device=device)
+                           for k in (self._bucket_index[i] for i in tied_groups or {})} if per_pass else {}
         self.on_sent = None           # per pass: called with a bucket's index once its pass is sent
         self.records: list[ReduceRecord] = []
         self.reduced = False          # reduce() ran and zero() did not since: the data is a reduced step's
@@ -175,8 +175,8 @@ class GradBuffer:
 
     def view(self, i: int) -> torch.Tensor:
         o, n = self.layout.offsets[i], self.layout.numels[i]
-        if self.per_pass:
-            return self._tied_full[self._bucket_index[i]].view(self.params[i].shape)   # tied only
+        if self.per_pass:          # tied only: its bucket's full slot, padding after it
+            return self._tied_full[self._bucket_index[i]][:n].view(self.params[i].shape)
         return self.data[o: o + n].view(self.params[i].shape)
 
     def local(self, lo: int, hi: int) -> torch.Tensor:
@@ -206,17 +206,18 @@ class GradBuffer:
         if self._arrived[k] >= len(b.params):
             self._send_pass(k)
 
-    def _send_pass(self, k: int) -> None:
-        full = self._temp.pop(k)
-        self._arrived.pop(k)
+    def _scatter(self, k: int, full: torch.Tensor) -> _Pending:
+        """Per pass: start reduce-scattering bucket k's full-size gradient `full` over the group."""
         self.records.append(ReduceRecord(k, time.time() - self._origin))
-        n = full.numel() // self.layout.shards
         if self.layout.shards == 1:
-            out, work = full, None
-        else:
-            out = torch.empty(n, dtype=full.dtype, device=full.device)
-            work = self.world.reduce_scatter(out, full, group=self.group, async_op=True)
-        self._pending.append(_Pending(work, self.records[-1], out, full))
+            return _Pending(None, self.records[-1], full, full)
+        out = torch.empty(full.numel() // self.layout.shards, dtype=full.dtype, device=full.device)
+        work = self.world.reduce_scatter(out, full, group=self.group, async_op=True)
+        return _Pending(work, self.records[-1], out, full)
+
+    def _send_pass(self, k: int) -> None:
+        self._arrived.pop(k)
+        self._pending.append(self._scatter(k, self._temp.pop(k)))
         while len(self._pending) > 2:          # at most two buckets' gradients in flight
             self._fold(self._pending.pop(0))
         if self.on_sent is not None:
@@ -237,7 +238,6 @@ class GradBuffer:
             if self.per_pass:
                 self._add_pass(i, p.grad)
                 p.grad = None
-                self._seen[i] += 1
                 return
             if self._stale[i]:
                 self.view(i).copy_(p.grad)
@@ -329,15 +329,7 @@ class GradBuffer:
             self._zero_stale((i,))
             self.world.all_reduce(self.view(i), group=group)
             self._stale[i] = True                    # the slot starts the next step afresh
-            self.records.append(ReduceRecord(k, time.time() - self._origin))
-            full = torch.zeros(self.layout.buckets[k].stop - self.layout.buckets[k].start, dtype=self.data.dtype,
-                               device=self.data.device)
-            full[: self.layout.numels[i]] = self.view(i).reshape(-1)
-            out = full if self.layout.shards == 1 else torch.empty(full.numel() // self.layout.shards,
-                                                                   dtype=full.dtype, device=full.device)
-            if self.layout.shards > 1:
-                self.world.reduce_scatter(out, full, group=self.group)
-            self._fold(_Pending(None, self.records[-1], out))
+            self._fold(self._scatter(k, self._tied_full[k]))
         self.data.mul_(self._scale)
         self.reduced = True
 

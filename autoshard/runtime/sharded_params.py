@@ -29,7 +29,7 @@ whose gradients a pass skipped).
 from __future__ import annotations
 
 import contextlib
-from typing import Hashable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -163,30 +163,34 @@ class UnitGathers:
     rank's ShardedParams: unit u is bucket `where[u][1]` of `where[u][0]`."""
 
     def __init__(self, flats: list[ShardedParams], units: list[list[str]], keep_last: int = 0):
-        self.flats = flats
         self.where: list[tuple[ShardedParams, int]] = []
         self.unit_of: dict[str, int] = {}
         for flat in flats:
             for k, b in enumerate(flat.layout.buckets):
                 self.unit_of.update({flat.part.names[i]: len(self.where) for i in b.params})
                 self.where.append((flat, k))
-        self.units = units
         self.keep = {self.unit_of[unit[0]] for unit in units[len(units) - keep_last:]} if keep_last else set()
         self.in_backward: set[int] = set()
         self.gathers = 0             # all-gathers started (the trace and the tests count them)
 
-    def _start(self, u: Hashable | None) -> None:
+    def _start(self, u: int | None) -> None:
         if u is not None:
             flat, k = self.where[u]
             if flat.state[k] == _FREE:
                 self.gathers += 1
             flat.prefetch(k)
 
+    def _gather(self, units: tuple, then: int | None) -> None:
+        """`units` whole, the gather of `then` (the unit read next) started first so it overlaps."""
+        for u in units:
+            self._start(u)
+        self._start(then)
+        for u in units:
+            flat, k = self.where[u]
+            flat.acquire(k)
+
     def acquire(self, u: int, following: int | None) -> None:
-        self._start(u)
-        self._start(following)
-        flat, k = self.where[u]
-        flat.acquire(k)
+        self._gather((u,), following)
 
     def release(self, u: int) -> None:
         if u in self.keep and torch.is_grad_enabled():      # its backward comes next: keep it (`keep`)
@@ -209,13 +213,8 @@ class UnitGathers:
         return type(value)(values) if isinstance(value, (tuple, list)) else values[0]
 
     def gather_for_backward(self, units: tuple, previous) -> None:
-        for u in units:
-            self._start(u)
-        self._start(previous)
-        for u in units:
-            flat, k = self.where[u]
-            flat.acquire(k)
-            self.in_backward.add(u)
+        self._gather(units, previous)
+        self.in_backward.update(units)
 
     def end_backward(self) -> None:
         """A backward action ended: release what it gathered (or forward kept) and is still whole."""

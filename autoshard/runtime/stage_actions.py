@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autoshard.module_paths import fetch_attr
+from autoshard.passes.graph_reading import weight_values
 from autoshard.passes.stages import StageGraph
 from autoshard.passes.unit_gathers import insert_unit_gathers
 from autoshard.runtime.backward_split import WeightWork, backward_input, backward_weight
@@ -30,17 +31,6 @@ __all__ = ["ChunkParams", "build_chunk", "receive_order", "run_actions", "whole_
 
 
 _OPS = ("call_function", "call_method", "call_module")
-
-
-def _weight_values(graph: fx.Graph) -> set[fx.Node]:
-    """get_attr nodes and the nodes computed from them alone (a transpose, a cast, sp's f on a norm
-    weight); a recomputed region's call is never one (its body runs activations)."""
-    out: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op == "get_attr" or (n.op in _OPS and not n.meta.get("recompute") and n.all_input_nodes
-                                  and all(a in out for a in n.all_input_nodes)):
-            out.add(n)
-    return out
 
 
 class ChunkParams:
@@ -55,7 +45,7 @@ class ChunkParams:
     def __init__(self, graph: fx.Graph):
         self.taps: list[torch.Tensor] = []
         self.names = list(dict.fromkeys(n.target for n in graph.nodes if n.op == "get_attr"))
-        weights = _weight_values(graph)
+        weights = weight_values(graph)
         recomputed: set[str] = set()
         for n in graph.nodes:
             if n.op == "call_module" and n.meta.get("recompute"):
@@ -70,7 +60,7 @@ class ChunkParams:
     @staticmethod
     def boundaries(graph: fx.Graph) -> list[fx.Node]:
         """The first ops that read both the batch (placeholders) and the weights (get_attr)."""
-        weights = _weight_values(graph)
+        weights = weight_values(graph)
         data: set[fx.Node] = set()
         out = []
         for n in graph.nodes:
