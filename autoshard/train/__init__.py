@@ -22,10 +22,12 @@ from autoshard.train.options import TrainError, TrainOptions, parse
 __all__ = ["ERRORS", "command", "failure_line", "main", "worker_argv", "TrainError", "TrainOptions"]
 
 ERRORS = "AUTOSHARD_TRAIN_ERRORS"     # the folder where launched ranks write why they stopped
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"     # restartable agents: see _launch
 
 
 # the launcher's own flags (each with a value): the processes it starts are not given them again
-LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
+                  "--max-restarts",
                   "--slurm-script")
 
 
@@ -69,10 +71,16 @@ def _launch(opts: TrainOptions, argv: list[str]) -> int:
     placement(opts, {"LOCAL_WORLD_SIZE": str(opts.nproc_per_node)}, gpus)     # --device cuda without GPUs enough
     _check_before_ranks(opts)
     rendezvous = rendezvous_args(opts.nnodes, opts.rdzv_endpoint, opts.rdzv_id, opts.max_restarts,
-                                 run_id=str(uuid.uuid4()))     # without --nnodes: torchrun --standalone's
+                                 run_id=str(uuid.uuid4()), conf=opts.rdzv_conf)     # without --nnodes: torchrun --standalone's
     args = get_args_parser().parse_args([f"--nproc-per-node={opts.nproc_per_node}", *rendezvous, "-m",
                                          "autoshard.train", *worker_argv(argv)])
     os.environ.setdefault("OMP_NUM_THREADS", "1")          # torchrun's default, without its warning (run() sets threads)
+    if opts.max_restarts:
+        # torch 2.13's c10d rendezvous keeps the first round's store address on each agent that shares
+        # its TCPStore with the ranks; a node that joins a later round (a lost node's replacement) then
+        # waits for an address nobody writes (pytorch/pytorch#135712). Without sharing, every round
+        # publishes its own.
+        os.environ.setdefault(NO_SHARED_STORE, "1")
     config, entrypoint, entry_args = config_from_args(args)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)    # the failure is said below
     with tempfile.TemporaryDirectory(prefix="autoshard-train-") as folder:
@@ -93,8 +101,8 @@ def _check_before_ranks(opts: TrainOptions) -> None:
     in seconds, and tokenized once for every rank)."""
     from autoshard.train.data import tokenizer_for
     from autoshard.train.loop import check_data, split_of
-    if not opts.plan:
-        split_of(opts, opts.nproc_per_node)
+    if not opts.plan:                               # the world is every node's processes
+        split_of(opts, opts.nproc_per_node * (opts.nnodes or 1))
     check_data(opts, tokenizer_for(opts.model))
 
 
@@ -153,9 +161,11 @@ def command(argv: list[str]) -> int:
         started = launched_by(os.environ)
         if started is not None:
             os.environ.update(started[1])           # srun's variables, as torch.distributed reads them
-            if os.environ["RANK"] == "0" and ERRORS not in os.environ:     # not the ranks _launch started
-                print(f"autoshard train: started by {started[0]} as rank 0 of {os.environ['WORLD_SIZE']}; running "
-                      f"as the given ranks (no launch of our own)", flush=True)
+            # each node's first rank says so, in that node's log (not the ranks _launch started)
+            if os.environ.get("LOCAL_RANK", os.environ["RANK"]) == "0" and ERRORS not in os.environ:
+                print(f"autoshard train: started by {started[0]} (rank {os.environ['RANK']} of "
+                      f"{os.environ['WORLD_SIZE']} is this node's first); running as the given ranks, no launch "
+                      f"of our own", flush=True)
         if opts.in_process:
             return _in_process(opts)
         if opts.nproc_per_node and started is None:      # launch the ranks, which run us again

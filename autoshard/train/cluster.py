@@ -11,14 +11,18 @@ c10d rendezvous), passed through; nothing here starts a process.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train.options import TrainError
+from autoshard.world import current
 
-__all__ = ["NodeLayout", "launched_by", "node_layout", "rendezvous_args", "sbatch_script"]
+__all__ = ["NodeLayout", "check_shared_folder", "launched_by", "node_layout", "rendezvous_args", "sbatch_script"]
 
 
 def launched_by(env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
@@ -56,9 +60,14 @@ class NodeLayout:
     def describe(self) -> str:
         if self.nodes == 1:
             return f"one node, ranks 0-{self.world - 1}"
-        spans = [f"node {n}: ranks {n * self.per_node}-{min(self.world, (n + 1) * self.per_node) - 1}"
-                 for n in range(self.nodes)]
+        spans = [f"node {n}: {self.ranks_of(n)}" for n in range(self.nodes)]
         return f"{self.nodes} nodes x {self.per_node} processes ({'; '.join(spans)})"
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def ranks_of(self, node: int) -> str:
+        return f"ranks {node * self.per_node}-{min(self.world, (node + 1) * self.per_node) - 1}"
 
     def check_tp(self, tp: int, allow: bool) -> None:
         """Tensor-parallel ranks are adjacent (runtime/mesh.py): a group stays inside a node when
@@ -77,16 +86,42 @@ def node_layout(env: Mapping[str, str], world: int) -> NodeLayout:
     return NodeLayout(world, int(env.get("LOCAL_WORLD_SIZE", world)))
 
 
+def check_shared_folder(folder: str, layout: NodeLayout) -> None:
+    """Every rank must see what rank 0 writes under `folder` (--out): checkpoints are one file per
+    rank and an index rank 0 writes last, and the data is tokenized once, by rank 0. Rank 0 writes a
+    file there and every rank looks for it; a node on a disk of its own (the same path, another
+    disk) does not see it, and every rank stops naming the nodes. A collective: every rank calls it."""
+    world = current()
+    if world.size() == 1:
+        return
+    name = None
+    if world.rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        name = f".shared-{uuid.uuid4().hex}"
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("written by rank 0; every rank looks for it\n")
+    name = all_gather_json(name)[0]
+    seen = all_gather_json(os.path.isfile(os.path.join(folder, name)))
+    if world.rank() == 0:
+        os.remove(os.path.join(folder, name))
+    blind = sorted({layout.node_of(r) for r, ok in enumerate(seen) if not ok})
+    if blind:
+        where = ", ".join(f"node {n} ({layout.ranks_of(n)})" for n in blind)
+        raise TrainError(f"--out {folder}: {where} cannot see the files rank 0 (node 0) writes there, so it is not "
+                         f"one folder shared by every node: checkpoints (a file per rank, the index written last by "
+                         f"rank 0) and the tokenized data need a file system every node mounts at this path (NFS, "
+                         f"Lustre, ...); a node-local --out is not supported")
+
+
 def rendezvous_args(nnodes: int | None, endpoint: str | None, rdzv_id: str, max_restarts: int,
-                    run_id: str) -> list[str]:
+                    run_id: str, conf: str | None = None) -> list[str]:
     """torchrun's rendezvous flags: standalone on this machine (a free port) when `nnodes` is not
     given, else c10d at `endpoint` for `nnodes` agents (c10d numbers the nodes in the order they
     join: a node rank is not passed, torchrun would ignore it)."""
+    extra = [f"--max-restarts={max_restarts}"] + ([f"--rdzv-conf={conf}"] if conf else [])
     if nnodes is None:
-        return ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={run_id}",
-                f"--max-restarts={max_restarts}"]
-    return [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-            f"--max-restarts={max_restarts}"]
+        return ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={run_id}", *extra]
+    return [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", *extra]
 
 
 def sbatch_script(train_argv: list[str], *, nodes: int, per_node: int, gpus: bool, python: str = "python",
@@ -94,9 +129,11 @@ def sbatch_script(train_argv: list[str], *, nodes: int, per_node: int, gpus: boo
     """A SLURM job file for `nodes` x `per_node` processes: one srun task per node runs this
     training through `autoshard train`'s own launcher (torchrun's elastic agent), meeting at the
     first node of the allocation (`scontrol show hostnames`)."""
-    args = " ".join(shlex.quote(a) for a in train_argv)
+    # --resume: a job SLURM requeues (a lost node ends the job step: srun --kill-on-bad-exit)
+    # continues from --out's newest complete checkpoint; the first run finds none and starts at 0
+    args = " ".join(shlex.quote(a) for a in [*train_argv, *([] if "--resume" in train_argv else ["--resume"])])
     lines = ["#!/bin/bash", "#SBATCH --job-name=autoshard-train", f"#SBATCH --nodes={nodes}",
-             "#SBATCH --ntasks-per-node=1"]
+             "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue"]
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={per_node}")
     lines += ["set -euo pipefail",

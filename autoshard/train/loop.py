@@ -22,7 +22,7 @@ from autoshard.planning.hardware import Hardware
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.runtime.json_gather import all_gather_json
 from autoshard.train import model_source
-from autoshard.train.cluster import node_layout
+from autoshard.train.cluster import check_shared_folder, node_layout
 from autoshard.train.device import Placement, move_runtime, placement
 from autoshard.train.data import Batches, ByteTokenizer, HFTokenizer, prepare_tokens, tokenizer_for
 from autoshard.train.lr import learning_rate
@@ -148,6 +148,17 @@ def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | 
     return prog, {**split, "recompute": prog.recompute}
 
 
+def _restartable() -> bool:
+    """Whether torchrun's agents may restart this group (--max-restarts > 0, theirs or a hand-written
+    torchrun's): then every start resumes from --out's newest complete checkpoint, --resume or not,
+    the first start finding none. Not the restart count: an agent restarts its ranks without counting
+    when a node joins (a lost node's replacement), and a replacement agent's count starts at 0, so the
+    count would start some groups again from step 0 over their checkpoints. Decided together: every
+    rank must resume from the same step."""
+    mine = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and not _in_process()
+    return any(all_gather_json(mine))
+
+
 def _resume(opts: TrainOptions, ckdir: str, prog, rt, optimizer, run_info: dict) -> int:
     """The step to start at: the newest checkpoint every rank can load, loaded. Ranks decide
     together, checkpoint by checkpoint, newest first: one rank's unreadable shard moves every rank
@@ -223,6 +234,7 @@ def run(opts: TrainOptions) -> int:
         nodes.check_tp(given["tp"], opts.allow_cross_node_tp)
     if rank == 0 and nodes.nodes > 1:
         print(f"autoshard train: {nodes.describe()}", flush=True)
+    check_shared_folder(opts.out, nodes)
     tokenizer = tokenizer_for(opts.model)
     token_file = _on_rank0(lambda: check_data(opts, tokenizer))     # the launcher tokenized it already
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
@@ -262,7 +274,7 @@ def run(opts: TrainOptions) -> int:
     run_info = {"seq_len": opts.seq_len, "batch": opts.batch, "seed": opts.seed, "steps": opts.steps, "lr": opts.lr,
                 "warmup": opts.warmup, "min_lr_ratio": opts.min_lr_ratio,
                 "data_key": os.path.basename(token_file), "split": split}
-    start = _resume(opts, ckdir, prog, rt, optimizer, run_info) if opts.resume else 0
+    start = _resume(opts, ckdir, prog, rt, optimizer, run_info) if opts.resume or _restartable() else 0
     reporter = Reporter(opts.out, opts.steps, start, rank == 0, hardware_name(hardware))
     est = estimated_step_seconds(opts, source.config, split, hardware)
     if rank == 0 and opts.plan and hardware is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.planning.hardware import PRESETS
 
-__all__ = ["TrainError", "TrainOptions", "parser", "parse"]
+__all__ = ["TrainError", "TrainOptions", "add_rendezvous_flags", "parser", "parse", "rendezvous_problem"]
 
 
 class TrainError(Exception):
@@ -65,9 +65,41 @@ class TrainOptions:
     node_rank: int
     rdzv_endpoint: str | None
     rdzv_id: str
+    rdzv_conf: str | None
     max_restarts: int
     allow_cross_node_tp: bool
     slurm_script: str | None
+
+
+def add_rendezvous_flags(group, restarts: bool) -> None:
+    """torchrun's flags for several machines, on `group` of a parser: `autoshard train`'s and
+    `autoshard verify --gloo`'s (`restarts`: --max-restarts too, for a run that resumes)."""
+    group.add_argument("--nnodes", type=int, default=None, help="machines, each running this command with "
+                       "--nproc-per-node processes; they meet at --rdzv-endpoint (default: this machine alone)")
+    group.add_argument("--node-rank", type=int, default=0, help="this machine's place, checked against --nnodes "
+                       "(c10d's rendezvous numbers the nodes in the order they join)")
+    group.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, the same on every machine")
+    group.add_argument("--rdzv-id", default="autoshard", help="the run's name at the rendezvous, the same on every "
+                       "machine")
+    group.add_argument("--rdzv-conf", default=None, help="torchrun's rendezvous settings, KEY=VALUE,... (e.g. "
+                       "join_timeout=900 for nodes that start slowly, keep_alive_interval=1 to notice a lost node "
+                       "sooner)")
+    if restarts:
+        group.add_argument("--max-restarts", type=int, default=0, help="times torchrun's agents restart the group "
+                           "after a process or a node fails; implies --resume (each start continues from --out's "
+                           "newest complete checkpoint)")
+
+
+def rendezvous_problem(args, endpoint_needed: bool = True) -> str | None:
+    """What is wrong with `args`' --nnodes, --node-rank, --rdzv-endpoint (and --max-restarts), or None."""
+    restarts = getattr(args, "max_restarts", 0)
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes or restarts < 0:
+        return (f"--nnodes {args.nnodes} --node-rank {args.node_rank} --max-restarts {restarts}: nnodes must be "
+                f"positive, the node rank in 0..nnodes-1, restarts >= 0")
+    if args.nnodes > 1 and not args.rdzv_endpoint and endpoint_needed:
+        return (f"--nnodes {args.nnodes}: the machines meet at --rdzv-endpoint HOST:PORT (the same on each, e.g. the "
+                f"first machine's address and a free port)")
+    return None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -123,14 +155,7 @@ def parser() -> argparse.ArgumentParser:
                         "collectives meeting in a local world (autoshard/world/local.py) instead of gloo: the "
                         "same schedule, buckets, optimizer and checkpoints, to try a split on one CPU; CPU only")
     c = ap.add_argument_group("more than one machine (torchrun's rendezvous; see the README)")
-    c.add_argument("--nnodes", type=int, default=None, help="machines, each running this command with "
-                   "--nproc-per-node processes; they meet at --rdzv-endpoint (default: this machine alone)")
-    c.add_argument("--node-rank", type=int, default=0, help="this machine's place, checked against --nnodes (c10d's "
-                   "rendezvous numbers the nodes in the order they join)")
-    c.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, the same on every machine")
-    c.add_argument("--rdzv-id", default="autoshard", help="the run's name at the rendezvous, the same on every machine")
-    c.add_argument("--max-restarts", type=int, default=0, help="times torchrun's agents restart the group after a "
-                   "process or a node fails (training resumes from --out's last complete checkpoint with --resume)")
+    add_rendezvous_flags(c, restarts=True)
     c.add_argument("--allow-cross-node-tp", action="store_true",
                    help="let a tensor-parallel group span two machines (refused by default: its all-reduces would "
                         "cross the network every layer)")
@@ -196,15 +221,11 @@ def parse(argv: list[str]) -> TrainOptions:
         raise TrainError("--in-process runs the --nproc-per-node ranks on this CPU: give --nproc-per-node, and "
                          "not --device cuda")
     if opts.nnodes is not None:
-        if opts.nnodes < 1 or not 0 <= opts.node_rank < opts.nnodes or opts.max_restarts < 0:
-            raise TrainError(f"--nnodes {opts.nnodes} --node-rank {opts.node_rank} --max-restarts {opts.max_restarts}: "
-                             f"nnodes must be positive, the node rank in 0..nnodes-1, restarts >= 0")
         if opts.nproc_per_node is None or opts.in_process:
             raise TrainError("--nnodes launches --nproc-per-node processes on each machine: give --nproc-per-node "
                              "(and not --in-process)")
-        if opts.nnodes > 1 and not opts.rdzv_endpoint and not opts.slurm_script:
-            raise TrainError(f"--nnodes {opts.nnodes}: the machines meet at --rdzv-endpoint HOST:PORT (the same on "
-                             "each, e.g. the first machine's address and a free port)")
+        if (problem := rendezvous_problem(opts, endpoint_needed=not opts.slurm_script)) is not None:
+            raise TrainError(problem)
     if opts.slurm_script and (opts.nnodes is None or opts.nproc_per_node is None):
         raise TrainError("--slurm-script writes a job for --nnodes nodes x --nproc-per-node processes: give both")
     given = opts.dp is not None or opts.microbatches is not None or \

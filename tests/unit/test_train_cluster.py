@@ -45,17 +45,19 @@ def test_tensor_parallel_groups_stay_inside_a_node_unless_asked():
 
 def test_the_rendezvous_flags_reach_torchruns_agent():
     from torch.distributed.run import config_from_args, get_args_parser
-    two = rendezvous_args(2, "10.0.0.1:29400", "job7", 3, run_id="x")
+    two = rendezvous_args(2, "10.0.0.1:29400", "job7", 3, run_id="x", conf="join_timeout=900,keep_alive_interval=2")
     config, *_ = config_from_args(get_args_parser().parse_args(["--nproc-per-node=2", *two, "-m", "autoshard.train"]))
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 2)
     assert (config.rdzv_endpoint, config.run_id, config.max_restarts, config.rdzv_backend) == \
         ("10.0.0.1:29400", "job7", 3, "c10d")
+    assert config.rdzv_configs["join_timeout"] == "900" and config.rdzv_configs["keep_alive_interval"] == "2"
     alone = rendezvous_args(None, None, "autoshard", 0, run_id="abc")
     config, *_ = config_from_args(get_args_parser().parse_args(["--nproc-per-node=2", *alone, "-m", "autoshard.train"]))
     assert (config.min_nodes, config.max_nodes, config.rdzv_endpoint, config.run_id) == (1, 1, "localhost:0", "abc")
     # the processes it starts are not given the launcher's flags again
     assert worker_argv(["--tp", "2", "--nnodes", "2", "--rdzv-endpoint=h:1", "--nproc-per-node", "2",
-                        "--max-restarts", "1", "--allow-cross-node-tp"]) == ["--tp", "2", "--allow-cross-node-tp"]
+                        "--max-restarts", "1", "--rdzv-conf", "join_timeout=9", "--allow-cross-node-tp"]) == \
+        ["--tp", "2", "--allow-cross-node-tp"]
 
 
 def test_multi_node_options_are_checked():
@@ -79,6 +81,8 @@ def test_the_slurm_job_file_is_valid_bash_that_meets_at_the_first_node(tmp_path,
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text and "scontrol show hostnames" in text
     run = next(line for line in text.splitlines() if line.startswith("srun"))
     assert "-m autoshard.train" in run and "--tp 2 --steps 3" in run and "--slurm-script" not in run
+    assert "--device cuda --resume --nnodes 2" in run
+    assert "#SBATCH --requeue" in text          # a requeued job continues from the newest checkpoint
     assert '--nnodes 2 --nproc-per-node 4 --rdzv-endpoint "$head:$port"' in run
 
 
@@ -97,7 +101,8 @@ def test_under_srun_it_runs_as_the_given_rank_and_launches_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "autoshard.train", *argv], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "started by SLURM as rank 0 of 1; running as the given ranks (no launch of our own)" in proc.stdout
+    assert "started by SLURM (rank 0 of 1 is this node's first); running as the given ranks, no launch of our own" \
+        in proc.stdout
     assert "tp=1 pp=1 dp=1" in proc.stdout and os.path.isfile(tmp_path / "metrics.csv")
 
 
@@ -108,3 +113,27 @@ def test_a_launcher_that_does_not_say_what_shares_a_node_is_taken_as_one_node():
     assert node_layout({"RANK": "0", "WORLD_SIZE": "4"}, world=4) == NodeLayout(4, 4)
     node_layout({"RANK": "0", "WORLD_SIZE": "4"}, world=4).check_tp(2, allow=False)
     assert node_layout({"LOCAL_WORLD_SIZE": "2"}, world=4) == NodeLayout(4, 2)
+
+
+def test_an_out_folder_that_some_node_does_not_see_is_refused_naming_the_node(tmp_path):
+    """Node-local disks: ranks 2-3 (node 1) given a folder of their own at "the same path" (here another
+    folder, as a node-local disk mounted there would be) do not see what rank 0 writes, and every rank
+    stops with one message naming node 1; one shared folder passes, and leaves nothing behind."""
+    from autoshard.world import LocalWorld
+    from autoshard.train.cluster import check_shared_folder
+    layout = NodeLayout(world=4, per_node=2)
+    shared, local = tmp_path / "shared", tmp_path / "node1"
+    local.mkdir()
+
+    def rank(r, folder_of):
+        try:
+            check_shared_folder(str(folder_of(r)), layout)
+            return None
+        except TrainError as e:
+            return str(e)
+    assert LocalWorld(4).run(lambda r: rank(r, lambda _: shared)) == [None] * 4
+    assert os.listdir(shared) == []
+    said = LocalWorld(4).run(lambda r: rank(r, lambda r: shared if r < 2 else local))
+    for message in said:              # every rank stops, saying the same (its own --out path)
+        assert "node 1 (ranks 2-3) cannot see the files rank 0 (node 0) writes there" in message, message
+        assert "node-local --out is not supported" in message
