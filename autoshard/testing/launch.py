@@ -102,14 +102,15 @@ def leave(code: int) -> NoReturn:
 
 
 def torchrun(target: str, args: list[str], world: int, *, timeout: int = 600, max_restarts: int = 0,
-             cwd: str | None = None) -> subprocess.CompletedProcess:
+             cwd: str | None = None, rendezvous: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run `target` under torchrun on `world` gloo processes (one thread each): a module name
     (`tests.harness.zero_check`, run with -m) or a script path (ending in .py). Every test and the
-    demo launch through here, so the command is built in one place."""
+    demo launch through here, so the command is built in one place. `rendezvous`: torchrun's flags
+    to meet other machines' agents (then `world` is this machine's processes), else --standalone."""
     run = [target] if target.endswith(".py") else ["-m", target]
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *restarts,
-           *run, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]),
+           f"--nproc-per-node={world}", *restarts, *run, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

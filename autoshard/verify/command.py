@@ -21,6 +21,8 @@ from autoshard.api import autoshard
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import SCHEDULES
+from autoshard.train.cluster import rendezvous_args
+from autoshard.train.options import add_rendezvous_flags, rendezvous_problem
 from autoshard.verify.batch import verification_batch, vocab_of
 from autoshard.verify.certificate import Certificate
 from autoshard.verify.gloo import run_in_processes
@@ -62,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     twin.add_argument("--full", action="store_true", help="never reduce the model (it must fit here)")
     ap.add_argument("--gloo", action="store_true", help="also run the runtime's steps in real processes (torchrun, "
                     "gloo), as verify runs them on a local world in this process by default")
+    add_rendezvous_flags(ap.add_argument_group("--gloo on more than one machine (torchrun's rendezvous; each "
+                                               "machine runs this command)"), restarts=False)
     ap.add_argument("--distributed-optimizer", action="store_true", help="the runtime steps with its "
                     "DistributedOptimizer (AdamW's state sharded over data-parallel ranks), as autoshard train does")
     ap.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
@@ -84,7 +88,15 @@ def certify(args) -> Certificate:
     if args.plan and ((args.tp, args.pp, args.dp, args.ep, args.cp) != (1,) * 5 or args.microbatches or args.virtual):
         raise VerifyError("--plan verifies the split the planner chooses; give none of --tp --pp --virtual --dp --ep "
                           "--cp --microbatches with it")
+    if args.nnodes is not None:
+        if not args.gloo:
+            raise VerifyError(f"--nnodes {args.nnodes}: machines run the certificate's runtime steps with --gloo; "
+                              f"without it verify runs in this process alone")
+        if (problem := rendezvous_problem(args)) is not None:
+            raise VerifyError(problem)
     split = _split(args)
+    if args.nnodes and not args.plan:
+        _machines_divide(split, args.nnodes)
     args.distributed_optimizer = args.distributed_optimizer or (args.zero or 1) > 1
     model, twin = model_from_args(args, split)
     notes = []
@@ -99,16 +111,29 @@ def certify(args) -> Certificate:
         spec = {"model_args": model_args, "split": split, "seq": args.seq, "tolerance": cert.tolerance,
                 "dtype": "float64" if cert.dtype == "float64" else "float32",
                 "distributed_optimizer": args.distributed_optimizer}
-        world = ParallelDims(*(split.get(k, 1) for k in ("tp", "pp", "dp", "ep", "cp"))).world_size
+        nodes = args.nnodes or 1
+        world = _machines_divide(split, nodes)
+        rendezvous = None if args.nnodes is None else \
+            rendezvous_args(nodes, args.rdzv_endpoint, args.rdzv_id, 0, run_id=args.rdzv_id, conf=args.rdzv_conf)
         started = time.perf_counter()
-        items, refused = run_in_processes(spec, world)
+        items, refused = run_in_processes(spec, world // nodes, rendezvous=rendezvous)
         cert.seconds += time.perf_counter() - started
         cert.items += items
-        cert.runs.append(f"gloo, {world} processes (the runtime: schedule, transfers, gradient reductions"
+        cert.runs.append(f"gloo, {world} processes" + (f" on {nodes} machines" if nodes > 1 else "") +
+                         " (the runtime: schedule, transfers, gradient reductions"
                          + (", the distributed optimizer)" if args.distributed_optimizer else ")"))
         if refused:
             cert.refusals.append(refused)
     return cert
+
+
+def _machines_divide(split: dict, nodes: int) -> int:
+    """The split's processes, which `nodes` machines must share evenly (each runs as many)."""
+    world = ParallelDims(*(split.get(k, 1) for k in ("tp", "pp", "dp", "ep", "cp"))).world_size
+    if world % nodes:
+        raise VerifyError(f"--nnodes {nodes}: the split's {world} processes do not divide evenly over {nodes} "
+                          f"machines")
+    return world
 
 
 def _planned(model: nn.Module, args) -> dict[str, object]:

@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from autoshard.api import autoshard
+from autoshard.runtime.json_gather import all_gather_json
 from autoshard.testing.launch import init_gloo, leave, torchrun
 from autoshard.verify.batch import boundary_ids, label_classes, step_batches, verification_batch, vocab_of
 from autoshard.verify.certificate import Item
@@ -33,17 +34,18 @@ __all__ = ["run_in_processes", "worker", "gather_and_write"]
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def run_in_processes(spec: dict, world: int, *, target: str = "autoshard.verify.gloo",
-                     timeout: int = 600) -> tuple[list[Item], str | None]:
+def run_in_processes(spec: dict, world: int, *, target: str = "autoshard.verify.gloo", timeout: int = 600,
+                     rendezvous: list[str] | None = None) -> tuple[list[Item], str | None]:
     """Launch `world` gloo processes of `target` (a module whose main calls `worker`) on `spec`
     (model_args: verify's model arguments; split; seq; dtype; tolerance); returns the items, or the
-    reason there are none."""
+    reason there are none. `rendezvous`: torchrun's flags to meet the other machines' agents (each
+    running this with the same spec; `world` then counts this machine's processes)."""
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as folder:
         path = os.path.join(folder, "spec.json")
         result = os.path.join(folder, "items.json")
         with open(path, "w") as f:
             json.dump({**spec, "result": result}, f)
-        proc = torchrun(target, ["--spec", path], world, timeout=timeout)
+        proc = torchrun(target, ["--spec", path], world, timeout=timeout, rendezvous=rendezvous)
         if not os.path.isfile(result):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
             return [], f"the gloo run failed: {tail[0][:200]}"
@@ -73,11 +75,12 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
 
 
 def gather_and_write(rows: list[tuple[str, str, float, str]], path: str) -> None:
-    """Every rank's rows to rank 0, which keeps the worst per (kind, group) and writes them."""
-    every = current().gather_objects(rows)
-    if current().rank() == 0:
+    """Every rank's rows to every rank; each machine's first rank keeps the worst per (kind, group)
+    and writes them to `path` (its machine's: each machine's verify reads its own and certifies)."""
+    every = all_gather_json(rows)
+    if os.environ.get("LOCAL_RANK", str(current().rank())) == "0":
         with open(path, "w") as f:
-            json.dump(worst_rows(r for rs in every for r in rs), f)
+            json.dump(worst_rows(tuple(r) for rs in every for r in rs), f)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,22 +1,18 @@
-"""Run under torchrun: pipeline training that checkpoints, can be killed, and resumes.
+"""Run under torchrun: pipeline training that checkpoints and resumes.
 
-    torchrun --standalone --nproc-per-node 4 --max-restarts 2 -m tests.harness.checkpoint_check \\
-        --tp 2 --pp 2 --root /tmp/ckpt --kill-at 3 --models gpt2 llama
+    torchrun --standalone --nproc-per-node 4 -m tests.harness.checkpoint_check \\
+        --tp 2 --pp 2 --root /tmp/ckpt --models gpt2 llama
 
 For each model in turn, under root/MODEL: every rank resumes from the newest complete checkpoint
 there (if any), trains up to --steps AdamW steps (step i's batch is drawn from seed 1000 + i, so a
-resumed run sees the same data), saves every --save-every steps and at the end under final. With
---kill-at S, global rank 1 kills itself (SIGKILL) before step S of the i-th model on the job's
-attempt i; torchrun restarts the job, which resumes each model from its last complete checkpoint
-(one restart per model: --max-restarts is the number of models). Rank 0 appends one JSON line per
-step to root/MODEL/losses.jsonl.
+resumed run sees the same data), saves every --save-every steps and at the end under final. Rank 0
+appends one JSON line per step to root/MODEL/losses.jsonl.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 
 import torch
 
@@ -42,13 +38,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-every", type=int, default=2)
-    ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--root", required=True)
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device; each rank "
                     "materializes only its own shards")
     args = ap.parse_args()
 
-    def train(model_name: str, index: int) -> None:
+    def train(model_name: str) -> None:
         root = os.path.join(args.root, model_name)
         if os.path.isfile(os.path.join(root, "final", "index.json")):
             return                                  # finished on an earlier attempt (the index is written last)
@@ -66,24 +61,20 @@ def main() -> None:
         resume = ck.latest(root)
         if resume is not None:
             start = ck.load(resume, prog, rt, opt)["step"]
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         for step in range(start, args.steps):
-            if step == args.kill_at and attempt == index and current().rank() == 1:
-                os.kill(os.getpid(), signal.SIGKILL)       # a node dies mid-run
             loss = rt.train_step(**batch(model_name, step, 2 * micro), max_norm=1.0)
             opt.step()
             opt.zero_grad()
             if current().rank() == 0:
                 with open(os.path.join(root, "losses.jsonl"), "a") as fh:
-                    fh.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
-                                         "resumed_from": resume}) + "\n")
+                    fh.write(json.dumps({"step": step, "loss": loss.item(), "resumed_from": resume}) + "\n")
             if (step + 1) % args.save_every == 0:
                 ck.save(os.path.join(root, f"step-{step + 1:08d}"), prog, rt, opt, step=step + 1)
         ck.save(os.path.join(root, "final"), prog, rt, opt, step=args.steps)
 
     def job() -> bool:
-        for index, model_name in enumerate(args.models):
-            train(model_name, index)
+        for model_name in args.models:
+            train(model_name)
         return True
 
     run_checker(job)
