@@ -3,7 +3,7 @@ layout the real one returns (parallel/comm.py's GroupComm), on the input's devic
 
 It lets one rank's program run alone in one process on meta tensors, as planning/graph_memory.py
 does to read the rank's memory off its own graphs: each collective allocates what the real one
-allocates, and nothing else; each call is logged (kind, bytes, group size) for the rank's time
+allocates, and nothing else; each call is logged (kind, bytes, group size, group kind) for the rank's time
 (planning/graph_time.py).
 """
 from __future__ import annotations
@@ -18,15 +18,16 @@ __all__ = ["ShapeComm"]
 class ShapeComm:
     """A group of `size` ranks whose collectives only shape their results (see the module doc)."""
 
-    def __init__(self, size: int, log: list | None = None):
+    def __init__(self, size: int, log: list | None = None, group: str = ""):
         if size < 1:
             raise ValueError(f"a group has at least one rank, got size={size}")
-        self._size = size
+        self._size, self.group = size, group
         self.sent_bytes = 0
-        self.log = log if log is not None else []     # (collective, bytes of its input, group size) per call
+        # (collective, bytes of its input, group size, the group's kind in the mesh: tp, cp, ep) per call
+        self.log = log if log is not None else []
 
     def _logged(self, kind: str, t: torch.Tensor) -> None:
-        self.log.append((kind, t.numel() * t.element_size(), self._size))
+        self.log.append((kind, t.numel() * t.element_size(), self._size, self.group))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self._logged("all_reduce", t)

@@ -36,7 +36,9 @@ from autoshard.planning.hardware import Hardware, get_hardware
 from autoshard.planning.estimate import RESERVED, Estimate
 from autoshard.planning.memory_model import busiest_rank
 from autoshard.planning.moe_cost import MoELayerCosts, MoEShape, moe_layer_costs
+from autoshard.planning.node_links import link_gb_s
 from autoshard.planning.schedule_choice import StageTimes, bubble_of
+from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import schedule_spec
 
 __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
@@ -208,11 +210,11 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     x = LayerShape(microbatch, seq // cp, hidden, heads, tp, sequence_parallel)     # this rank's tokens
     m = global_batch // (dp * microbatch)
     layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute)
-    node = hw.gpus_per_node
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, cp=cp)      # the runtime's mesh: node_links.py
     ring = ring_seconds(x, hw, cp=cp, kv_heads=kv_heads, recompute=recompute, overlap=cp_overlap,
-                        link_gb_s=hw.nvlink_gb_s if tp * cp <= node else hw.network_gb_s)
+                        link_gb_s=link_gb_s(hw, dims, "cp"))
     layer_forward, layer_backward = layer_forward + ring.forward, layer_backward + ring.backward
-    experts = moe_layer_costs(x, hw, moe, ep, hw.nvlink_gb_s if tp * ep <= node else hw.network_gb_s) \
+    experts = moe_layer_costs(x, hw, moe, ep, link_gb_s(hw, dims, "ep")) \
         if moe else MoELayerCosts(0.0, 0.0, 0.0, 0.0, 0.0)
     layer_forward += experts.forward
     layer_backward += experts.backward + (experts.forward if recompute == "full" else 0.0)
@@ -234,7 +236,6 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
     work_ep = share * per_rank * layer_ep
     work_cp = share * per_rank * ring.comm_exposed
     work = work_compute + work_comm + work_ep + work_cp
-    one_node = tp * pp * dp <= node
     split = 0.0
     if schedule_spec(schedule).split and pp > 1:
         # B and W: half the backward each (a layer's weight-gradient matmuls are as long as its
@@ -257,17 +258,17 @@ def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_
         breakdown["cp_comm"] = m * work_cp
     tied = 0.0
     if pp > 1:
-        link = hw.nvlink_gb_s if one_node else hw.network_gb_s
+        link = link_gb_s(hw, dims, "pp")
         sent = evaluate("p2p_bytes_per_gpu", **sym) * hw.activation_bytes / 2
         hop = (hw.latency_us * 1e-6 + sent / (link * 1e9 * hw.network_efficiency)
                + tp_allreduce_seconds(x, hw) / 2)          # the all-gather: half an all-reduce
         breakdown["p2p"] = 2 * v * m * hop * share
         # GPT's tied embedding: the first and last stage add their gradients.
-        tied = allreduce_seconds(2 * vocab * hidden / tp, 2, hw.network_gb_s, hw)
+        tied = allreduce_seconds(2 * vocab * hidden / tp, 2, link_gb_s(hw, dims, "shared"), hw)
     grads = evaluate("dp_allreduce_bytes", **sym) * hw.reduce_bytes / 2    # formula: fp16 gradients
     expert_grads = 0.0 if moe is None else \
         per_rank * 3 * hidden * moe.ffn * moe.experts / (tp * ep) * hw.reduce_bytes
-    dp_link = hw.nvlink_gb_s if tp * dp * cp <= node else hw.network_gb_s
+    dp_link = link_gb_s(hw, dims, "dp")
     grads += per_rank * experts.params * hw.reduce_bytes - expert_grads      # the dense part, over dp
     grad_reduce = allreduce_seconds(grads, dp * cp, dp_link, hw) + allreduce_seconds(expert_grads, dp * cp // ep, dp_link, hw)
     if overlap_grad_reduce:     # bucketed all-reduce hidden behind the last microbatch's backward

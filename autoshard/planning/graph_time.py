@@ -10,10 +10,11 @@ Per action (F, B or W of one stage and microbatch), from planning/op_cost.py's c
     compute     max(matmul FLOPs / the GEMM rate + attention FLOPs / the attention rate,
                     their bytes / the memory rate)
                 + the other ops' bytes / the op-bytes rate + ops x the per-op overhead
-    collectives each one its group's alpha-beta time (collective_timing.py): an all-reduce, an
+    collectives each one its group's alpha-beta time (collective_timing.py) over the link its
+                group's ranks use (inside a node or across: node_links.py): an all-reduce, an
                 all-gather or reduce-scatter as its own start-up and half an all-reduce's bytes
                 of the larger side; an all-to-all as n - 1 messages, a ring step's send as one
-    sends       to the next or previous stage: one message
+    sends       to the next or previous stage: one message (across nodes where stages are)
 
 Start-up costs per kind are the profile's (`Hardware.startup_seconds`): measured per kind on the
 `cpu` profile (gloo's reduce-scatter costs about an all-reduce, its all-gather and a message about
@@ -39,7 +40,9 @@ from autoshard.planning.collective_timing import allreduce_seconds
 from autoshard.planning.graph_memory import RankWalk, state_bytes, walk
 from autoshard.planning.hardware import Hardware
 from autoshard.planning.meta_step import ActionWork
+from autoshard.planning.node_links import link_gb_s
 from autoshard.planning.op_cost import OpWork
+from autoshard.runtime.mesh import ParallelDims
 from autoshard.runtime.schedules import check
 
 __all__ = ["StepTime", "step_time", "work_seconds"]
@@ -68,8 +71,8 @@ def _message_seconds(nbytes: float, link_gb_s: float, hw: Hardware) -> float:
     return hw.startup_seconds("send") + nbytes / (link_gb_s * 1e9 * hw.network_efficiency)
 
 
-def _collective_seconds(kind: str, nbytes: int, size: int, hw: Hardware) -> float:
-    link = hw.nvlink_gb_s if size <= hw.gpus_per_node else hw.network_gb_s
+def _collective_seconds(kind: str, nbytes: int, size: int, link: float, hw: Hardware) -> float:
+    """One collective of `kind` over `size` ranks joined by `link` GB/s (node_links.py)."""
     if kind == "all_reduce":
         return allreduce_seconds(nbytes, size, link, hw)
     if kind in ("all_gather", "reduce_scatter"):      # the larger side, half an all-reduce's traffic
@@ -80,9 +83,10 @@ def _collective_seconds(kind: str, nbytes: int, size: int, hw: Hardware) -> floa
     return _message_seconds(nbytes, link, hw)         # a ring step's send
 
 
-def _action_seconds(a: ActionWork, hw: Hardware, share: float) -> float:
-    comm = sum(_collective_seconds(kind, nbytes, size, hw) for kind, nbytes, size in a.collectives)
-    send = _message_seconds(a.sent_bytes, hw.network_gb_s, hw) if a.sent_bytes else 0.0
+def _action_seconds(a: ActionWork, hw: Hardware, share: float, dims: ParallelDims) -> float:
+    comm = sum(_collective_seconds(kind, nbytes, size, link_gb_s(hw, dims, group), hw)
+               for kind, nbytes, size, group in a.collectives)
+    send = _message_seconds(a.sent_bytes, link_gb_s(hw, dims, "pp"), hw) if a.sent_bytes else 0.0
     return share * work_seconds(a.work, hw) + comm + send
 
 
@@ -97,13 +101,13 @@ def step_time(prog, hw: Hardware, *, batch: int | None = None, distributed_optim
     reduce = optimizer = 0.0
     for run in walks if walks is not None else [walk(prog, r, batch=batch) for r in range(prog.pp)]:
         for a in run.step.actions:
-            costs[(a.kind, a.stage)].append(_action_seconds(a, hw, share))
+            costs[(a.kind, a.stage)].append(_action_seconds(a, hw, share, dims))
         _, grad_bytes, _ = state_bytes(run.held, prog, distributed_optimizer)
         trainable = [t for t in run.held.values() if getattr(t, "requires_grad", False)]
         shared = {id(run.held[n]) for names in prog.shared_params.values() for n in names if n in run.held}
         tied = sum(t.numel() * 4 for t in trainable if id(t) in shared)
-        link = hw.nvlink_gb_s if dims.world_size <= hw.gpus_per_node else hw.network_gb_s
-        reduce = max(reduce, allreduce_seconds(grad_bytes, dims.data, link, hw) + allreduce_seconds(tied, 2, link, hw))
+        reduce = max(reduce, allreduce_seconds(grad_bytes, dims.data, link_gb_s(hw, dims, "dp"), hw)
+                     + allreduce_seconds(tied, 2, link_gb_s(hw, dims, "shared"), hw))
         params = sum(t.numel() for t in trainable) / (dims.data if distributed_optimizer else 1)
         optimizer = max(optimizer, hw.optimizer_seconds(params, len(trainable)))
     mean = {key: sum(v) / len(v) for key, v in costs.items()}

@@ -3,7 +3,7 @@ no data, every collective bound to parallel/shape_comm.py's ShapeComm.
 
     rank = meta_rank(prog, tp_rank=1)
     gm, flat, out_spec = rank.graph_for((), meta_inputs)
-    rank.collective_log                # (kind, bytes, group size) of every collective run so far
+    rank.collective_log                # (kind, bytes, group size, group) of every collective run so far
 
 It runs alone in one process at any size (a 175B model's rank costs no memory) and allocates, op by
 op, what the real rank allocates: planning/graph_memory.py reads a rank's memory off it. The copy
@@ -70,16 +70,16 @@ def meta_rank(prog, tp_rank: int, *, ep_rank: int | None = None, cp_rank: int | 
     memo[id(rank._compile_for)] = _no_compile
     for cache in (m for m in rank.modules() if isinstance(m, TableCache)):
         memo[id(cache._memo)] = {}           # the real tables computed so far stay behind
-    log: list[tuple[str, int, int]] = []      # every collective the copy runs: (kind, bytes, group size)
-    for handle, size in ((rank.handle, prog.tp), (rank.cp_handle, prog.cp)):
+    log: list[tuple[str, int, int, str]] = []      # every collective the copy runs: (kind, bytes, size, group)
+    for handle, size, group in ((rank.handle, prog.tp, "tp"), (rank.cp_handle, prog.cp, "cp")):
         bound = CommHandle(handle.rank, handle.world)
-        bound.comm = ShapeComm(size, log)
+        bound.comm = ShapeComm(size, log, group)
         memo[id(handle)] = bound
     copied = copy.deepcopy(rank, memo)
     copied.expert_group = None
     if ep_rank is not None:                 # its tokens exchanged evenly over a shape-only group
         group = ExpertGroup(None, ep_rank, prog.dims.ep, prog.experts_per_rank)
-        group.handle.comm = ShapeComm(prog.dims.ep, log)
+        group.handle.comm = ShapeComm(prog.dims.ep, log, "ep")
         copied.bind_experts(group)
     copied.collective_log = log
     devices = {t.device for t in tensors} - {torch.device("meta")}

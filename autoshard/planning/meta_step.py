@@ -42,13 +42,13 @@ __all__ = ["ActionWork", "StepBytes", "step_bytes"]
 
 @dataclass(frozen=True)
 class ActionWork:
-    """What one action of the step did: its ops' work, its collectives (kind, bytes, group size) and
-    the bytes it sent to other pipeline ranks."""
+    """What one action of the step did: its ops' work, its collectives (kind, bytes, group size, the
+    group's kind in the mesh) and the bytes it sent to other pipeline ranks."""
     kind: str
     stage: int
     microbatch: int
     work: OpWork
-    collectives: tuple[tuple[str, int, int], ...]
+    collectives: tuple[tuple[str, int, int, str], ...]
     sent_bytes: int
 
 

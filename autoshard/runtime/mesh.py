@@ -63,6 +63,27 @@ class ParallelDims:
     def rank_of(self, pp_rank: int, data_rank: int, tp_rank: int) -> int:
         return pp_rank * self.data * self.tp + data_rank * self.tp + tp_rank
 
+    def group_ranks(self, kind: str, stages: tuple[int, ...] = ()) -> list[list[int]]:
+        """Every group of `kind` as global ranks, in the order MeshGroups makes them: tp, dp (the
+        whole data axis), cp, ep, expert_dp, shared (the pipeline ranks `stages` at each (data, tp)
+        position) and pp (all stages at each position: the pipeline's sends run between them)."""
+        pp, data, tp, c, e = range(self.pp), range(self.data), range(self.tp), self.cp, self.ep
+        if kind == "tp":
+            return [[self.rank_of(i, j, k) for k in tp] for i in pp for j in data]
+        if kind == "dp":
+            return [[self.rank_of(i, j, k) for j in data] for i in pp for k in tp]
+        if kind == "cp":
+            return [[self.rank_of(i, g * c + j, k) for j in range(c)] for i in pp for k in tp for g in range(self.dp)]
+        if kind == "ep":
+            return [[self.rank_of(i, g * e + j, k) for j in range(e)] for i in pp for k in tp
+                    for g in range(self.data // e)]
+        if kind == "expert_dp":
+            return [[self.rank_of(i, g * e + j, k) for g in range(self.data // e)] for i in pp for k in tp
+                    for j in range(e)]
+        if kind in ("shared", "pp"):
+            return [[self.rank_of(i, j, k) for i in (stages if kind == "shared" else pp)] for j in data for k in tp]
+        raise ValueError(f"no mesh group of kind {kind!r}")
+
 
 class MeshGroups:
     """This rank's groups, made in its world (`world`, default: the calling thread's; world/). Every
@@ -81,27 +102,18 @@ class MeshGroups:
         self.dims, self.rank = dims, rank
         self.world = current() if world is None else world
         p, d, t = dims.coords(rank)
-        self.tp = self._make([[dims.rank_of(i, j, k) for k in range(dims.tp)]
-                              for i in range(dims.pp) for j in range(dims.data)])
-        self.dp = self._make([[dims.rank_of(i, j, k) for j in range(dims.data)]
-                              for i in range(dims.pp) for k in range(dims.tp)])
-        self.cp = None
-        if dims.cp > 1:
-            c = dims.cp
-            self.cp = self._make([[dims.rank_of(i, g * c + j, k) for j in range(c)]
-                                  for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.dp)])
+        self.tp = self._make(dims.group_ranks("tp"))
+        self.dp = self._make(dims.group_ranks("dp"))
+        self.cp = self._make(dims.group_ranks("cp")) if dims.cp > 1 else None
         self.shared: dict[tuple[int, ...], Group] = {}
         for pps in sorted(set(shared_pp_sets)):
-            group = self._make([[dims.rank_of(i, j, k) for i in pps] for j in range(dims.data) for k in range(dims.tp)])
+            group = self._make(dims.group_ranks("shared", pps))
             if p in pps:
                 self.shared[pps] = group
         self.ep = self.expert_dp = None
         if dims.ep > 1:
-            e = dims.ep
-            self.ep = self._make([[dims.rank_of(i, g * e + j, k) for j in range(e)]
-                                  for i in range(dims.pp) for k in range(dims.tp) for g in range(dims.data // e)])
-            self.expert_dp = self._make([[dims.rank_of(i, g * e + j, k) for g in range(dims.data // e)]
-                                         for i in range(dims.pp) for k in range(dims.tp) for j in range(e)])
+            self.ep = self._make(dims.group_ranks("ep"))
+            self.expert_dp = self._make(dims.group_ranks("expert_dp"))
 
     def _make(self, rank_lists: list[list[int]]) -> Group:
         mine = None

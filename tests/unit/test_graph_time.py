@@ -61,8 +61,8 @@ def test_one_rank_step_is_its_actions_plus_the_steps_end():
 def test_tensor_parallel_actions_carry_their_collectives():
     actions = walk(_gpt(tp=2)).step.actions
     forward = next(a for a in actions if a.kind == "F")
-    kinds = {kind for kind, _, _ in forward.collectives}
-    assert "all_reduce" in kinds and all(size == 2 for _, _, size in forward.collectives)
+    kinds = {kind for kind, _, _, _ in forward.collectives}
+    assert "all_reduce" in kinds and all(size == 2 and group == "tp" for _, _, size, group in forward.collectives)
 
 
 def test_a_message_costs_half_a_two_rank_all_reduces_start_up():
@@ -71,11 +71,11 @@ def test_a_message_costs_half_a_two_rank_all_reduces_start_up():
     were +71% over while every all-to-all paid a whole all-reduce's start-up)."""
     from autoshard.planning.graph_time import _collective_seconds
     hw = dataclasses.replace(get_hardware("a100-80gb"), latency_us=2000.0, nvlink_gb_s=1e6, network_gb_s=1e6)
-    assert _collective_seconds("all_reduce", 8, 2, hw) == pytest.approx(2e-3)
-    assert _collective_seconds("all_to_all", 8, 2, hw) == pytest.approx(1e-3)
-    assert _collective_seconds("send", 8, 2, hw) == pytest.approx(1e-3)
-    assert _collective_seconds("all_gather", 8, 2, hw) == pytest.approx(1e-3)
-    assert _collective_seconds("reduce_scatter", 8, 2, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("all_reduce", 8, 2, 1e6, hw) == pytest.approx(2e-3)
+    assert _collective_seconds("all_to_all", 8, 2, 1e6, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("send", 8, 2, 1e6, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("all_gather", 8, 2, 1e6, hw) == pytest.approx(1e-3)
+    assert _collective_seconds("reduce_scatter", 8, 2, 1e6, hw) == pytest.approx(1e-3)
 
 
 def test_a_measured_start_up_per_kind_replaces_the_rule():
@@ -84,10 +84,10 @@ def test_a_measured_start_up_per_kind_replaces_the_rule():
     from autoshard.planning.graph_time import _collective_seconds
     hw = dataclasses.replace(get_hardware("a100-80gb"), latency_us=2000.0, nvlink_gb_s=1e6, network_gb_s=1e6,
                              startup_us=(("reduce_scatter", 1900.0), ("send", 600.0)))
-    assert _collective_seconds("reduce_scatter", 8, 2, hw) == pytest.approx(1.9e-3)
-    assert _collective_seconds("all_gather", 8, 2, hw) == pytest.approx(1e-3)           # not listed: the rule
-    assert _collective_seconds("send", 8, 2, hw) == pytest.approx(0.6e-3)
-    assert _collective_seconds("all_to_all", 8, 4, hw) == pytest.approx(3 * 0.6e-3)
+    assert _collective_seconds("reduce_scatter", 8, 2, 1e6, hw) == pytest.approx(1.9e-3)
+    assert _collective_seconds("all_gather", 8, 2, 1e6, hw) == pytest.approx(1e-3)           # not listed: the rule
+    assert _collective_seconds("send", 8, 2, 1e6, hw) == pytest.approx(0.6e-3)
+    assert _collective_seconds("all_to_all", 8, 4, 1e6, hw) == pytest.approx(3 * 0.6e-3)
 
 
 def test_the_cpu_attention_kernel_counts_its_flops_apart():
