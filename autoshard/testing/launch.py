@@ -36,7 +36,9 @@ def init_gloo() -> None:
     the first attempt's ranks left their addresses; a fast rank could read a dead peer's address
     before the peer rewrites it. Keys are therefore prefixed with the attempt number."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
+    # no agent store to join where the agents do not share theirs (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    # README "A lost node"): rank 0 hosts a new one, as init_process_group makes it
+    if attempt is None or "MASTER_ADDR" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group("gloo")
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
