@@ -309,7 +309,7 @@ def _wait_for(path, procs, timeout=300.0) -> None:
 
 
 # GPT-2 at tp=2 x pp=2: its embedding tied across the two stages, dropout 0.1 (masks drawn per step)
-GPT2 = ["--model", "gpt2", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--batch", "8",
+GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--batch", "8",
         "--warmup", "5", "--lr", "1e-3", "--tp", "2", "--pp", "2", "--steps", "20", "--save-every", "5", "--clip", "0"]
 
 
@@ -340,7 +340,9 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
         port = s.getsockname()[1]
     out = tmp_path / "two"
     train = ["--data", os.path.join(ROOT, "README.md"), "--out", str(out), "--log-every", "5", *GPT2, "--device", "cpu"]
-    rdzv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "keep_alive_interval=1", "--max-restarts", "3"]
+    # a lost node is noticed after 2 heartbeats of 1 s missed (torchrun's default: 3 of 5 s)
+    rdzv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2",
+            "--max-restarts", "3"]
     # what autoshard train sets for its own agent when restarts are allowed, on a hand-written one (README)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     logs, agents = [], []
