@@ -17,6 +17,8 @@ from autoshard.compile.program import ShardedProgram
 from autoshard.compile.stage_layout import StageLayout
 from autoshard.compile.weights import WeightSource
 from autoshard.errors import ShardingError, expert_split_problem, require_positive_int
+from autoshard.parallel.fp8_linear import FP8_RECIPES
+from autoshard.passes.fp8_linears import Fp8Options
 from autoshard.passes.recompute import RECOMPUTE_MODES
 from autoshard.passes.sharding.options import ShardOptions
 from autoshard.passes.stage_balance import Rates, balanced_counts, layer_costs
@@ -40,7 +42,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
               fuse: bool = False, recompute: str | None = None,
               world_size: int | None = None, global_batch: int | None = None,
               hardware: str | Hardware = "a100-80gb", distributed_optimizer: bool | None = False,
-              zero: int | None = None) -> ShardedProgram:
+              zero: int | None = None, precision: str | None = None, fp8_recipe: str = "tensorwise") -> ShardedProgram:
     """Shard an unmodified single-device model Megatron-style over tp x pp x dp ranks.
 
     tp: tensor-parallel ranks (Megatron's column/row splits). pp: pipeline ranks; the repeated
@@ -112,6 +114,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     data parallelism: each layer's parameters gathered just before its forward and again before its
     backward, released after each: runtime/sharded_params.py). 3 is refused with the zero-bubble
     schedules.
+    precision: "fp8" runs the linears' matmuls (forward and both backward) in float8 through
+    torch._scaled_mm, with dynamic scales (`fp8_recipe`: "tensorwise", the default, or "rowwise";
+    parallel/fp8_linear.py says what each scales and which amaxes are taken over the tp group); the
+    rest runs in the model's dtype (bf16 for training). Which linears stay in the model's dtype,
+    and why (the LM head, routers, features not multiples of 16), is passes/fp8_linears.py's table,
+    printed by print(prog). Default None: every op in the model's dtype.
     sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
     1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
     and each new input shape is compiled once (sizes are exported static).
@@ -137,9 +145,10 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         raise ShardingError(f"cp={cp} with world_size={world_size}: world_size plans tp, pp and dp without "
                             "context parallelism; see autoshard.plan(..., context_parallel=True) and give "
                             "tp/pp/dp/cp yourself")
+    fp8 = _fp8_options(model, precision, fp8_recipe, fuse)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
-                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts)
+                  sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts, fp8=fp8)
     if world_size is None:
         return _program(model, args, kwargs, tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches,
                         schedule=schedule, recompute=recompute, zero=zero or 1, **common)
@@ -160,11 +169,37 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     return fastest_that_fits(candidates, get_hardware(hardware), build, world_size)
 
 
+def _fp8_options(model: nn.Module, precision: str | None, recipe: str, fuse: bool) -> Fp8Options | None:
+    """precision="fp8"'s options: the recipe, and the weights the model's structure keeps in its
+    dtype: the output embedding (the LM head) and the linears beside an MoE block's experts (routers)."""
+    if precision is None:
+        return None
+    if precision != "fp8":
+        raise ShardingError(f"precision={precision!r}: \"fp8\" runs the linears in float8; for bf16 or fp16, cast "
+                            f"the model (model.to(torch.bfloat16)) and leave precision unset")
+    if recipe not in FP8_RECIPES:
+        raise ShardingError(f"fp8_recipe={recipe!r}: one of {', '.join(map(repr, FP8_RECIPES))}")
+    if fuse:
+        raise ShardingError("precision=\"fp8\" with fuse=True is not built yet: the fused ops would take the "
+                            "linears' biases out before the FP8 pass sees them; leave fuse off")
+    names = {id(p): n for n, p in model.named_parameters()}
+    keep = {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and id(getattr(head, "weight", None)) in names:
+        keep[names[id(head.weight)]] = "lm_head"
+    for path, module in model.named_modules():
+        if hasattr(module, "experts"):            # an MoE block: its other linears route the tokens
+            for child in module.children():
+                if isinstance(child, nn.Linear) and id(child.weight) in names:
+                    keep[names[id(child.weight)]] = "router"
+    return Fp8Options(recipe, keep)
+
+
 def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp: int | None, dp: int | None,
              ep: int | None, cp: int | None, virtual: int | None, microbatches: int | None, schedule: str | None,
              recompute: str | None, cp_attention: str, vocab_parallel: bool, gather_output: bool,
              sequence_parallel: bool, fuse: bool, hardware: str | Hardware,
-             stage_cuts: list[int] | None = None, zero: int = 1) -> ShardedProgram:
+             stage_cuts: list[int] | None = None, zero: int = 1, fp8: Fp8Options | None = None) -> ShardedProgram:
     """The compile of one split (autoshard's arguments, the example call as `args` and `kwargs`)."""
     recompute = "none" if recompute is None else recompute
     auto = schedule == "auto"
@@ -193,7 +228,7 @@ def _program(model: nn.Module, args: tuple, kwargs: dict, *, tp: int | None, pp:
 
     # The passes, in order.
     compiler = Compiler(WeightSource(model), tp, options, fuse=bool(fuse), example_inputs=named, recompute=recompute,
-                        ep=ep, cp=cp, cp_attention=cp_attention,
+                        ep=ep, cp=cp, cp_attention=cp_attention, fp8=fp8,
                         cp_choose=lambda sizes: choose_attention(**sizes, cp=cp, tp=tp, hw=get_hardware(hardware)))
     first = compiler.compile_signature(named)               # capture -> annotate
     choice = None

@@ -9,6 +9,7 @@ signature (or mode, or autocast state) a call brings:
                        -> annotate (sharding analysis, writes node.meta)
     rank_graph:        rewrite (rank r's graph and its collectives)
                        -> context (cp > 1: context-parallel rank c's tokens, keys and values gathered)
+                       -> fp8 (precision="fp8": linears as float8 matmuls, but for a table's)
                        -> fuse (optional)
                        -> tables (size-only values outlined into one cached call)
                        -> causal attention (SDPA with a causal table mask takes SDPA's causal path)
@@ -41,6 +42,7 @@ from autoshard.passes.merged_dims import keep_merged_dims
 from autoshard.passes.op_aliases import rewrite_op_aliases
 from autoshard.passes.outline_experts import outline_experts
 from autoshard.passes.per_head_norms import rewrite_per_head_norms
+from autoshard.passes.fp8_linears import Fp8Options, fp8_table, rewrite_fp8_linears
 from autoshard.passes.fusion.fuse import fuse
 from autoshard.passes.recompute import outline_recompute
 from autoshard.passes.rewrite.rank_rewrite import RankGraph, rewrite_rank
@@ -70,8 +72,9 @@ class Compiler:
 
     def __init__(self, source: WeightSource, tp: int, options: ShardOptions, *, fuse: bool,
                  example_inputs: dict[str, object], recompute: str = "none", ep: int = 1, cp: int = 1,
-                 cp_attention: str = "auto", cp_choose: Callable[[dict], str] | None = None):
-        self.source, self.tp, self.options, self.fuse = source, tp, options, fuse
+                 cp_attention: str = "auto", cp_choose: Callable[[dict], str] | None = None,
+                 fp8: Fp8Options | None = None):
+        self.source, self.tp, self.options, self.fuse, self.fp8 = source, tp, options, fuse, fp8
         self.recompute, self.ep, self.cp, self.cp_attention = recompute, ep, cp, cp_attention
         self.cp_choose = cp_choose      # cp_attention="auto": the cost model's pick, given a call's sizes
         # experts modules without their weights (their code, for expert parallelism's calls)
@@ -116,7 +119,7 @@ class Compiler:
         return symbolic_shapes(cap.gm, twin.gm, seq, other)
 
     def rank_graph(self, entry: Compiled, r: int, cp_rank: int = 0) -> RankGraph:
-        """rewrite -> context -> fuse -> tables -> causal attention -> experts -> recompute: tensor-parallel
+        """rewrite -> context -> fp8 -> fuse -> tables -> causal attention -> experts -> recompute: tensor-parallel
         rank r's graph of one compiled signature (of context-parallel rank `cp_rank` when cp > 1)."""
         cap = entry.captured
         suffix = f"_s{entry.index}" if entry.index else ""
@@ -134,6 +137,9 @@ class Compiler:
             rg.modules.extend(rg.context.specs)
             if entry.device is not None:     # its token positions were placed on the traced (meta) device
                 retarget_nodes(rg.graph, entry.device)
+        if self.fp8 is not None:         # before fusion, which would otherwise take a linear's bias out
+            rg.modules.extend(rewrite_fp8_linears(rg.graph, self.fp8_table(entry), self.fp8.recipe,
+                                                  cap.param_names.get, self._role_of(entry), suffix))
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))
@@ -145,6 +151,21 @@ class Compiler:
             rg.regions = outline_recompute(rg.graph, self.recompute, lambda n: by_name.get(n.meta.get("captured")),
                                            suffix)
         return rg
+
+
+    def _role_of(self, entry: Compiled) -> Callable[[str], str | None]:
+        """A linear weight's tensor-parallel role: column (its output features split) or row (input)."""
+        return lambda name: {0: "column", 1: "row"}.get(getattr(entry.plan.params.get(name), "dim", None))
+
+    def fp8_table(self, entry: Compiled) -> dict[str, str | None]:
+        """precision="fp8": each linear weight -> None (FP8) or why it stays bf16 (passes/fp8_linears.py)."""
+        def shards(name: str, shape: list[int]) -> list[list[int]]:
+            use = entry.plan.params.get(name)
+            if use is None or use.dim is None:
+                return [shape]
+            return [[sum(b - a for a, b in lay) if d == use.dim else n for d, n in enumerate(shape)]
+                    for lay in use.layout]
+        return fp8_table(entry.captured.gm, entry.captured.param_names.get, shards, self.fp8.keep)
 
 
 def normalize(cap: Captured) -> None:

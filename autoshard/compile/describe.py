@@ -37,6 +37,7 @@ class Described(Protocol):
     predicted_stage_seconds: list[float] | None
     schedule_choice: object | None      # planning/schedule_choice.py's ScheduleChoice, under schedule="auto"
     zero: int
+    fp8: tuple[str, dict[str, str | None]] | None     # precision="fp8": recipe, weight -> None or why not FP8
 
     def stage_graphs(self, gm: fx.Graph) -> list[StageGraph]: ...
 
@@ -89,6 +90,11 @@ def describe(prog: Described) -> str:
         notes.append(f"zero={prog.zero}: {what} divided over the {data} data-parallel ranks"
                      + (" (each layer's parameters all-gathered before its forward and again before its backward, "
                         "its gradients reduce-scattered after it)" if prog.zero == 3 else ""))
+    if prog.fp8 is not None:
+        recipe, linears = prog.fp8
+        notes.append(f"fp8 ({recipe} scaling): {sum(why is None for why in linears.values())} of {len(linears)} "
+                     f"linears run in float8; in the model's dtype:" + ("" if any(linears.values()) else " none"))
+        notes += [f"  {name}: {why}" for name, why in linears.items() if why is not None]
     if prog.pp * prog.virtual > 1:
         timeline = check(prog.schedule, prog.virtual, prog.microbatches, placement=prog.placement)
         notes.append(f"pipeline: {prog.schedule_name} schedule, {prog.virtual} chunk(s) per rank, "

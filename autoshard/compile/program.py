@@ -46,6 +46,8 @@ class ShardedProgram:
         self._compiler, self._source = compiler, compiler.source
         self.tp, self.dims, self.virtual, self.microbatches = compiler.tp, dims, virtual, microbatches
         self.options, self.fuse, self.recompute = compiler.options, compiler.fuse, compiler.recompute
+        # precision="fp8": the recipe and each linear weight -> None (FP8) or why it stays in the model's dtype
+        self.fp8 = None if compiler.fp8 is None else (compiler.fp8.recipe, compiler.fp8_table(compiler.compiled[0]))
         self.schedule_name, self.schedule = schedule_name, schedule
         # schedule="auto": planning/schedule_choice.py's ScheduleChoice, what was weighed and why this one
         # (typed loosely: compile does not import planning)

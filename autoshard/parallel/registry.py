@@ -13,6 +13,7 @@ from torch import nn
 
 from autoshard.parallel.comm import CommHandle
 from autoshard.parallel.context_parallel import ContextGatherSpec
+from autoshard.parallel.fp8_linear import Fp8LinearSpec
 from autoshard.parallel.ring_attention import RingAttentionSpec
 from autoshard.parallel.rng import RandomOpSpec, RNGTracker
 from autoshard.parallel.sequence_parallel import SequenceSpec
@@ -31,7 +32,7 @@ class RankResources(Protocol):
 
 
 ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec | ContextGatherSpec \
-    | RingAttentionSpec
+    | RingAttentionSpec | Fp8LinearSpec
 
 # spec type -> the rank resource its `build` takes
 COLLECTIVES: dict[type, str] = {
@@ -42,6 +43,7 @@ COLLECTIVES: dict[type, str] = {
     RandomOpSpec: "rng",           # <region>_rng_<node>: a random op under its region's generator
     ContextGatherSpec: "cp_handle",  # cp_gather_<node>: keys or values of every token (context parallelism)
     RingAttentionSpec: "cp_handle",  # cp_ring_<node>: SDPA with the keys passed around the context-parallel ring
+    Fp8LinearSpec: "handle",       # fp8_<node>: a linear in float8, amaxes over tp where it divides the weight
 }
 
 

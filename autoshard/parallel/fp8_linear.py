@@ -1,0 +1,150 @@
+"""FP8 linears: a matmul against a weight run in float8 (`torch._scaled_mm`), its forward and both
+backward matmuls, with dynamic scales computed from each operand's absolute maximum (amax).
+
+    y = x @ w.T        x [M, K] (tokens x input features), w [N, K] (output x input features)
+
+A scale is amax / the format's largest value (448 for e4m3, 57344 for e5m2); an operand is divided
+by its scale, clamped to the format's range (a cast out of range gives NaN, not the largest value)
+and cast; `_scaled_mm` multiplies the scales back into its bf16 (the input's dtype) result. Two
+recipes, named as torchao names them:
+
+- tensorwise (the default: one all-reduce of a scalar per scale where tp divides the tensor, the
+  fastest recipe on Hopper): one scale per tensor. x and w in e4m3 (more mantissa, for values);
+  the output gradient in e5m2 (more exponent: gradients span more orders of magnitude than
+  activations). Backward reuses the forward's float8 x and w: grad_x = go8 @ w8, grad_w = go8.T @ x8.
+- rowwise: one scale per row of each operand along the matmul's contraction dim, all e4m3 (a
+  row's range is narrow enough): forward x per token and w per output feature; for grad_x the
+  output gradient per token and w per input feature; for grad_w the output gradient per output
+  feature and x per input feature (both over the tokens). Backward recasts from the bf16 x and w it
+  saved, along the other dim.
+
+Tensor parallelism: a column-parallel weight holds 1/tp of the output features N, a row-parallel
+one 1/tp of the input features K (and then x holds 1/tp of K too). An amax over a dim the tp group
+divides is taken over the group (`Reducer.max`), so each rank scales with the number the
+single-device FP8 model computes on the whole tensor: column-parallel, the tensorwise w and output
+gradient, the rowwise output gradient for grad_x (per token, over N) and the rowwise w for grad_x
+(per input feature, over N); row-parallel, the tensorwise x and w, the rowwise x (per token, over
+K) and the rowwise w forward (per output feature, over K). Amaxes over the tokens are this rank's
+microbatch's, as the single-device model's are for the same microbatch (`reduce=False` turns the
+group's max off: the check that shows it is needed). The casts of a shard are then the whole
+tensor's element for element; what tp still adds in the model's dtype is its partial sums (g's
+all-reduce of the row-parallel outputs, f's of the input gradients), as Megatron adds them in bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autoshard.parallel.comm import SIMULATED, Collective, CommHandle, Reducer, distributed_reducer
+
+__all__ = ["FP8_RECIPES", "Fp8Linear", "Fp8LinearSpec", "E4M3", "E5M2"]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_RECIPES = ("tensorwise", "rowwise")
+_TINY = 1e-12          # the smallest amax a scale is made from: an all-zero row scales by this
+
+
+def _scale(red: Reducer, amaxes: list[torch.Tensor], across: bool, fmt: torch.dtype) -> list[torch.Tensor]:
+    """fp32 scales from each rank's amaxes, the group's max taken first where `across`."""
+    amaxes = [a.float() for a in amaxes]
+    if across:
+        amaxes = red.max(amaxes)
+    return [a.clamp(min=_TINY) / torch.finfo(fmt).max for a in amaxes]
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    limit = torch.finfo(fmt).max
+    return (t.float() / scale).clamp(-limit, limit).to(fmt)
+
+
+def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a8 @ b8 with their scales; `_scaled_mm` takes a row-major and b column-major."""
+    return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = x @ w.T on every rank present, in float8 (see the module doc); inputs x0, w0, x1, w1, ..."""
+
+    @staticmethod
+    def forward(ctx, red: Reducer, recipe: str, role: str | None, reduce: bool, *xw: torch.Tensor):
+        xs, ws = [x.reshape(-1, x.shape[-1]) for x in xw[0::2]], list(xw[1::2])
+        row, column = reduce and role == "row", reduce and role == "column"
+        if recipe == "tensorwise":
+            sx = _scale(red, [x.abs().amax() for x in xs], row, E4M3)
+            sw = _scale(red, [w.abs().amax() for w in ws], row or column, E4M3)
+            x8 = [_cast(x, s, E4M3) for x, s in zip(xs, sx)]
+            w8 = [_cast(w, s, E4M3) for w, s in zip(ws, sw)]
+            ys = [_mm(a, b.t(), s, t, x.dtype) for a, b, s, t, x in zip(x8, w8, sx, sw, xs)]
+            ctx.save_for_backward(*x8, *w8, *sx, *sw)
+        else:
+            sx = _scale(red, [x.abs().amax(1, keepdim=True) for x in xs], row, E4M3)        # [M, 1]
+            sw = _scale(red, [w.abs().amax(1, keepdim=True) for w in ws], row, E4M3)        # [N, 1]
+            ys = [_mm(_cast(x, s, E4M3), _cast(w, t, E4M3).t(), s, t.t(), x.dtype)
+                  for x, w, s, t in zip(xs, ws, sx, sw)]
+            ctx.save_for_backward(*xs, *ws)
+        ctx.args = (red, recipe, row, column, len(ws), [x.shape for x in xw[0::2]], [w.dtype for w in ws],
+                    [x.dtype for x in xs])
+        return tuple(y.reshape(*shape[:-1], y.shape[-1]) for y, shape in zip(ys, ctx.args[5]))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        red, recipe, row, column, n, shapes, wtypes, xtypes = ctx.args
+        saved = ctx.saved_tensors
+        gs = [g.reshape(-1, g.shape[-1]) for g in grads]
+        if recipe == "tensorwise":
+            x8, w8, sx, sw = saved[:n], saved[n:2 * n], saved[2 * n:3 * n], saved[3 * n:]
+            sg = _scale(red, [g.abs().amax() for g in gs], column, E5M2)
+            g8 = [_cast(g, s, E5M2) for g, s in zip(gs, sg)]
+            dx = [_mm(g, w, s, t, xt) for g, w, s, t, xt in zip(g8, w8, sg, sw, xtypes)]
+            dw = [_mm(g.t(), x, s, t, dt) for g, x, s, t, dt in zip(g8, x8, sg, sx, wtypes)]
+        else:
+            xs, ws = saved[:n], saved[n:]
+            sg = _scale(red, [g.abs().amax(1, keepdim=True) for g in gs], column, E4M3)        # per token, over N
+            sw = _scale(red, [w.abs().amax(0, keepdim=True) for w in ws], column, E4M3)        # per input feature
+            dx = [_mm(_cast(g, s, E4M3), _cast(w, t, E4M3), s, t, xt) for g, w, s, t, xt in zip(gs, ws, sg, sw, xtypes)]
+            sgt = _scale(red, [g.abs().amax(0, keepdim=True).t() for g in gs], False, E4M3)   # [N, 1], over tokens
+            sxt = _scale(red, [x.abs().amax(0, keepdim=True) for x in xs], False, E4M3)       # [1, K], over tokens
+            dw = [_mm(_cast(g.t(), s, E4M3), _cast(x, t, E4M3), s, t, dt)
+                  for g, x, s, t, dt in zip(gs, xs, sgt, sxt, wtypes)]
+        grads_in = [None] * 4
+        for d, w, shape in zip(dx, dw, shapes):
+            grads_in += [d.reshape(shape), w]
+        return tuple(grads_in)
+
+
+@dataclass(frozen=True)
+class Fp8LinearSpec:
+    """The FP8 pass's request for an `Fp8Linear` module named `module` (passes/fp8_linears.py)."""
+
+    module: str
+    recipe: str
+    role: str | None          # "column", "row" or None (a weight tp does not divide)
+    reduce: bool = True       # False: each rank scales by its own shard's amax (wrong; for the check)
+
+    def build(self, handle: CommHandle) -> "Fp8Linear":
+        return Fp8Linear(handle, self.recipe, self.role, self.reduce)
+
+
+class Fp8Linear(Collective):
+    """x @ w.T in float8 with the recipe's dynamic scales, amaxes over tp where it divides the tensor."""
+
+    def __init__(self, handle: CommHandle, recipe: str, role: str | None, reduce: bool = True):
+        super().__init__(handle)
+        if recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe {recipe!r}: one of {', '.join(FP8_RECIPES)}")
+        self.recipe, self.role, self.reduce = recipe, role, reduce
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # a weight tp does not divide needs no group (a tp=1 program has none bound)
+        red = distributed_reducer(self.handle) if self.reduce and self.role else SIMULATED
+        return self.run(red, [self], [(x, w)])[0]
+
+    @staticmethod
+    def run(red: Reducer, mods: list["Fp8Linear"], rank_args: list[tuple]) -> list[torch.Tensor]:
+        m = mods[0]
+        flat = [t for x, w in rank_args for t in (x, w)]
+        return list(_Fp8Matmul.apply(red, m.recipe, m.role, m.reduce, *flat))
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe}, role={self.role}" + ("" if self.reduce else ", reduce=False")

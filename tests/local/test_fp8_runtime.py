@@ -1,0 +1,35 @@
+"""precision="fp8" in the runtime: tp=2 ranks on a local world, their amaxes taken with the world's
+all-reduce (max), step to the single-device FP8 program's loss and gradients (the model in fp32
+around its FP8 linears: tests/simulation/test_fp8.py says why)."""
+import copy
+
+import torch
+
+from autoshard import autoshard
+from autoshard.world import LocalWorld
+from tests.simulation.test_fp8 import FP32_TOL, _llama
+
+
+def test_the_runtimes_fp8_ranks_step_as_one_device():
+    model = _llama().float()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    kw = dict(example_kwargs={"input_ids": ids, "labels": ids}, precision="fp8")
+    one = autoshard(copy.deepcopy(model), tp=1, **kw)
+    want = one.simulate(input_ids=ids, labels=ids).loss
+    want.backward()
+    grads = one.full_grads()
+    prog = autoshard(copy.deepcopy(model), tp=2, **kw)
+
+    def rank(r):
+        rt = prog.distributed(mesh=True)
+        loss = rt.train_step(input_ids=ids, labels=ids)
+        return loss.item(), {n: p.grad.clone() for n, p in rt.named_parameters()}
+    out = LocalWorld(2).run(rank)
+    assert all(abs(loss - want.item()) / want.item() <= FP32_TOL for loss, _ in out)
+    for r, (_, got) in enumerate(out):
+        for name, g in got.items():          # column-parallel rows, row-parallel columns, replicated whole
+            full = grads[name]
+            use = prog.sharding.params.get(name)
+            if use is not None:
+                full = full.narrow(use.dim, r * g.shape[use.dim], g.shape[use.dim])
+            assert (g - full).norm() <= FP32_TOL * full.norm() + 1e-12, name
