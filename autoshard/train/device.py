@@ -26,7 +26,7 @@ __all__ = ["Placement", "placement", "move_runtime", "running_hardware"]
 class Placement:
     device: str                 # "cpu" or "cuda:<local rank>"
     backend: str                # the process group's: "gloo" or "nccl"
-    precision: str              # "fp32", "bf16" or "fp16"
+    precision: str              # "fp32", "bf16", "fp16" or "fp8" (its linears; bf16 elsewhere)
     fuse: bool
 
     @property
@@ -48,6 +48,12 @@ def placement(opts: TrainOptions, env: Mapping[str, str], cuda_devices: int) -> 
     if local_world > cuda_devices:
         raise TrainError(f"{local_world} processes on this node but {cuda_devices} GPU(s) visible: each rank "
                          f"needs a GPU of its own (--nproc-per-node {cuda_devices} or fewer, or --device cpu)")
+    if opts.precision == "fp8":
+        major, minor = torch.cuda.get_device_capability(local_rank)
+        if (major, minor) < (8, 9):
+            raise TrainError(f"--precision fp8: {torch.cuda.get_device_name(local_rank)} (compute capability "
+                             f"{major}.{minor}) has no FP8 tensor cores (Ada 8.9 and Hopper 9.0 do); use bf16 here, or "
+                             f"--device cpu to check an FP8 run slowly")
     return Placement(f"cuda:{local_rank}", "nccl", opts.precision or "bf16", opts.fuse)
 
 

@@ -123,13 +123,17 @@ def _check_fit(opts: TrainOptions, source: model_source.ModelSource, tokenizer) 
                          f"has {source.vocab} (--vocab)")
 
 
+def _fp8(opts: TrainOptions) -> dict:
+    return dict(precision="fp8", fp8_recipe=opts.fp8_recipe) if opts.precision == "fp8" else {}
+
+
 def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | None, device: str):
     """The compiled program and its split. The example batch is made on `device`, where the model
     was put for capture: torch.export refuses an embedding whose weight and ids sit on two devices."""
     example = torch.zeros((2, opts.seq_len), dtype=torch.long, device=device)  # 2: a size 1 would be specialized
     if opts.plan:       # planned at --seq-len tokens: the example's
         prog = autoshard(source.model, world_size=world, global_batch=opts.batch, hardware=hardware or PLAN_DEFAULT,
-                         sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute,
+                         sequence_parallel=opts.sequence_parallel, fuse=opts.fuse, recompute=opts.recompute, **_fp8(opts),
                          distributed_optimizer=True if opts.distributed_optimizer or opts.zero else None,
                          zero=opts.zero or 1, example_kwargs={source.input_name: example, source.label_name: example})
         split = dict(tp=prog.tp, pp=prog.pp, dp=prog.dp, ep=prog.dims.ep, virtual=prog.virtual,
@@ -143,7 +147,7 @@ def _compile(opts: TrainOptions, source, world: int, hardware: str | Hardware | 
     micro_batch = opts.batch // (split["dp"] * split["microbatches"])
     example = torch.zeros((micro_batch, opts.seq_len), dtype=torch.long, device=device)
     prog = autoshard(source.model, **split, sequence_parallel=opts.sequence_parallel, fuse=opts.fuse,
-                     recompute=opts.recompute or "none",
+                     recompute=opts.recompute or "none", **_fp8(opts),
                      example_kwargs={source.input_name: example, source.label_name: example})
     return prog, {**split, "recompute": prog.recompute}
 
@@ -240,7 +244,7 @@ def run(opts: TrainOptions) -> int:
     source = model_source.build(opts, isinstance(tokenizer, ByteTokenizer))
     _check_fit(opts, source, tokenizer)
     if opts.precision != "fp32":        # compiled as cast (Megatron's way); fp32 main weights in the optimizer
-        source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[opts.precision])
+        source.model.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[opts.precision])
     # captured on its device; a folder's model stays on meta (its example on the CPU), loaded and moved below
     capture_device = place.device if source.weights is None else "cpu"
     if source.weights is None:
@@ -288,7 +292,9 @@ def run(opts: TrainOptions) -> int:
               + (f"{_ZERO_WORDS[prog.zero]} sharded over dp={split['dp']}"
                  + (f" (experts' over dp/ep={split['dp'] // split['ep']})" if split.get("ep", 1) > 1 else "") + ", "
                  if shard else "")
-              + (f"{opts.precision} with fp32 main weights, " if opts.precision != "fp32" else "") +
+              + (f"{opts.precision} with fp32 main weights, " if opts.precision not in ("fp32", "fp8") else "")
+              + (f"fp8 linears ({opts.fp8_recipe}), bf16 elsewhere, fp32 main weights, " if opts.precision == "fp8"
+                 else "") +
               f"{batches.sequences} sequences of "
               f"{opts.seq_len} tokens, " + (f"steps {start + 1}-{opts.steps}" if start < opts.steps else
                                              f"all {opts.steps} steps already done"), flush=True)

@@ -42,6 +42,7 @@ class TrainOptions:
     distributed_optimizer: bool
     zero: int | None
     precision: str | None
+    fp8_recipe: str
     device: str
     seq_len: int
     batch: int
@@ -175,9 +176,12 @@ def parser() -> argparse.ArgumentParser:
                    help="what the data-parallel ranks divide: 1 AdamW's state (as --distributed-optimizer), 2 the "
                         "gradients too, 3 the parameters too (fully sharded data parallelism: each layer gathered "
                         "before its forward and backward, released after)")
-    o.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+    o.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"], default=None,
                    help="compute dtype; bf16/fp16 keep fp32 main weights and gradients in the optimizer "
-                        "(fp16: dynamic loss scaling). Default: bf16 on GPUs, fp32 on the CPU")
+                        "(fp16: dynamic loss scaling); fp8: the linears' matmuls in float8, bf16 elsewhere "
+                        "(autoshard(precision=\"fp8\")). Default: bf16 on GPUs, fp32 on the CPU")
+    o.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+                   help="with --precision fp8: one scale per tensor (default) or per row (torchao's recipes)")
     r = ap.add_argument_group("output")
     r.add_argument("--out", required=True, help="the run's folder: checkpoints/, metrics.csv, loss.png")
     r.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
@@ -226,6 +230,9 @@ def parse(argv: list[str]) -> TrainOptions:
                              "(and not --in-process)")
         if (problem := rendezvous_problem(opts, endpoint_needed=not opts.slurm_script)) is not None:
             raise TrainError(problem)
+    if opts.precision == "fp8" and opts.fuse:
+        raise TrainError("--precision fp8 with --fuse is not built yet (the fused ops would take the linears' "
+                         "biases out before the FP8 pass); leave --fuse off")
     if opts.slurm_script and (opts.nnodes is None or opts.nproc_per_node is None):
         raise TrainError("--slurm-script writes a job for --nnodes nodes x --nproc-per-node processes: give both")
     given = opts.dp is not None or opts.microbatches is not None or \

@@ -204,6 +204,23 @@ def test_train_mixtral_with_expert_parallelism_gives_the_replicated_runs_losses(
     assert bad.returncode != 0 and "--ep: ep=3 must divide dp=2" in bad.stdout + bad.stderr
 
 
+@pytest.mark.slow
+def test_train_fp8_tracks_bf16_and_resumes_exactly(tmp_path):
+    """--precision fp8 at tp=2: the linears in float8 (the LM head bf16), bf16 elsewhere, fp32 main
+    weights; 8 steps' losses within 2% of the bf16 run's, and a run resumed from its step-4
+    checkpoint (FP8 keeps no state: scales come from each step's tensors) ends with the same losses."""
+    args = [*LLAMA, "--tp", "2", "--steps", "8", "--save-every", "4"]
+    _train(tmp_path / "bf16", *args, "--precision", "bf16", nproc=2)
+    out = _train(tmp_path / "fp8", *args, "--precision", "fp8", nproc=2).stdout
+    assert "fp8 linears (tensorwise), bf16 elsewhere, fp32 main weights" in out, out
+    fp8, half = ([float(r["loss"]) for r in _rows(tmp_path / k)] for k in ("fp8", "bf16"))
+    assert fp8 != half and max(abs(a - b) / b for a, b in zip(fp8, half)) < 2e-2, (fp8, half)
+    shutil.copytree(tmp_path / "fp8", tmp_path / "again")
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "step-00000008")
+    _train(tmp_path / "again", *args, "--precision", "fp8", "--resume", nproc=2)
+    assert [r["loss"] for r in _rows(tmp_path / "again")] == [r["loss"] for r in _rows(tmp_path / "fp8")]
+
+
 def test_train_verify_certifies_before_the_first_step(tmp_path):
     """--verify: rank 0 prints a passing certificate for the compiled split, then the run trains."""
     proc = _train(tmp_path, *LLAMA, "--tp", "2", "--steps", "1", "--verify", nproc=2)

@@ -37,6 +37,24 @@ def test_too_few_gpus_are_named(tmp_path):
         placement(_opts(tmp_path), {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, cuda_devices=2)
 
 
+def test_fp8_is_refused_in_one_line_on_a_gpu_without_fp8_tensor_cores(tmp_path, monkeypatch):
+    """An A100 (8.0) has no FP8 tensor cores; an H100 (9.0) and an L4 (8.9) do; the CPU runs FP8
+    (slowly, for checking). --fuse with it is not built yet."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    opts = _opts(tmp_path, "--precision", "fp8")
+    for capability, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, c=capability: c)
+        if ok:
+            assert placement(opts, {}, cuda_devices=1).precision == "fp8"
+        else:
+            with pytest.raises(TrainError, match=r"^--precision fp8: NVIDIA A100-SXM4-80GB \(compute capability "
+                                                 r"8\.0\) has no FP8 tensor cores"):
+                placement(opts, {}, cuda_devices=1)
+    assert placement(_opts(tmp_path, "--precision", "fp8", "--device", "cpu"), {}, 0).precision == "fp8"
+    with pytest.raises(TrainError, match="--precision fp8 with --fuse is not built yet"):
+        _opts(tmp_path, "--precision", "fp8", "--fuse")
+
+
 def test_a_runtime_moves_to_another_device_with_its_graphs(one_process_group):
     """What train does with a model loaded on the CPU from a folder when its ranks run on a GPU:
     here to the meta device, which needs no GPU; every tensor and every device a graph names moves."""
