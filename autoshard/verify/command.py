@@ -52,9 +52,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None)
     ap.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=False,
                     help="fused ops (their exact torch implementations on the CPU)")
-    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"], default=None,
                     help="the training run's compute dtype; the rewrite does not depend on it, so the program is "
-                         "compared in float64 (the certificate says so)")
+                         "compared in float64 (the certificate says so); fp8: the split's linears in float8, "
+                         "compared with the single-device FP8 model in float32")
+    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default=None,
+                    help="with --precision fp8: one scale per tensor (default) or per row")
     ap.add_argument("--plan", action="store_true", help="verify the split autoshard(world_size=--world-size) picks")
     ap.add_argument("--world-size", type=int, default=None, help="with --plan: the processes to plan for")
     ap.add_argument("--seq", type=int, default=None, help="tokens per verified sequence (default 16, rounded up "
@@ -78,9 +81,11 @@ def parser() -> argparse.ArgumentParser:
 
 def _split(args) -> dict[str, object]:
     microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
+    fp8 = args.precision == "fp8"
     return Split(tp=args.tp, pp=args.pp, virtual=args.virtual, dp=args.dp, ep=args.ep, cp=args.cp,
                  microbatches=microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel,
-                 recompute=args.recompute, fuse=args.fuse, zero=args.zero)
+                 recompute=args.recompute, fuse=args.fuse, zero=args.zero, precision="fp8" if fp8 else None,
+                 fp8_recipe=(args.fp8_recipe or "tensorwise") if fp8 else None)
 
 
 def certify(args) -> Certificate:
@@ -100,6 +105,8 @@ def certify(args) -> Certificate:
     args.distributed_optimizer = args.distributed_optimizer or (args.zero or 1) > 1
     model, twin = model_from_args(args, split)
     notes = []
+    if args.fp8_recipe and args.precision != "fp8":
+        raise VerifyError(f"--fp8-recipe {args.fp8_recipe}: a recipe for --precision fp8")
     if args.precision in ("bf16", "fp16"):
         notes.append(f"--precision {args.precision}: the rewrite does not depend on the dtype; the program was "
                      f"compared in the widest float type, the {args.precision} arithmetic itself is not")

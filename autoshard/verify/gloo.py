@@ -23,6 +23,7 @@ from autoshard.testing.launch import init_gloo, leave, torchrun
 from autoshard.verify.batch import boundary_ids, label_classes, step_batches, verification_batch, vocab_of
 from autoshard.verify.certificate import Item
 from autoshard.verify.dropout import without_dropout
+from autoshard.verify.fp8_model import to_fp8_model
 from autoshard.verify.perturb import perturb_weights
 from autoshard.verify.run import rows_and_seq
 from autoshard.verify.runtime import rank_rows, worst_rows
@@ -68,6 +69,8 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
     first = verification_batch(model, rows, seq, vocab, classes=classes).inputs
     pieces = split.get("dp", 1) * split.get("microbatches", 1)
     prog = autoshard(model, example_kwargs={k: v[: rows // pieces] for k, v in first.items()}, **split)
+    if prog.fp8 is not None:                  # the single-device FP8 model, as verify_model makes it
+        to_fp8_model(reference, prog.fp8[1], prog.fp8[0])
     steps = step_batches(model, rows, seq, vocab, boundary_ids(prog, vocab), classes)
     rt = prog.distributed(mesh=True)
     return rank_rows(prog, rt, reference, [(label, b.inputs) for label, b in steps],

@@ -15,6 +15,7 @@ from autoshard.runtime.batching import pick_loss
 from autoshard.verify.batch import boundary_ids, label_classes, step_batches, verification_batch, vocab_of
 from autoshard.verify.certificate import Certificate, Fallback
 from autoshard.verify.compare import compare_steps
+from autoshard.verify.fp8_model import to_fp8_model
 from autoshard.verify.dropout import dropout_items, recompute_items, without_dropout
 from autoshard.verify.perturb import perturb_weights
 from autoshard.verify.runtime import local_items
@@ -23,8 +24,9 @@ __all__ = ["Split", "verify_model", "verify_program", "rows_and_seq", "TOLERANCE
 
 # relative tolerance -> why: all ops in float64, or some in float32 (the model's own casts)
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-5}
+FP8_TOLERANCE = 1e-2         # precision="fp8": see verify_model
 _SPLIT_KEYS = ("tp", "pp", "virtual", "dp", "ep", "cp", "microbatches", "schedule", "sequence_parallel",
-               "vocab_parallel", "gather_output", "recompute", "fuse", "zero")
+               "vocab_parallel", "gather_output", "recompute", "fuse", "zero", "precision", "fp8_recipe")
 
 
 def Split(**given) -> dict[str, object]:       # noqa: N802 (a record's constructor)
@@ -120,7 +122,10 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     perturb_weights(model)
     original = copy.deepcopy(model)          # dropout kept: its regions are checked on their own
     dropped = without_dropout(model)
-    wide, dtype_note = _widest(model, batch.inputs)
+    fp8 = split.get("precision") == "fp8"
+    # float8 matmuls take no float64: an FP8 split is compared in float32 around its float8 linears
+    wide, dtype_note = (copy.deepcopy(model).float(), "float32 around the float8 linears (_scaled_mm takes no "
+                        "float64)") if fp8 else _widest(model, batch.inputs)
     dtype = next(wide.parameters()).dtype
     cert = Certificate(type(model).__name__, {k: split[k] for k in _SPLIT_KEYS if k in split}, dtype_note,
                        TOLERANCES[dtype], "", batch.description, twin=list(twin or []))
@@ -148,6 +153,18 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
         return cert
     if prog.schedule_choice is not None:       # schedule="auto": the certificate names what it chose
         cert.split["schedule"] = f"auto: {prog.schedule_name}"
+    if fp8:                                    # against the single-device FP8 model (verify/fp8_model.py)
+        recipe, table = prog.fp8
+        unswapped = to_fp8_model(reference, table, recipe)
+        if runtime_reference is not None:
+            to_fp8_model(runtime_reference, table, recipe)
+        if unswapped:
+            cert.refusals.append(f"precision fp8: {len(unswapped)} linear(s) the program runs in float8 are no "
+                                 f"nn.Linear the reference can swap (first {unswapped[0]}): nothing to compare with")
+        names = [name for name, why in table.items() if why is None]
+        cert.notes.append(f"fp8 ({recipe}): {len(names)} of {len(table)} linears in float8, compared with the "
+                          f"single-device FP8 model (the same linears as float8 ones): {', '.join(names)}")
+        cert.notes += [f"fp8: {name} stays in the model's dtype: {why}" for name, why in table.items() if why]
     narrow = _narrow_ops(prog, dtype)
     if narrow:
         cert.tolerance = TOLERANCES[torch.float32]
@@ -155,6 +172,11 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
                                  f"first {narrow[0]}: float32 rounding in another summation order")
     else:
         cert.tolerance_reason = f"every op in {str(dtype).removeprefix('torch.')}: only summation order differs"
+    if fp8:
+        cert.tolerance = FP8_TOLERANCE
+        cert.tolerance_reason = ("float32 summation order, which now and then moves a value across a float8 "
+                                 "rounding boundary: one element a whole float8 step (1/8 in e4m3); a few such per "
+                                 "tensor stay under this, a shard scaled by its own amax misses by several times it")
     cert.fallbacks = _fallbacks(prog)
     steps = step_batches(wide, rows, seq, vocab, boundary_ids(prog, vocab), classes)
     cert.batch = f"{len(steps)} steps: " + "; ".join(f"{label}: {b.description}" for label, b in steps)

@@ -109,3 +109,35 @@ def test_bad_fp8_arguments_are_refused():
         autoshard(model, tp=2, example_kwargs={"input_ids": ids}, precision="fp8", fp8_recipe="blockwise")
     with pytest.raises(ShardingError, match="fuse=True is not built yet"):
         autoshard(model, tp=2, example_kwargs={"input_ids": ids}, precision="fp8", fuse=True)
+
+
+def test_verify_certifies_an_fp8_split_and_fails_one_that_scales_shards_alone(monkeypatch):
+    """`autoshard verify --precision fp8` (verify_model with precision in the split): compared with
+    the single-device FP8 model (its nn.Linear modules swapped for float8 ones, verify/fp8_model.py)
+    in float32; the certificate names the FP8 linears. A program whose ranks scale by their own
+    shard's amax (the tp max turned off in every Fp8Linear built) is not certified."""
+    from autoshard.parallel.fp8_linear import Fp8LinearSpec
+    from autoshard.verify.run import Split, verify_model
+    model = _llama()
+    cert = verify_model(model, Split(tp=2, precision="fp8", fp8_recipe="rowwise"), runtime=False)
+    assert cert.passed, cert.render()
+    text = cert.render()
+    assert "fp8 (rowwise): 14 of 15 linears in float8" in text and "model.layers.1.mlp.down_proj.weight" in text
+    assert "lm_head.weight stays in the model's dtype: the LM head" in text
+    build = Fp8LinearSpec.build
+    monkeypatch.setattr(Fp8LinearSpec, "build", lambda self, handle: build(
+        Fp8LinearSpec(self.module, self.recipe, self.role, reduce=False), handle))
+    bad = verify_model(model, Split(tp=2, precision="fp8", fp8_recipe="rowwise"), runtime=False)
+    assert not bad.passed
+
+
+def test_the_verify_command_takes_precision_fp8(capsys):
+    from autoshard.verify.command import main
+    small = ["--model", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "128",
+             "--max-positions", "64", "--tp", "2"]
+    assert main([*small, "--precision", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("VERIFIED") and "fp8 (tensorwise): " in out, out
+    assert "tolerance 1e-02: float32 summation order" in out, out
+    assert main([*small, "--fp8-recipe", "rowwise"]) == 2
+    assert "--fp8-recipe rowwise: a recipe for --precision fp8" in capsys.readouterr().err
