@@ -51,18 +51,24 @@ def _worst(grads, want) -> float:
                for k, g in want.items() if g is not None and g.norm() > 0)
 
 
+@pytest.mark.parametrize("split", [{}, {"sequence_parallel": True}, {"pp": 2}], ids=["tp2", "tp2-sp", "tp2-pp2"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_the_tp2_fp8_program_equals_the_single_device_fp8_program(recipe):
+def test_the_tp2_fp8_program_equals_the_single_device_fp8_program(recipe, split):
+    """Sequence parallelism gathers a column-parallel linear's tokens before it and reduce-scatters a
+    row-parallel one's after it, so each FP8 matmul sees the whole sequence as at tp alone; the
+    pipeline cuts between layers."""
     model = _llama().float()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     kw = dict(example_kwargs={"input_ids": ids, "labels": ids}, precision="fp8", fp8_recipe=recipe)
     loss1, grads1 = _run(autoshard(copy.deepcopy(model), tp=1, **kw), ids)
     plain, _ = _run(autoshard(copy.deepcopy(model), tp=1, example_kwargs=kw["example_kwargs"]), ids)
     assert 1e-5 < abs(loss1 - plain) / plain < 1e-2          # the linears ran in float8, near fp32
-    loss2, grads2 = _run(autoshard(copy.deepcopy(model), tp=2, **kw), ids)
+    loss2, grads2 = _run(autoshard(copy.deepcopy(model), tp=2, **split, **kw), ids)
     assert abs(loss2 - loss1) / loss1 <= FP32_TOL
     assert _worst(grads2, grads1) <= FP32_TOL, _worst(grads2, grads1)
     # each rank scaling by its own shard's amax: not the single-device model's numbers
+    if split:
+        return
     alone = autoshard(copy.deepcopy(model), tp=2, **kw)
     for rank in alone.ranks():
         for m in rank.modules():
@@ -109,6 +115,8 @@ def test_bad_fp8_arguments_are_refused():
         autoshard(model, tp=2, example_kwargs={"input_ids": ids}, precision="fp8", fp8_recipe="blockwise")
     with pytest.raises(ShardingError, match="fuse=True is not built yet"):
         autoshard(model, tp=2, example_kwargs={"input_ids": ids}, precision="fp8", fuse=True)
+    with pytest.raises(ShardingError, match=r"cp=2 is not built yet: .* the amaxes over tokens"):
+        autoshard(model, tp=2, cp=2, example_kwargs={"input_ids": ids}, precision="fp8")
 
 
 def test_verify_certifies_an_fp8_split_and_fails_one_that_scales_shards_alone(monkeypatch):
