@@ -164,7 +164,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                                 dict(tp=tp, pp=pp, dp=dp, ep=ep, virtual=virtual, microbatches=microbatches),
                                 None if schedule == "auto" else schedule,
                                 seq=_sequence_length(args, kwargs) if given_example else None,
-                                distributed_optimizer=distributed_optimizer, zero=zero)
+                                distributed_optimizer=distributed_optimizer, zero=zero,
+                                precision="fp8" if fp8 is not None else "bf16")
 
     def build(chosen: Estimate) -> ShardedProgram:
         return _program(model, args, kwargs, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, ep=chosen.ep, zero=chosen.zero,
@@ -312,7 +313,8 @@ def _check_context_attention(attention: str) -> None:
 def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, hardware: str | Hardware,
                    sequence_parallel: bool, recompute: str | None, given: dict[str, int | None],
                    schedule: str | None = None, seq: int | None = None,
-                   distributed_optimizer: bool | None = False, zero: int | None = None) -> list[Estimate]:
+                   distributed_optimizer: bool | None = False, zero: int | None = None,
+                   precision: str = "bf16") -> list[Estimate]:
     """The planner's splits of `world_size` GPUs at `seq` tokens per sequence (the example call's;
     None: the config's maximum, which plan() warns of), fastest first; refused when the caller also
     fixed one."""
@@ -323,7 +325,7 @@ def _planned_split(model: nn.Module, world_size: int, global_batch: int | None, 
     try:
         return plan(model, gpus=world_size, global_batch=global_batch or world_size, hardware=hardware,
                     sequence_parallel=sequence_parallel, recompute=recompute, seq=seq,
-                    distributed_optimizer=distributed_optimizer, zero=zero,
+                    distributed_optimizer=distributed_optimizer, zero=zero, precision=precision,
                     **({"schedules": (schedule,)} if schedule else {}))
     except ValueError as e:
         raise ShardingError(f"world_size={world_size}: {e}. Or rank splits yourself with "

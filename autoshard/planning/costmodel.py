@@ -46,10 +46,10 @@ __all__ = ["Estimate", "estimate", "candidates", "RECOMPUTE"]
 RECOMPUTE = ("full", "selective", "none")
 
 
-def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str) -> tuple[float, float, float]:
+def _layer_seconds(x: LayerShape, hw: Hardware, recompute: str, fp8: bool = False) -> tuple[float, float, float]:
     """(forward compute, backward compute with recomputation, tensor-parallel communication) seconds
-    of one layer for one microbatch."""
-    gf, gb = layer_gemm_seconds(x, hw)
+    of one layer for one microbatch (`fp8`: its linears in float8)."""
+    gf, gb = layer_gemm_seconds(x, hw, fp8=fp8)
     ef, eb = layer_elementwise_seconds(x, hw)
     dispatch = hw.layer_overhead_s / 3          # of a layer's fixed cost: a third forward, two backward
     backward = gb + eb + 2 * dispatch
@@ -102,7 +102,8 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
              sequence_parallel: bool = False, overlap_grad_reduce: bool = False, gather_logits: bool = False,
              distributed_optimizer: bool = False, moe: MoEShape | None = None,
              ep: int = 1, cp: int = 1, kv_heads: int | None = None, cp_overlap: bool = True,
-             attention: str = "math", schedules: tuple[str, ...] | None = None, zero: int = 1) -> Estimate:
+             attention: str = "math", schedules: tuple[str, ...] | None = None, zero: int = 1,
+             precision: str = "bf16") -> Estimate:
     """Predicted time, throughput and memory of one training iteration.
 
     gather_logits: the last stage all-gathers the vocabulary-sharded logits each microbatch (autoshard's
@@ -112,6 +113,9 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     which reduces after the backward.
     distributed_optimizer: main parameters and AdamW's moments divided over dp (memory_model.param_bytes;
     the reduce-scatter and all-gather move what the all-reduce does, so time is unchanged).
+    precision: "fp8" runs each layer's linears (not attention's core products, not the LM head)
+    at the hardware's FP8 rate (`fp8_tflops`; refused where it is 0) on float8 operands, adding their
+    casts' memory traffic (gemm_timing.FP8_CAST_BYTES); "bf16" (default) everything at peak_tflops.
     zero: 2 also divides the gradients (each layer's reduce-scattered after every microbatch's
     backward), 3 the weights too (each layer's all-gathered before its forward and again before its
     backward, every microbatch): `breakdown["fsdp_comm"]`, the part of those collectives the layer's
@@ -152,6 +156,10 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
     require_positive_int("cp", cp)
     if zero not in (1, 2, 3):
         raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+    if precision == "fp8" and get_hardware(hardware).fp8_tflops <= 0:
+        raise ValueError(f"precision='fp8' on {get_hardware(hardware).name}: it has no FP8 tensor cores")
     distributed_optimizer = distributed_optimizer or zero > 1
     if seq % (2 * cp):
         raise ValueError(f"cp={cp} cuts the sequence in 2 * cp = {2 * cp} pieces, which seq={seq} is not a multiple of")
@@ -172,7 +180,7 @@ def estimate(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, tp: 
                  global_batch=global_batch, recompute=recompute, sequence_parallel=sequence_parallel,
                  overlap_grad_reduce=overlap_grad_reduce, gather_logits=gather_logits,
                  distributed_optimizer=distributed_optimizer, moe=moe, ep=ep, cp=cp, kv_heads=kv_heads,
-                 cp_overlap=cp_overlap, attention=attention, zero=zero)
+                 cp_overlap=cp_overlap, attention=attention, zero=zero, fp8=precision == "fp8")
     # zero=3 does not run the zero-bubble schedules (the runtime refuses them: W would need B's gathers)
     runs = [(mb, vv, s) for mb, vv in pairs for s in _schedules_for(vv, pp, schedules)
             if not (zero == 3 and schedule_spec(s).split)]
@@ -204,12 +212,12 @@ def _schedules_for(v: int, pp: int, names: tuple[str, ...] | None) -> list[str]:
 
 def _one(hw: Hardware, *, hidden, layers, heads, vocab, seq, tp, pp, dp, global_batch, microbatch, v,
          recompute, sequence_parallel, overlap_grad_reduce, gather_logits, distributed_optimizer, moe, ep, cp,
-         kv_heads, cp_overlap, attention, zero: int = 1, schedule: str = "1f1b") -> Estimate:
+         kv_heads, cp_overlap, attention, zero: int = 1, schedule: str = "1f1b", fp8: bool = False) -> Estimate:
     sym = dict(h=hidden, l=layers, a=heads, V=vocab, s=seq, b=microbatch, B=global_batch, t=tp, p=pp,
                d=dp, v=v)
     x = LayerShape(microbatch, seq // cp, hidden, heads, tp, sequence_parallel)     # this rank's tokens
     m = global_batch // (dp * microbatch)
-    layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute)
+    layer_forward, layer_backward, layer_comm = _layer_seconds(x, hw, recompute, fp8)
     dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, cp=cp)      # the runtime's mesh: node_links.py
     ring = ring_seconds(x, hw, cp=cp, kv_heads=kv_heads, recompute=recompute, overlap=cp_overlap,
                         link_gb_s=link_gb_s(hw, dims, "cp"))

@@ -16,7 +16,7 @@ from typing import Callable
 
 from autoshard.planning.hardware import Hardware
 
-__all__ = ["LayerShape", "gemm_seconds", "bytes_seconds", "GEMMS", "ELEMENTWISE", "layer_gemm_seconds",
+__all__ = ["LayerShape", "gemm_seconds", "bytes_seconds", "GEMMS", "ELEMENTWISE", "FP8_CAST_BYTES", "layer_gemm_seconds",
            "layer_elementwise_seconds", "layer_elementwise_bytes"]
 
 
@@ -31,16 +31,21 @@ class LayerShape:
     sp: bool = False  # sequence parallel: norms, dropout and residuals see s / t tokens
 
 
-def gemm_seconds(m: int, n: int, k: int, hw: Hardware, batch: int = 1) -> float:
-    """Time of `batch` independent (m x k) @ (k x n) products in fp16/bf16."""
+def gemm_seconds(m: int, n: int, k: int, hw: Hardware, batch: int = 1, fp8: bool = False) -> float:
+    """Time of `batch` independent (m x k) @ (k x n) products in fp16/bf16 (`fp8`: float8 operands at
+    the FP8 rate, a bf16 result)."""
     tile_m, tile_n = hw.tile
     tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n) * batch
     waves = math.ceil(tiles / hw.sms)
     padded_flops = 2 * waves * hw.sms * tile_m * tile_n * k     # every wave pays for full tiles
-    compute = padded_flops / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+    rate = hw.fp8_tflops if fp8 else hw.peak_tflops
+    if rate <= 0:
+        raise ValueError(f"{hw.name} has no FP8 tensor cores (fp8_tflops=0)")
+    compute = padded_flops / (rate * 1e12 * hw.matmul_efficiency)
     if not hw.gemm_traffic:      # a rate measured on these shapes already includes the operands' traffic
         return compute
-    traffic = hw.activation_bytes * batch * (m * k + k * n + m * n)
+    operand = 1 if fp8 else hw.activation_bytes
+    traffic = batch * (operand * (m * k + k * n) + hw.activation_bytes * m * n)
     return max(compute, bytes_seconds(traffic, hw))
 
 
@@ -80,15 +85,27 @@ ELEMENTWISE: list[tuple[str, str, float, float, bool]] = [
 ]
 
 
-def layer_gemm_seconds(x: LayerShape, hw: Hardware, *, attention_core_only: bool = False) -> tuple[float, float]:
-    """(forward, backward) GEMM seconds; backward is the data-gradient and weight-gradient products."""
+# FP8 linears' casts per element of each cast tensor: its amax read (2 bytes), then read again and
+# written as float8 (2 + 1): forward x and w, backward the output gradient (the tensorwise recipe
+# reuses the forward's float8 x and w; rowwise recasts them along the other dim, not counted)
+FP8_CAST_BYTES = 5
+
+
+def layer_gemm_seconds(x: LayerShape, hw: Hardware, *, attention_core_only: bool = False,
+                       fp8: bool = False) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds; backward is the data-gradient and weight-gradient products.
+    `fp8`: the linears (not attention's core products) in float8, with their casts' traffic."""
     fwd = bwd = 0.0
     for _, shape, core in GEMMS:
         if attention_core_only and not core:
             continue
         mm, n, k, batch = shape(x)
-        fwd += gemm_seconds(mm, n, k, hw, batch)
-        bwd += gemm_seconds(mm, k, n, hw, batch) + gemm_seconds(k, n, mm, hw, batch)
+        eight = fp8 and not core
+        fwd += gemm_seconds(mm, n, k, hw, batch, eight)
+        bwd += gemm_seconds(mm, k, n, hw, batch, eight) + gemm_seconds(k, n, mm, hw, batch, eight)
+        if eight:
+            fwd += bytes_seconds(FP8_CAST_BYTES * (mm * k + k * n), hw)
+            bwd += bytes_seconds(FP8_CAST_BYTES * mm * n, hw)
     return fwd, bwd
 
 

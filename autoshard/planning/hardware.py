@@ -55,6 +55,8 @@ class Hardware:
     # (benchmarks/RESULTS.md: 1.04-1.05 per stage on an HF Llama of hidden 512, one core a rank);
     # the presets take the 1.05 the split is built to stay under.
     split_backward: float = 1.05
+    # Dense FP8 tensor-core rate, datasheet (0: no FP8 tensor cores; precision="fp8" refused there)
+    fp8_tflops: float = 0.0
 
     def __post_init__(self):
         for name in ("peak_tflops", "hbm_gb_s", "memory_gib", "nvlink_gb_s", "network_gb_s"):
@@ -99,14 +101,17 @@ PRESETS: dict[str, Hardware] = {
                           gpus_per_node=8, nvlink_gb_s=300, network_gb_s=25, matmul_efficiency=0.70, **_EFF),
     # DGX H100: NVLink 4 (900 GB/s both ways), 8 InfiniBand NDR links per node (400 Gb/s each).
     "h100-80gb": Hardware("h100-80gb", peak_tflops=989, hbm_gb_s=3350, memory_gib=80, sms=132,
-                          gpus_per_node=8, nvlink_gb_s=450, network_gb_s=50, matmul_efficiency=0.70, **_EFF),
+                          gpus_per_node=8, nvlink_gb_s=450, network_gb_s=50, matmul_efficiency=0.70,
+                          fp8_tflops=1979, **_EFF),           # FP8: twice bf16's dense rate
     # HGX H200: the H100's compute and links with 141 GB of HBM3e at 4.8 TB/s.
     "h200": Hardware("h200", peak_tflops=989, hbm_gb_s=4800, memory_gib=141, sms=132,
-                     gpus_per_node=8, nvlink_gb_s=450, network_gb_s=50, matmul_efficiency=0.70, **_EFF),
+                     gpus_per_node=8, nvlink_gb_s=450, network_gb_s=50, matmul_efficiency=0.70,
+                     fp8_tflops=1979, **_EFF),
     # DGX B200: NVLink 5 (1.8 TB/s both ways), 8 ConnectX-7 links per node (400 Gb/s each), 180 GB
     # of HBM3e at 8 TB/s; 2.25 PFLOP/s dense bf16 (4.5 fp8). Unmeasured here: the H100's efficiencies.
     "b200": Hardware("b200", peak_tflops=2250, hbm_gb_s=8000, memory_gib=180, sms=148,
-                     gpus_per_node=8, nvlink_gb_s=900, network_gb_s=50, matmul_efficiency=0.70, **_EFF),
+                     gpus_per_node=8, nvlink_gb_s=900, network_gb_s=50, matmul_efficiency=0.70,
+                     fp8_tflops=4500, **_EFF),
     # DGX-2H V100 32GB, the 2019 Megatron paper's cluster: 16 GPUs per node on NVSwitch (300 GB/s
     # both ways), 8 InfiniBand adapters giving 100 GB/s per node between servers.
     "v100-32gb": Hardware("v100-32gb", peak_tflops=125, hbm_gb_s=900, memory_gib=32, sms=80,

@@ -115,7 +115,8 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
          sequence_parallel: bool = False, top: int | None = None,
          distributed_optimizer: bool | None = False, moe: MoEShape | None = None,
          context_parallel: bool = False, attention: str = "math",
-         schedules: tuple[str, ...] = CANDIDATES, zero: int | None = None) -> list[Estimate]:
+         schedules: tuple[str, ...] = CANDIDATES, zero: int | None = None,
+         precision: str = "bf16") -> list[Estimate]:
     """Configurations that fit memory, fastest first (at most `top` of them). recompute: one mode
     ("none", "selective", "full"), or None to search all three. distributed_optimizer: AdamW's state
     and main parameters divided over dp (autoshard.runtime.distributed_optimizer), in memory and in
@@ -132,7 +133,8 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
     weighed for each split (planning/schedule_choice.py): by default 1F1B, interleaved and the
     zero-bubble ZB-H1, ZBV and V-Half; each estimate's `explain()` lists them at its microbatch.
     seq: the tokens per sequence the run trains at; without it a model's plan is for its config's
-    maximum positions, with a warning (a ModelShape carries its own seq)."""
+    maximum positions, with a warning (a ModelShape carries its own seq). precision: "fp8" prices
+    the layers' linears at the hardware's FP8 rate with their casts (costmodel.estimate)."""
     require_positive_int("gpus", gpus)
     require_positive_int("global_batch", global_batch)
     shape = shape_of(model_or_shape)
@@ -150,7 +152,7 @@ def plan(model_or_shape: nn.Module | ModelShape | dict, *, gpus: int, global_bat
                       seq=seq, tp=tp, pp=pp, dp=dp, global_batch=global_batch, hardware=hw,
                       recompute=mode, sequence_parallel=sequence_parallel,
                       distributed_optimizer=sharded, moe=moe, ep=ep, cp=cp, attention=attention,
-                      schedules=schedules, zero=stage)
+                      schedules=schedules, zero=stage, precision=precision)
              for tp, pp, dp, cp in _splits(shape, gpus, global_batch, hw, seq, context)
              for ep in _expert_splits(dp, moe, sequence_parallel) for mode in modes
              for sharded, stage in _optimizer_modes(distributed_optimizer, dp * cp, zero)]
