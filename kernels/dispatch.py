@@ -85,7 +85,8 @@ def _kernel_args(args: tuple, slots: dict[int, str], promote: bool) -> tuple | N
     dtype = result_dtype(x, *(args[i] for i in values)) if promote else x.dtype
     if dtype not in KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in values)):
         return None
-    return tuple(a.to(dtype) if i == 0 or i in values else a for i, a in enumerate(args))
+    # (a tensor already of the dtype is passed as it is: `.to` would only cost the call)
+    return tuple(a.to(dtype) if (i == 0 or i in values) and a.dtype != dtype else a for i, a in enumerate(args))
 
 
 def _with_fallback(name: str, kernel: Kernel, reference: Callable):

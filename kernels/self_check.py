@@ -93,9 +93,11 @@ def _layout(t: torch.Tensor) -> str:
     if t.dim() == 0:
         return "scalar"
     kinds = []
-    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    if t.is_contiguous():           # the common case first: no stride of 0 over a dim of more than one
+        pass
+    elif any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         kinds.append("broadcast")
-    elif not t.is_contiguous():
+    else:
         kinds.append("strided")
     if t.data_ptr() % 16:
         kinds.append("misaligned")
