@@ -56,6 +56,17 @@ def test_launch_overhead_benchmark_times_every_op():
     assert all(f"| {name} " in out for name in CASES) and "Most host time per fused call" in out, out
 
 
+def test_launch_overhead_with_a_noop_launch_takes_the_kernel_path():
+    """--noop-launch: every op's forward and backward reach the launch (the CUDA path's host work),
+    none falls back to its torch implementation."""
+    from autoshard.kernels.launch import LAUNCHES
+    before = dict(LAUNCHES)
+    out = _run("launch_overhead.py", "--calls", "3", "--noop-launch")
+    assert "cpu, the CUDA path with a no-op launch, torch.bfloat16" in out, out
+    launched = {name for name, n in LAUNCHES.items() if n > before.get(name, 0)}
+    assert len(launched) >= 10 and any("bwd" in name or "backward" in name for name in launched), launched
+
+
 def test_launch_layers_benchmark_times_each_layer_of_the_call_path():
     from autoshard.kernels.cpu_executor import compiler
     out = _run("launch_layers.py", "--calls", "3")
