@@ -31,7 +31,7 @@ from autoshard.runtime import loss_tokens
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.verify.certificate import Item, worst_by_group
 
-__all__ = ["compare_steps", "tp_slice", "STEP"]
+__all__ = ["compare_steps", "microbatch_reference", "tp_slice", "STEP"]
 
 # AdamW's settings for the step compared. Adam's update lr * g / (|g| + eps) turns a rounding
 # difference dg of a gradient near eps into lr * dg / (4 eps) of weight: eps well above the gradients'
@@ -50,6 +50,27 @@ def _pieces(prog, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tenso
     return [mb for mbs in per_slice for mb in mbs]
 
 
+def _loss_factors(prog, pieces: list[dict[str, torch.Tensor]]) -> list[float]:
+    """Each piece's weight in the step's loss, as the runtime weighs its microbatches (its own
+    token count: a patched runtime is the one verified)."""
+    graphs = [prog.rank(0).graph_for((), p) for p in pieces]
+    counter = loss_tokens.loss_tokens(graphs[0][0])
+    factors, _ = loss_tokens.loss_factors(counter, [g[1] for g in graphs], [None] * len(pieces), False, "mean", -100,
+                                          None, None)
+    return factors
+
+
+def microbatch_reference(prog, model: nn.Module, inputs: dict[str, torch.Tensor]):
+    """`model` run on each data slice's microbatches one at a time, their losses weighed and added as
+    the runtime adds its microbatches' (gradient accumulation): (the loss, each piece's outputs in
+    data-slice-major order). What an FP8 split is compared with: its scales are per microbatch, as a
+    single-device FP8 model's are on the same microbatch."""
+    pieces = [mb for s in split_batch(inputs, prog.dp, "dp") for mb in split_batch(s, prog.microbatches, "microbatches")]
+    outs = [model(**p) for p in pieces]
+    loss = sum(pick_loss(o) * f for o, f in zip(outs, _loss_factors(prog, pieces)))
+    return loss, outs
+
+
 def _floating_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
     """Named floating outputs of a call, leaves in order; the loss included."""
     leaves, _ = pytree.tree_flatten_with_path(out)
@@ -61,14 +82,24 @@ def _floating_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
 
 
 def compare_steps(prog, model: nn.Module, batches: list[tuple[str, dict[str, torch.Tensor]]],
-                  tolerance: float) -> list[Item]:
+                  tolerance: float, by_microbatch: bool = False) -> list[Item]:
     """Outputs, gradients and an AdamW step of `prog` (compiled from a copy of `model`, same weights)
     against `model`, once per (label, inputs) of `batches`; `model` is trained by it (pass a copy).
-    Each (kind, group) is one item: its worst step."""
+    Each (kind, group) is one item: its worst step. `by_microbatch` (an FP8 split): `model` runs the
+    runtime's microbatches one at a time (`microbatch_reference`), not the whole batch at once, and
+    (at zero=1) every step starts from the first step's weights on both sides."""
     opt = _Steps(prog, model)
     worst: dict[tuple[str, str], Item] = {}
+    # FP8: every step from the same weights (verify/run.py says why): the model's, which the program
+    # was compiled with; at zero > 1 a runtime owns the parameters' storage, and the steps run on
+    fresh = by_microbatch and getattr(prog, "zero", 1) == 1
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()} if fresh else None
     for k, (label, inputs) in enumerate(batches, 1):
-        for item in _one_step(prog, model, inputs, tolerance, opt):
+        if start is not None and k > 1:
+            prog.load_state_dict({n: t.clone() for n, t in start.items()}, strict=False)
+            model.load_state_dict(start)
+            opt = _Steps(prog, model)
+        for item in _one_step(prog, model, inputs, tolerance, opt, by_microbatch):
             item = Item(item.kind, item.group, item.error, f"step {k} ({label}): {item.where}", item.tolerance)
             key = (item.kind, item.group)
             if key not in worst or item.error > worst[key].error or item.error != item.error:
@@ -87,15 +118,13 @@ class _Steps:
         self.full_opt: torch.optim.Optimizer | None = None
 
 
-def _one_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance: float, opt: _Steps) -> list[Item]:
+def _one_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance: float, opt: _Steps,
+              by_microbatch: bool = False) -> list[Item]:
     items: list[Item] = []
     prog.zero_grad()
     model.zero_grad(set_to_none=True)
     pieces = _pieces(prog, inputs)
-    graphs = [prog.rank(0).graph_for((), p) for p in pieces]
-    counter = loss_tokens.loss_tokens(graphs[0][0])      # the runtime's own count and weights (module
-    factors, _ = loss_tokens.loss_factors(                # attributes: a patched runtime is the one verified)
-        counter, [g[1] for g in graphs], [None] * len(pieces), False, "mean", -100, None, None)
+    factors = _loss_factors(prog, pieces)
     prog.train()
     total, outs = 0.0, []
     for piece, factor in zip(pieces, factors):
@@ -103,10 +132,15 @@ def _one_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance
         total = total + pick_loss(out) * factor
         outs.append(_floating_outputs(out))
     model.train()
-    ref_out = model(**inputs)
-    ref_loss = pick_loss(ref_out)
+    if by_microbatch:
+        ref_loss, ref_outs = microbatch_reference(prog, model, inputs)
+        ref_named = [(name, torch.cat([_floating_outputs(o)[j][1] for o in ref_outs]) if ref.dim() else ref)
+                     for j, (name, ref) in enumerate(_floating_outputs(ref_outs[0]))]
+    else:
+        ref_out = model(**inputs)
+        ref_loss, ref_named = pick_loss(ref_out), _floating_outputs(ref_out)
     items.append(Item("output", "loss", max_rel(total, ref_loss), "loss", tolerance))
-    for j, (name, ref) in enumerate(_floating_outputs(ref_out)):
+    for j, (name, ref) in enumerate(ref_named):
         if ref.dim() == 0:
             continue
         got = torch.cat([o[j][1] for o in outs])

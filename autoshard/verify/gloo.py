@@ -74,7 +74,7 @@ def worker(spec: dict) -> list[tuple[str, str, float, str]]:
     steps = step_batches(model, rows, seq, vocab, boundary_ids(prog, vocab), classes)
     rt = prog.distributed(mesh=True)
     return rank_rows(prog, rt, reference, [(label, b.inputs) for label, b in steps],
-                     sharded=bool(spec.get("distributed_optimizer")), run="gloo")
+                     sharded=bool(spec.get("distributed_optimizer")), run="gloo", by_microbatch=prog.fp8 is not None)
 
 
 def gather_and_write(rows: list[tuple[str, str, float, str]], path: str) -> None:

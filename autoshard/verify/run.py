@@ -163,7 +163,8 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
                                  f"nn.Linear the reference can swap (first {unswapped[0]}): nothing to compare with")
         names = [name for name, why in table.items() if why is None]
         cert.notes.append(f"fp8 ({recipe}): {len(names)} of {len(table)} linears in float8, compared with the "
-                          f"single-device FP8 model (the same linears as float8 ones): {', '.join(names)}")
+                          f"single-device FP8 model (the same linears as float8 ones) run on the same microbatches "
+                          f"(its scales are per microbatch, as the program's): {', '.join(names)}")
         cert.notes += [f"fp8: {name} stays in the model's dtype: {why}" for name, why in table.items() if why]
     narrow = _narrow_ops(prog, dtype)
     if narrow:
@@ -173,10 +174,13 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     else:
         cert.tolerance_reason = f"every op in {str(dtype).removeprefix('torch.')}: only summation order differs"
     if fp8:
+        # each step from the same weights: a float8 step's difference in one gradient moves its weight,
+        # the weights' amaxes move every value of a tensor, and two runs part within a few steps
         cert.tolerance = FP8_TOLERANCE
         cert.tolerance_reason = ("float32 summation order, which now and then moves a value across a float8 "
                                  "rounding boundary: one element a whole float8 step (1/8 in e4m3); a few such per "
-                                 "tensor stay under this, a shard scaled by its own amax misses by several times it")
+                                 "tensor stay under this, a shard scaled by its own amax misses by several times it; "
+                                 "each step from the same weights on both sides")
     cert.fallbacks = _fallbacks(prog)
     steps = step_batches(wide, rows, seq, vocab, boundary_ids(prog, vocab), classes)
     cert.batch = f"{len(steps)} steps: " + "; ".join(f"{label}: {b.description}" for label, b in steps)
@@ -187,12 +191,13 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
                          + (", the distributed optimizer)" if distributed_optimizer else ")"))
         try:
             ran = local_items(prog, runtime_reference, [(label, b.inputs) for label, b in steps], cert.tolerance,
-                              sharded=distributed_optimizer)
+                              sharded=distributed_optimizer, by_microbatch=fp8)
         except Exception as e:      # the runtime raising is not verified; the simulation still says what differs
             cert.refusals.append(f"the runtime raised {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
     cert.items = list(ran)
     try:
-        cert.items = compare_steps(prog, reference, [(label, b.inputs) for label, b in steps], cert.tolerance) + ran
+        cert.items = compare_steps(prog, reference, [(label, b.inputs) for label, b in steps], cert.tolerance,
+                                   by_microbatch=fp8) + ran
         cert.items += dropout_items(original, split, example,
                                     lambda m, ex: autoshard(m, example_kwargs=ex, **split))
         cert.items += recompute_items(original, split, example, lambda m, ex, s: autoshard(m, example_kwargs=ex, **s),

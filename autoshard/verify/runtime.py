@@ -27,7 +27,7 @@ from autoshard.runtime.batching import pick_loss
 from autoshard.runtime.distributed_optimizer import DistributedOptimizer
 from autoshard.testing.metrics import max_rel, norm_rel, scaled_errors
 from autoshard.verify.certificate import Item, worst_by_group
-from autoshard.verify.compare import STEP, tp_slice
+from autoshard.verify.compare import STEP, microbatch_reference, tp_slice
 from autoshard.world import current
 
 __all__ = ["Row", "local_items", "local_slice", "rank_rows", "worst_rows"]
@@ -60,9 +60,12 @@ def worst_rows(rows) -> list[Row]:
     return list(worst.values())
 
 
-def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, sharded: bool, run: str) -> list[Row]:
+def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, sharded: bool, run: str,
+              by_microbatch: bool = False) -> list[Row]:
     """This rank's comparisons over `steps` ((label, inputs) pairs), `reference` (the whole model,
-    this rank's own copy) stepped beside it; `run` names the run in each row."""
+    this rank's own copy) stepped beside it; `run` names the run in each row. `by_microbatch`: the
+    reference runs the runtime's microbatches one at a time (verify/compare.py's
+    microbatch_reference: an FP8 split's scales are per microbatch)."""
     rank = current().rank()
     rt.train()
     reference.train()
@@ -72,12 +75,25 @@ def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, 
     ref = dict(reference.named_parameters())
     mine = dict(rt.named_parameters())
     rows: list[Row] = []
+    # FP8 (by_microbatch): every step from the same weights, as compare_steps does (verify/run.py says
+    # why); at zero > 1 the optimizer owns the parameters' storage, and the steps run on from each other
+    fresh = by_microbatch and (not sharded or getattr(prog, "zero", 1) == 1)
+    start = ({n: p.detach().clone() for n, p in mine.items()},
+             {n: t.detach().clone() for n, t in reference.state_dict().items()}) if fresh else None
     for k, (label, inputs) in enumerate(steps, 1):
         here = f"{run} rank {rank}, step {k} ({label})"
+        if start is not None and k > 1:
+            with torch.no_grad():
+                for n, p in mine.items():
+                    p.copy_(start[0][n])
+            reference.load_state_dict(start[1])
+            optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=True, **STEP) if sharded
+                         else torch.optim.AdamW(rt.parameters(), **STEP))
+            ref_optimizer = torch.optim.AdamW(reference.parameters(), **STEP)
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
         loss = rt.train_step(**inputs)
-        ref_loss = pick_loss(reference(**inputs))
+        ref_loss = microbatch_reference(prog, reference, inputs)[0] if by_microbatch else pick_loss(reference(**inputs))
         ref_loss.backward()
         grads = {} if sharded else scaled_errors({n: p.grad for n, p in mine.items()},      # sharded: no .grad,
                                                  {n: local_slice(prog, rt, n, ref[n].grad) for n in mine})   # owned only
@@ -93,11 +109,12 @@ def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, 
 
 
 def local_items(prog, reference: nn.Module, steps: list[tuple[str, dict]], tolerance: float, *,
-                sharded: bool = False) -> list[Item]:
+                sharded: bool = False, by_microbatch: bool = False) -> list[Item]:
     """Every rank of `prog` in this process (`prog.local_mesh()`), each comparing itself with its own
     copy of `reference` (the model as compiled, not yet stepped) over `steps`."""
     mesh = prog.local_mesh()
     copies = [copy.deepcopy(reference) for _ in mesh.runtimes]
-    per_rank = mesh.each(lambda rt, ref: rank_rows(prog, rt, ref, steps, sharded=sharded, run="runtime"), copies)
+    per_rank = mesh.each(lambda rt, ref: rank_rows(prog, rt, ref, steps, sharded=sharded, run="runtime",
+                                                   by_microbatch=by_microbatch), copies)
     return [Item(kind, group, err, where, tolerance) for kind, group, err, where in worst_rows(r for rs in per_rank
                                                                                              for r in rs)]
