@@ -51,12 +51,14 @@ def _worst(grads, want) -> float:
                for k, g in want.items() if g is not None and g.norm() > 0)
 
 
-@pytest.mark.parametrize("split", [{}, {"sequence_parallel": True}, {"pp": 2}], ids=["tp2", "tp2-sp", "tp2-pp2"])
+@pytest.mark.parametrize("split", [{}, {"sequence_parallel": True}, {"pp": 2}, {"recompute": "full"}, {"recompute": "selective"}],
+                         ids=["tp2", "tp2-sp", "tp2-pp2", "tp2-full-recompute", "tp2-selective-recompute"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_the_tp2_fp8_program_equals_the_single_device_fp8_program(recipe, split):
     """Sequence parallelism gathers a column-parallel linear's tokens before it and reduce-scatters a
     row-parallel one's after it, so each FP8 matmul sees the whole sequence as at tp alone; the
-    pipeline cuts between layers."""
+    pipeline cuts between layers; a recomputed region runs its Fp8Linear calls again in backward, their
+    scales computed again from the same tensors."""
     model = _llama().float()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     kw = dict(example_kwargs={"input_ids": ids, "labels": ids}, precision="fp8", fp8_recipe=recipe)
