@@ -1,9 +1,10 @@
 """Where `autoshard train`'s ranks come from past one machine: torchrun's flags for several nodes, a
-launcher that already started every process (torchrun, SLURM's srun), which ranks share a node, and
-a SLURM job file that runs the same training.
+launcher that already started every process (torchrun, SLURM's srun), which ranks share a node,
+whether every node sees the run's folder, and a SLURM job file that runs the same training.
 
     extra = launched_by(os.environ)          # ("SLURM", {"RANK": ...}) when srun started this process
     layout = NodeLayout(world=8, per_node=4); layout.check_tp(tp=2, allow=False)
+    check_shared_folder(opts.out, layout)    # a collective: a node on a disk of its own stops every rank
     text = sbatch_script(argv, nodes=2, per_node=8, gpus=True)
 
 torchrun and torch.distributed are the engine: the flags are torchrun's own (its elastic agent's

@@ -39,11 +39,15 @@ __all__ = ["compare_steps", "microbatch_reference", "tp_slice", "STEP"]
 STEP = dict(lr=1e-3, eps=1e-4, weight_decay=0.1)
 
 
+def _per_slice(prog, inputs: dict[str, torch.Tensor]) -> list[list[dict[str, torch.Tensor]]]:
+    """The runtime's cut of the global batch: each data slice's microbatches."""
+    return [split_batch(s, prog.microbatches, "microbatches") for s in split_batch(inputs, prog.dp, "dp")]
+
+
 def _pieces(prog, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """The runtime's cut of the global batch: data slice d's microbatch i, for every (d, i); with
     replicas in the simulator (ep, cp) the data slices' microbatch i together, as one call."""
-    slices = split_batch(inputs, prog.dp, "dp")
-    per_slice = [split_batch(s, prog.microbatches, "microbatches") for s in slices]
+    per_slice = _per_slice(prog, inputs)
     if prog.dims.ep > 1 or prog.cp > 1:
         return [{k: torch.cat([mbs[i][k] for mbs in per_slice]) if isinstance(v, torch.Tensor) else v
                  for k, v in inputs.items()} for i in range(prog.microbatches)]
@@ -65,7 +69,7 @@ def microbatch_reference(prog, model: nn.Module, inputs: dict[str, torch.Tensor]
     the runtime adds its microbatches' (gradient accumulation): (the loss, each piece's outputs in
     data-slice-major order). What an FP8 split is compared with: its scales are per microbatch, as a
     single-device FP8 model's are on the same microbatch."""
-    pieces = [mb for s in split_batch(inputs, prog.dp, "dp") for mb in split_batch(s, prog.microbatches, "microbatches")]
+    pieces = [mb for mbs in _per_slice(prog, inputs) for mb in mbs]
     outs = [model(**p) for p in pieces]
     loss = sum(pick_loss(o) * f for o, f in zip(outs, _loss_factors(prog, pieces)))
     return loss, outs
