@@ -27,9 +27,9 @@ import json, sys, time, torch
 import autoshard
 from autoshard import autoshard as shard
 from autoshard.testing.models import build_model
-name, kw = sys.argv[1], json.loads(sys.argv[2])
+name, kw, layers = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
-model = build_model(name, layers=4)
+model = build_model(name, layers=layers)
 ids = torch.randint(0, 128, (2, 32))
 t0 = time.perf_counter(); prog = shard(model, **kw); t1 = time.perf_counter()
 def step():
@@ -59,8 +59,8 @@ def run_in_checkout(checkout: str, child: str, *args: str, hint: str = "") -> di
     return got
 
 
-def _run(checkout: str, name: str, kw: dict) -> dict:
-    return run_in_checkout(checkout, _CHILD, name, json.dumps(kw), hint="; see the module docstring")
+def _run(checkout: str, name: str, kw: dict, layers: int) -> dict:
+    return run_in_checkout(checkout, _CHILD, name, json.dumps(kw), str(layers), hint="; see the module docstring")
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="one configuration, one round (a smoke test)")
+    ap.add_argument("--quick", action="store_true", help="one configuration of 2 layers, one round (a smoke test)")
     ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args()
     rows = []
@@ -78,7 +78,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"old": [], "new": []}
         for _ in range(args.rounds):             # alternate, so drift on a shared machine hits both
             for side in ("old", "new"):
-                runs[side].append(_run(getattr(args, side), name, kw))
+                runs[side].append(_run(getattr(args, side), name, kw, 2 if args.quick else 4))
         med = {side: {k: statistics.median(r[k] for r in rs) for k in ("compile_s", "step_s")}
                for side, rs in runs.items()}
         rows.append([f"{name} {' '.join(f'{k}={v}' for k, v in kw.items())}",
