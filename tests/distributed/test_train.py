@@ -272,13 +272,13 @@ _STUBS = {"scontrol": '#!/bin/bash\nfor _ in $(seq "$SLURM_NNODES"); do echo 127
 def test_the_slurm_job_file_trains_on_two_nodes_as_one_node_does(tmp_path):
     """The job file `--slurm-script` writes, run by bash with stand-ins for srun and scontrol (two
     "nodes" on localhost): two agents of two processes meet at the first host's c10d rendezvous and
-    train tp=2 x dp=2 for 20 steps with the losses of the 4 ranks run on one machine (in this process,
+    train tp=2 x dp=2 for 8 steps with the losses of the 4 ranks run on one machine (in this process,
     on a local world), bit for bit; the banner says which ranks share a node."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = [*LLAMA, "--tp", "2", "--steps", "20", "--save-every", "1000"]
+    args = [*LLAMA, "--tp", "2", "--steps", "8", "--save-every", "1000"]
     job = tmp_path / "job.sbatch"
     from autoshard.train import command
     assert command(["--data", os.path.join(ROOT, "README.md"), "--out", str(tmp_path / "two"), "--log-every", "10",
@@ -296,7 +296,7 @@ def test_the_slurm_job_file_trains_on_two_nodes_as_one_node_does(tmp_path):
     assert "2 nodes x 2 processes (node 0: ranks 0-1; node 1: ranks 2-3)" in "".join(logs), logs
     _train(tmp_path / "one", *args, nproc=4)
     assert [r["loss"] for r in _rows(tmp_path / "two")] == [r["loss"] for r in _rows(tmp_path / "one")]
-    assert len(_rows(tmp_path / "two")) == 20
+    assert len(_rows(tmp_path / "two")) == 8
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -327,7 +327,7 @@ def _wait_for(path, procs, timeout=300.0) -> None:
 
 # GPT-2 at tp=2 x pp=2: its embedding tied across the two stages, dropout 0.1 (masks drawn per step)
 GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--batch", "8",
-        "--warmup", "5", "--lr", "1e-3", "--tp", "2", "--pp", "2", "--steps", "20", "--save-every", "5", "--clip", "0"]
+        "--warmup", "5", "--lr", "1e-3", "--tp", "2", "--pp", "2", "--steps", "12", "--save-every", "3", "--clip", "0"]
 
 
 @pytest.mark.slow
@@ -336,10 +336,10 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
     first started by `autoshard train --nnodes 2 --max-restarts 3`, the second by a hand-written
     `torchrun --nnodes 2 ... -m autoshard.train ... --nproc-per-node 2`, whose ranks run as given and
     launch nothing (each replacement too). The second node is lost twice, agent and ranks killed at
-    once: while the step-10 checkpoint is being written (its ranks wrote their shards and hang before
-    the index: tests/harness/hang_in_checkpoint.py), then after the step-15 checkpoint is complete. Each time a
+    once: while the step-6 checkpoint is being written (its ranks wrote their shards and hang before
+    the index: tests/harness/hang_in_checkpoint.py), then after the step-9 checkpoint is complete. Each time a
     replacement agent joins, the survivor restarts the group and every rank resumes from the newest
-    complete checkpoint: 5 (never the one cut short), then 15.
+    complete checkpoint: 3 (never the one cut short), then 9.
 
     The run ends as the uninterrupted run of the same 4 ranks on one machine in this process (a local
     world) ends, bit for bit: every step's loss (the same sequences and dropout masks at the same
@@ -381,7 +381,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
         node.wait()
 
     first = agent("autoshard.train", *train, "--nnodes", "2", "--nproc-per-node", "2", *rdzv)
-    ten = out / "checkpoints" / "step-00000010"
+    six = out / "checkpoints" / "step-00000006"
     try:
         while True:            # the rendezvous store is up: the first agent holds it, and survives
             try:
@@ -390,15 +390,15 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
             except OSError:
                 assert first.poll() is None, logs[0].read_text()[-3000:]
                 time.sleep(0.05)
-        node = second_node("tests.harness.hang_in_checkpoint", "10")      # its ranks hang in step 10's save
+        node = second_node("tests.harness.hang_in_checkpoint", "6")      # its ranks hang in step 6's save
         for part in ("rank-pp1-tp0.safetensors", "rank-pp1-tp1.safetensors"):
-            _wait_for(ten / part, [first, node])
+            _wait_for(six / part, [first, node])
         lose(node)
-        assert not (ten / "index.json").exists()
+        assert not (six / "index.json").exists()
         node = second_node()
-        _wait_for(out / "checkpoints" / "step-00000015" / "index.json", [first, node])
+        _wait_for(out / "checkpoints" / "step-00000009" / "index.json", [first, node])
         lose(node)
-        newest = ck.latest(str(out / "checkpoints"))        # 15, or 20 had the step-15 kill come late
+        newest = ck.latest(str(out / "checkpoints"))        # 9, or 12 had the step-9 kill come late
         last = second_node()
         assert first.wait(timeout=600) == 0 and last.wait(timeout=600) == 0, \
             "".join(log.read_text()[-2000:] for log in logs)
@@ -408,13 +408,13 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
                 lose(p)
     said = [log.read_text() for log in logs]
     everything = "".join(said)
-    assert f"resumed from {ten.parent / 'step-00000005'} at step 5" in everything, everything[-3000:]
+    assert f"resumed from {six.parent / 'step-00000003'} at step 3" in everything, everything[-3000:]
     assert f"resumed from {newest} at step {int(newest[-8:])}" in everything, everything[-3000:]
     assert all("started by torchrun" in log and "no launch of our own" in log for log in said[1:]), said[1]
     two, one = _rows(out), _rows(tmp_path / "one")
-    assert [r["loss"] for r in two] == [r["loss"] for r in one] and len(two) == 20
+    assert [r["loss"] for r in two] == [r["loss"] for r in one] and len(two) == 12
     assert all(abs(float(a["grad_norm"]) / float(b["grad_norm"]) - 1) <= 1e-12 for a, b in zip(two, one))
-    step = os.path.join("checkpoints", "step-00000020")
+    step = os.path.join("checkpoints", "step-00000012")
     files = sorted(f for f in os.listdir(out / step) if f.endswith(".safetensors"))
     assert len(files) == 4 and files == sorted(f for f in os.listdir(tmp_path / "one" / step) if f.endswith(".safetensors"))
     for f in files:
