@@ -138,7 +138,9 @@ def sbatch_script(train_argv: list[str], *, nodes: int, per_node: int, gpus: boo
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={per_node}")
     lines += ["set -euo pipefail",
-              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              # no pipe into `head -n1`: under pipefail its early exit can kill scontrol (SIGPIPE) and the job
+              'hosts=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+              'head=${hosts[0]}',
               f'port=${{AUTOSHARD_PORT:-{port}}}',
               "# one agent per node; they meet at the first node (c10d) and number the ranks node by node",
               f'srun --kill-on-bad-exit=1 {python} -m autoshard.train {args} --nnodes {nodes} '

@@ -86,6 +86,25 @@ def test_the_slurm_job_file_is_valid_bash_that_meets_at_the_first_node(tmp_path,
     assert '--nnodes 2 --nproc-per-node 4 --rdzv-endpoint "$head:$port"' in run
 
 
+def test_the_job_file_survives_a_long_host_list(tmp_path):
+    """Regression: the job file read the first host as `scontrol show hostnames | head -n1` under
+    `set -o pipefail`; head's early exit killed scontrol with SIGPIPE when more lines were still to
+    come, and the job stopped before srun (the two-node test failed so, now and then, on 2 hosts)."""
+    job = tmp_path / "job.sbatch"
+    assert command([*BASE, "--tp", "2", "--nnodes", "2", "--nproc-per-node", "2", "--slurm-script", str(job)]) == 0
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text('#!/bin/bash\nfor i in $(seq 20000); do echo "n$i"; done\n')
+    (stubs / "srun").write_text('#!/bin/bash\necho "$@" > srun.args\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-20000]",
+           "AUTOSHARD_PORT": "29611"}
+    proc = subprocess.run(["bash", str(job)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--rdzv-endpoint n1:29611" in (tmp_path / "srun.args").read_text()
+
+
 def test_under_srun_it_runs_as_the_given_rank_and_launches_nothing(tmp_path):
     """A simulated SLURM task (srun's variables set, no srun here): `autoshard train` with
     --nproc-per-node given runs as SLURM's rank 0 of 1 instead of starting processes of its own."""
