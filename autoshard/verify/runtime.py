@@ -69,9 +69,11 @@ def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, 
     rank = current().rank()
     rt.train()
     reference.train()
-    optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=True, **STEP) if sharded
-                 else torch.optim.AdamW(rt.parameters(), **STEP))
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), **STEP)
+
+    def optimizers():
+        return (DistributedOptimizer(rt, torch.optim.AdamW, shard=True, **STEP) if sharded
+                else torch.optim.AdamW(rt.parameters(), **STEP)), torch.optim.AdamW(reference.parameters(), **STEP)
+    optimizer, ref_optimizer = optimizers()
     ref = dict(reference.named_parameters())
     mine = dict(rt.named_parameters())
     rows: list[Row] = []
@@ -87,9 +89,7 @@ def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, 
                 for n, p in mine.items():
                     p.copy_(start[0][n])
             reference.load_state_dict(start[1])
-            optimizer = (DistributedOptimizer(rt, torch.optim.AdamW, shard=True, **STEP) if sharded
-                         else torch.optim.AdamW(rt.parameters(), **STEP))
-            ref_optimizer = torch.optim.AdamW(reference.parameters(), **STEP)
+            optimizer, ref_optimizer = optimizers()
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
         loss = rt.train_step(**inputs)
