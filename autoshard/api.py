@@ -146,11 +146,6 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
                             "context parallelism; see autoshard.plan(..., context_parallel=True) and give "
                             "tp/pp/dp/cp yourself")
     fp8 = _fp8_options(model, precision, fp8_recipe, fuse)
-    if fp8 is not None and cp not in (None, 1):
-        raise ShardingError(f"precision=\"fp8\" with cp={cp} is not built yet: a context-parallel rank holds 1/{cp} "
-                            f"of each sequence, so the amaxes over tokens (the tensorwise activation and gradient "
-                            f"scales) would be its own tokens', not the sequence's as on one device; they need the cp "
-                            f"group's max too")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
                   sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts, fp8=fp8)

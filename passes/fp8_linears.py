@@ -10,7 +10,8 @@ gives the reason `print(prog)` shows. `keep` names the weights the model's struc
 (autoshard/api.py reads them off the model): its output embedding (the LM head) and its routers.
 A linear in FP8 becomes the call of an Fp8Linear module, and its bias an add after it (in bf16,
 as torchao adds it). `role_of(weight)`: "column" or "row" where tensor parallelism splits the
-weight (its amaxes are then taken over the group where they span the split dim), else None.
+weight (its amaxes are then taken over the group where they span the split dim), else None; at
+`cp` > 1 the amaxes over the tokens are taken over the context-parallel group.
 """
 from __future__ import annotations
 
@@ -68,14 +69,14 @@ def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
 
 def rewrite_fp8_linears(graph: fx.Graph, table: dict[str, str | None], recipe: str,
                         param_of: Callable[[str], str | None], role_of: Callable[[str], str | None],
-                        suffix: str = "") -> list[Fp8LinearSpec]:
+                        suffix: str = "", cp: int = 1) -> list[Fp8LinearSpec]:
     """Each linear the table runs in FP8 becomes an Fp8Linear module's call (+ its bias), in place;
     returns the modules' specs."""
     specs = []
     for n, name in list(_linears(graph, param_of)):
         if table.get(name, "not in the table") is not None:
             continue
-        spec = Fp8LinearSpec(f"fp8_{n.name}{suffix}", recipe, role_of(name))
+        spec = Fp8LinearSpec(f"fp8_{n.name}{suffix}", recipe, role_of(name), cp)
         x, w, *rest = n.args
         with graph.inserting_before(n):
             y = call = graph.call_module(spec.module, (x, w))

@@ -139,7 +139,7 @@ class Compiler:
                 retarget_nodes(rg.graph, entry.device)
         if self.fp8 is not None:         # before fusion, which would otherwise take a linear's bias out
             rg.modules.extend(rewrite_fp8_linears(rg.graph, self.fp8_table(entry), self.fp8.recipe,
-                                                  cap.param_names.get, self._role_of(entry), suffix))
+                                                  cap.param_names.get, self._role_of(entry), suffix, self.cp))
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))

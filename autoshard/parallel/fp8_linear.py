@@ -29,6 +29,12 @@ microbatch's, as the single-device model's are for the same microbatch (`reduce=
 group's max off: the check that shows it is needed). The casts of a shard are then the whole
 tensor's element for element; what tp still adds in the model's dtype is its partial sums (g's
 all-reduce of the row-parallel outputs, f's of the input gradients), as Megatron adds them in bf16.
+
+Context parallelism: a cp rank holds 1/cp of each sequence's tokens and the whole weights, so an
+amax over the tokens is taken over the cp group too (the tensorwise x and output gradient, the
+rowwise grad_w's scales over the tokens); amaxes per token or over a weight are the rank's own. The
+grad_w of each cp rank is then its tokens' part of the single-device one, in the same float8
+values, and the data-parallel reduction sums the parts.
 """
 from __future__ import annotations
 
@@ -36,7 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from autoshard.parallel.comm import SIMULATED, Collective, CommHandle, Reducer, distributed_reducer
+from typing import Callable
+
+from autoshard.parallel.comm import SIMULATED, Collective, CommHandle, Ranked, distributed_reducer
+from autoshard.parallel.context_parallel import context_groups
 
 __all__ = ["FP8_RECIPES", "Fp8Linear", "Fp8LinearSpec", "E4M3", "E5M2"]
 
@@ -45,11 +54,15 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 _TINY = 1e-12          # the smallest amax a scale is made from: an all-zero row scales by this
 
 
-def _scale(red: Reducer, amaxes: list[torch.Tensor], across: bool, fmt: torch.dtype) -> list[torch.Tensor]:
-    """fp32 scales from each rank's amaxes, the group's max taken first where `across`."""
+Max = Callable[[Ranked], Ranked]       # each rank's amax -> its group's max, for the ranks present
+
+
+def _scale(amaxes: list[torch.Tensor], over: list[Max | None], fmt: torch.dtype) -> list[torch.Tensor]:
+    """fp32 scales from each rank's amaxes, after the max over each group in `over` (None: none)."""
     amaxes = [a.float() for a in amaxes]
-    if across:
-        amaxes = red.max(amaxes)
+    for group_max in over:
+        if group_max is not None:
+            amaxes = group_max(amaxes)
     return [a.clamp(min=_TINY) / torch.finfo(fmt).max for a in amaxes]
 
 
@@ -64,53 +77,65 @@ def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """y = x @ w.T on every rank present, in float8 (see the module doc); inputs x0, w0, x1, w1, ..."""
+    """y = x @ w.T on every rank present, in float8 (see the module doc); inputs x0, w0, x1, w1, ...
+    `row`, `column`: the tp group's max where tp splits w's input (row) or output (column) features,
+    else None; `tokens`: the cp group's max where cp splits the tokens, else None."""
 
     @staticmethod
-    def forward(ctx, red: Reducer, recipe: str, role: str | None, reduce: bool, *xw: torch.Tensor):
+    def forward(ctx, recipe: str, row: Max | None, column: Max | None, tokens: Max | None, *xw: torch.Tensor):
         xs, ws = [x.reshape(-1, x.shape[-1]) for x in xw[0::2]], list(xw[1::2])
-        row, column = reduce and role == "row", reduce and role == "column"
         if recipe == "tensorwise":
-            sx = _scale(red, [x.abs().amax() for x in xs], row, E4M3)
-            sw = _scale(red, [w.abs().amax() for w in ws], row or column, E4M3)
+            sx = _scale([x.abs().amax() for x in xs], [row, tokens], E4M3)
+            sw = _scale([w.abs().amax() for w in ws], [row or column], E4M3)
             x8 = [_cast(x, s, E4M3) for x, s in zip(xs, sx)]
             w8 = [_cast(w, s, E4M3) for w, s in zip(ws, sw)]
             ys = [_mm(a, b.t(), s, t, x.dtype) for a, b, s, t, x in zip(x8, w8, sx, sw, xs)]
             ctx.save_for_backward(*x8, *w8, *sx, *sw)
         else:
-            sx = _scale(red, [x.abs().amax(1, keepdim=True) for x in xs], row, E4M3)        # [M, 1]
-            sw = _scale(red, [w.abs().amax(1, keepdim=True) for w in ws], row, E4M3)        # [N, 1]
+            sx = _scale([x.abs().amax(1, keepdim=True) for x in xs], [row], E4M3)        # [M, 1]
+            sw = _scale([w.abs().amax(1, keepdim=True) for w in ws], [row], E4M3)        # [N, 1]
             ys = [_mm(_cast(x, s, E4M3), _cast(w, t, E4M3).t(), s, t.t(), x.dtype)
                   for x, w, s, t in zip(xs, ws, sx, sw)]
             ctx.save_for_backward(*xs, *ws)
-        ctx.args = (red, recipe, row, column, len(ws), [x.shape for x in xw[0::2]], [w.dtype for w in ws],
+        ctx.args = (recipe, column, tokens, len(ws), [x.shape for x in xw[0::2]], [w.dtype for w in ws],
                     [x.dtype for x in xs])
-        return tuple(y.reshape(*shape[:-1], y.shape[-1]) for y, shape in zip(ys, ctx.args[5]))
+        return tuple(y.reshape(*shape[:-1], y.shape[-1]) for y, shape in zip(ys, ctx.args[4]))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        red, recipe, row, column, n, shapes, wtypes, xtypes = ctx.args
+        recipe, column, tokens, n, shapes, wtypes, xtypes = ctx.args
         saved = ctx.saved_tensors
         gs = [g.reshape(-1, g.shape[-1]) for g in grads]
         if recipe == "tensorwise":
             x8, w8, sx, sw = saved[:n], saved[n:2 * n], saved[2 * n:3 * n], saved[3 * n:]
-            sg = _scale(red, [g.abs().amax() for g in gs], column, E5M2)
+            sg = _scale([g.abs().amax() for g in gs], [column, tokens], E5M2)
             g8 = [_cast(g, s, E5M2) for g, s in zip(gs, sg)]
             dx = [_mm(g, w, s, t, xt) for g, w, s, t, xt in zip(g8, w8, sg, sw, xtypes)]
             dw = [_mm(g.t(), x, s, t, dt) for g, x, s, t, dt in zip(g8, x8, sg, sx, wtypes)]
         else:
             xs, ws = saved[:n], saved[n:]
-            sg = _scale(red, [g.abs().amax(1, keepdim=True) for g in gs], column, E4M3)        # per token, over N
-            sw = _scale(red, [w.abs().amax(0, keepdim=True) for w in ws], column, E4M3)        # per input feature
+            sg = _scale([g.abs().amax(1, keepdim=True) for g in gs], [column], E4M3)        # per token, over N
+            sw = _scale([w.abs().amax(0, keepdim=True) for w in ws], [column], E4M3)        # per input feature
             dx = [_mm(_cast(g, s, E4M3), _cast(w, t, E4M3), s, t, xt) for g, w, s, t, xt in zip(gs, ws, sg, sw, xtypes)]
-            sgt = _scale(red, [g.abs().amax(0, keepdim=True).t() for g in gs], False, E4M3)   # [N, 1], over tokens
-            sxt = _scale(red, [x.abs().amax(0, keepdim=True) for x in xs], False, E4M3)       # [1, K], over tokens
+            sgt = _scale([g.abs().amax(0, keepdim=True).t() for g in gs], [tokens], E4M3)   # [N, 1], over tokens
+            sxt = _scale([x.abs().amax(0, keepdim=True) for x in xs], [tokens], E4M3)       # [1, K], over tokens
             dw = [_mm(_cast(g.t(), s, E4M3), _cast(x, t, E4M3), s, t, dt)
                   for g, x, s, t, dt in zip(gs, xs, sgt, sxt, wtypes)]
         grads_in = [None] * 4
         for d, w, shape in zip(dx, dw, shapes):
             grads_in += [d.reshape(shape), w]
         return tuple(grads_in)
+
+
+def _grouped_max(groups: list[list[int]]) -> Max:
+    """The simulator's max over each group of the ranks present (`groups`: their indices)."""
+    def group_max(xs: Ranked) -> Ranked:
+        out = list(xs)
+        for group in groups:
+            for i, m in zip(group, SIMULATED.max([xs[i] for i in group])):
+                out[i] = m
+        return out
+    return group_max
 
 
 @dataclass(frozen=True)
@@ -120,31 +145,48 @@ class Fp8LinearSpec:
     module: str
     recipe: str
     role: str | None          # "column", "row" or None (a weight tp does not divide)
+    cp: int = 1               # context-parallel ranks sharing the tokens
     reduce: bool = True       # False: each rank scales by its own shard's amax (wrong; for the check)
 
-    def build(self, handle: CommHandle) -> "Fp8Linear":
-        return Fp8Linear(handle, self.recipe, self.role, self.reduce)
+    def build(self, handle: CommHandle, cp_handle: CommHandle) -> "Fp8Linear":
+        return Fp8Linear(handle, self.recipe, self.role, self.reduce, cp_handle if self.cp > 1 else None, self.cp)
 
 
 class Fp8Linear(Collective):
-    """x @ w.T in float8 with the recipe's dynamic scales, amaxes over tp where it divides the tensor."""
+    """x @ w.T in float8 with the recipe's dynamic scales, amaxes over tp where it divides the tensor
+    and over cp where they span the tokens."""
 
-    def __init__(self, handle: CommHandle, recipe: str, role: str | None, reduce: bool = True):
+    # simulated: the tp groups' maxes and the cp groups' (which span the tp groups), given the groups
+    spans_groups = True
+
+    def __init__(self, handle: CommHandle, recipe: str, role: str | None, reduce: bool = True,
+                 cp_handle: CommHandle | None = None, cp: int = 1):
         super().__init__(handle)
         if recipe not in FP8_RECIPES:
             raise ValueError(f"fp8 recipe {recipe!r}: one of {', '.join(FP8_RECIPES)}")
-        self.recipe, self.role, self.reduce = recipe, role, reduce
+        if (cp > 1) != (cp_handle is not None):
+            raise ValueError(f"an Fp8Linear at cp={cp} takes the context-parallel handle exactly when cp > 1")
+        self.recipe, self.role, self.reduce, self.cp_handle, self.cp = recipe, role, reduce, cp_handle, cp
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # a weight tp does not divide needs no group (a tp=1 program has none bound)
-        red = distributed_reducer(self.handle) if self.reduce and self.role else SIMULATED
-        return self.run(red, [self], [(x, w)])[0]
+        # a weight tp does not divide needs no tp group (a tp=1 program has none bound)
+        tp_max = distributed_reducer(self.handle).max if self.reduce and self.role else None
+        cp_max = distributed_reducer(self.cp_handle).max if self.reduce and self.cp > 1 else None
+        return self._apply(tp_max, cp_max, x, w)[0]
 
-    @staticmethod
-    def run(red: Reducer, mods: list["Fp8Linear"], rank_args: list[tuple]) -> list[torch.Tensor]:
+    @classmethod
+    def simulate(cls, mods: list["Fp8Linear"], rank_args: list[tuple], groups: list[list[int]] | None = None) -> list:
         m = mods[0]
-        flat = [t for x, w in rank_args for t in (x, w)]
-        return list(_Fp8Matmul.apply(red, m.recipe, m.role, m.reduce, *flat))
+        tp_groups = groups if groups is not None else [list(range(len(mods)))]
+        tp_max = _grouped_max(tp_groups) if m.reduce and m.role else None
+        cp_groups = context_groups(groups, m.cp) if groups is not None else tp_groups     # as ContextCollective's
+        cp_max = _grouped_max(cp_groups) if m.reduce and m.cp > 1 else None
+        return list(m._apply(tp_max, cp_max, *[t for x, w in rank_args for t in (x, w)]))
+
+    def _apply(self, tp_max: Max | None, cp_max: Max | None, *xw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        row, column = (tp_max, None) if self.role == "row" else (None, tp_max)
+        return _Fp8Matmul.apply(self.recipe, row, column, cp_max, *xw)
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe}, role={self.role}" + ("" if self.reduce else ", reduce=False")
+        return f"recipe={self.recipe}, role={self.role}" + (f", cp={self.cp}" if self.cp > 1 else "") \
+            + ("" if self.reduce else ", reduce=False")

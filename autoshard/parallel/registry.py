@@ -34,8 +34,8 @@ class RankResources(Protocol):
 ModuleSpec = SyncSpec | SequenceSpec | GatherSpec | CrossEntropySpec | RandomOpSpec | ContextGatherSpec \
     | RingAttentionSpec | Fp8LinearSpec
 
-# spec type -> the rank resource its `build` takes
-COLLECTIVES: dict[type, str] = {
+# spec type -> the rank resource its `build` takes (a tuple: the resources, in its arguments' order)
+COLLECTIVES: dict[type, str | tuple[str, ...]] = {
     SyncSpec: "handle",            # sync_<param>: rows of a parameter held by several ranks (GQA)
     SequenceSpec: "handle",        # sequence parallelism's reduce-scatter / all-gather
     GatherSpec: "handle",          # gather_<node>: sharded outputs the model returns
@@ -43,7 +43,7 @@ COLLECTIVES: dict[type, str] = {
     RandomOpSpec: "rng",           # <region>_rng_<node>: a random op under its region's generator
     ContextGatherSpec: "cp_handle",  # cp_gather_<node>: keys or values of every token (context parallelism)
     RingAttentionSpec: "cp_handle",  # cp_ring_<node>: SDPA with the keys passed around the context-parallel ring
-    Fp8LinearSpec: "handle",       # fp8_<node>: a linear in float8, amaxes over tp where it divides the weight
+    Fp8LinearSpec: ("handle", "cp_handle"),   # fp8_<node>: a linear in float8, amaxes over tp and cp where they split it
 }
 
 
@@ -59,4 +59,5 @@ def row_for(table: dict, item: object, what: str, where: str):
 def build_module(spec: ModuleSpec, rank: RankResources) -> nn.Module:
     resource = row_for(COLLECTIVES, spec, f"{type(spec).__name__} ({spec.module})",
                        "autoshard/parallel/registry.py's COLLECTIVES")
-    return spec.build(getattr(rank, resource))
+    resources = resource if isinstance(resource, tuple) else (resource,)
+    return spec.build(*(getattr(rank, r) for r in resources))

@@ -1,8 +1,10 @@
-"""precision="fp8" in the runtime: tp=2 ranks on a local world, their amaxes taken with the world's
-all-reduce (max), step to the single-device FP8 program's loss and gradients (the model in fp32
-around its FP8 linears: tests/simulation/test_fp8.py says why)."""
+"""precision="fp8" in the runtime: tp=2 ranks (or cp=2 ranks) on a local world, their amaxes taken
+with the world's all-reduce (max) over the tp group (or the cp group), step to the single-device FP8
+program's loss and gradients (the model in fp32 around its FP8 linears: tests/simulation/test_fp8.py
+says why)."""
 import copy
 
+import pytest
 import torch
 
 from autoshard import autoshard
@@ -10,7 +12,8 @@ from autoshard.world import LocalWorld
 from tests.simulation.test_fp8 import FP32_TOL, _llama
 
 
-def test_the_runtimes_fp8_ranks_step_as_one_device():
+@pytest.mark.parametrize("split", [{"tp": 2}, {"tp": 1, "cp": 2}], ids=["tp2", "cp2"])
+def test_the_runtimes_fp8_ranks_step_as_one_device(split):
     model = _llama().float()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     kw = dict(example_kwargs={"input_ids": ids, "labels": ids}, precision="fp8")
@@ -18,7 +21,7 @@ def test_the_runtimes_fp8_ranks_step_as_one_device():
     want = one.simulate(input_ids=ids, labels=ids).loss
     want.backward()
     grads = one.full_grads()
-    prog = autoshard(copy.deepcopy(model), tp=2, **kw)
+    prog = autoshard(copy.deepcopy(model), **split, **kw)
 
     def rank(r):
         rt = prog.distributed(mesh=True)

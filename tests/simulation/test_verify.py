@@ -39,6 +39,7 @@ def test_correct_programs_are_verified(name, split):
     cert = verify_model(model, split)
     assert cert.passed, cert.render()
     assert {i.kind for i in cert.items} == {"output", "gradient", "weight"}
+    assert any("local world" in run for run in cert.runs)          # the runtime's rows too
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())     # the model is left alone
     assert "VERIFIED" in cert.render().splitlines()[-1]
 
