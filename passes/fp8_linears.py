@@ -2,16 +2,20 @@
 in bf16, each with its reason.
 
     table = fp8_table(captured_gm, param_of, shards, keep)     # weight -> None (FP8) or why bf16
-    specs = rewrite_fp8_linears(rank_graph, table, recipe, param_of, role_of, suffix)
+    specs = rewrite_fp8_linears(rank_graph, table, recipe, param_of, split_dim, suffix, cp)
 
-A linear is `aten.linear(x, w[, b])` with `w` a parameter (`param_of(get_attr target)` names it).
+A linear is `aten.linear(x, w[, b])` with `w` a parameter (`param_of(get_attr target)` names it),
+w [out, in]; or GPT-2's Conv1D, `aten.addmm(b, x, w)` (or `aten.mm(x, w)`, as tp's rewrite leaves
+a row-parallel one whose bias it adds after g), w [in, out]: `LINEAR_FORMS` says where each form
+keeps its operands.
 `KEEP_BF16`'s rows are tried in order; the first whose test holds keeps the linear in bf16 and
 gives the reason `print(prog)` shows. `keep` names the weights the model's structure picks out
 (autoshard/api.py reads them off the model): its output embedding (the LM head) and its routers.
 A linear in FP8 becomes the call of an Fp8Linear module, and its bias an add after it (in bf16,
-as torchao adds it). `role_of(weight)`: "column" or "row" where tensor parallelism splits the
-weight (its amaxes are then taken over the group where they span the split dim), else None; at
-`cp` > 1 the amaxes over the tokens are taken over the context-parallel group.
+as torchao adds it); a Conv1D's weight reaches it transposed, [out, in]. `split_dim(weight)`: the
+dim tensor parallelism splits, else None; the linear is then column-parallel (its output features
+split) or row-parallel (its input features; its amaxes are then taken over the group where they span
+the split dim); at `cp` > 1 the amaxes over the tokens are taken over the context-parallel group.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch.fx as fx
 
 from autoshard.parallel.fp8_linear import Fp8LinearSpec
 
-__all__ = ["KEEP_BF16", "Fp8Options", "fp8_table", "rewrite_fp8_linears"]
+__all__ = ["KEEP_BF16", "LINEAR_FORMS", "Fp8Options", "fp8_table", "rewrite_fp8_linears"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,23 @@ class Fp8Options:
     recipe: str = "tensorwise"
     keep: dict[str, str] = field(default_factory=dict)
 
-_LINEAR = torch.ops.aten.linear.default
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """Where an op that is a linear layer keeps x, w and the bias, and which dim of w is its outputs'."""
+    x: int
+    w: int
+    bias: int | None
+    out_dim: int           # 0: w is [out, in] (nn.Linear); 1: w is [in, out] (Conv1D)
+
+
+LINEAR_FORMS: dict[object, LinearForm] = {
+    _aten.linear.default: LinearForm(x=0, w=1, bias=2, out_dim=0),      # nn.Linear, F.linear
+    _aten.addmm.default: LinearForm(x=1, w=2, bias=0, out_dim=1),       # GPT-2's Conv1D: b + x @ w
+    _aten.mm.default: LinearForm(x=0, w=1, bias=None, out_dim=1),       # a row-parallel Conv1D, its bias after g
+}
 
 
 # (reason, test(weight name, its [out, in] sizes whole and on each rank, keep)): the first that holds
@@ -48,11 +68,18 @@ KEEP_BF16: list[tuple[str, Callable[[str, list[list[int]], dict[str, str]], bool
 ]
 
 
+def _arg(n: fx.Node, i: int | None):
+    return n.args[i] if i is not None and i < len(n.args) else None
+
+
 def _linears(graph: fx.Graph, param_of: Callable[[str], str | None]):
+    """(node, weight name, form) of each linear on a parameter: w 2-D, the plain matmul form only."""
     for n in graph.nodes:
-        if n.op == "call_function" and n.target is _LINEAR and isinstance(n.args[1], fx.Node) \
-                and n.args[1].op == "get_attr" and param_of(n.args[1].target) is not None:
-            yield n, param_of(n.args[1].target)
+        form = LINEAR_FORMS.get(n.target) if n.op == "call_function" else None
+        w = _arg(n, form.w) if form is not None else None
+        if isinstance(w, fx.Node) and w.op == "get_attr" and param_of(w.target) is not None \
+                and not n.kwargs and (n.target is not _aten.addmm.default or len(n.args) == 3):
+            yield n, param_of(w.target), form
 
 
 def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
@@ -60,28 +87,32 @@ def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
     """Every linear's weight -> None where it runs in FP8, else the reason it stays bf16 (see the
     module doc), read off the captured graph; `shards(name, shape)`: its shape on each tp rank."""
     table: dict[str, str | None] = {}
-    for n, name in _linears(captured.graph, param_of):
-        shape = list(captured.get_parameter(n.args[1].target).shape)
+    for n, name, form in _linears(captured.graph, param_of):
+        shape = list(captured.get_parameter(n.args[form.w].target).shape)
         sizes = [shape, *shards(name, shape)]
         table[name] = next((why for why, test in KEEP_BF16 if test(name, sizes, keep)), None)
     return table
 
 
 def rewrite_fp8_linears(graph: fx.Graph, table: dict[str, str | None], recipe: str,
-                        param_of: Callable[[str], str | None], role_of: Callable[[str], str | None],
+                        param_of: Callable[[str], str | None], split_dim: Callable[[str], int | None],
                         suffix: str = "", cp: int = 1) -> list[Fp8LinearSpec]:
     """Each linear the table runs in FP8 becomes an Fp8Linear module's call (+ its bias), in place;
     returns the modules' specs."""
     specs = []
-    for n, name in list(_linears(graph, param_of)):
+    for n, name, form in list(_linears(graph, param_of)):
         if table.get(name, "not in the table") is not None:
             continue
-        spec = Fp8LinearSpec(f"fp8_{n.name}{suffix}", recipe, role_of(name), cp)
-        x, w, *rest = n.args
+        dim = split_dim(name)
+        role = None if dim is None else "column" if dim == form.out_dim else "row"
+        spec = Fp8LinearSpec(f"fp8_{n.name}{suffix}", recipe, role, cp)
+        x, w, bias = _arg(n, form.x), _arg(n, form.w), _arg(n, form.bias)
         with graph.inserting_before(n):
+            if form.out_dim == 1:
+                w = graph.call_function(_aten.t.default, (w,))          # [in, out] -> [out, in]
             y = call = graph.call_module(spec.module, (x, w))
-            if rest and rest[0] is not None:
-                y = graph.call_function(torch.ops.aten.add.Tensor, (call, rest[0]))
+            if bias is not None:
+                y = graph.call_function(_aten.add.Tensor, (call, bias))
         call.meta.update({k: v for k, v in n.meta.items() if k in ("captured", "val")})    # read as the linear
         n.replace_all_uses_with(y)
         graph.erase_node(n)

@@ -139,7 +139,7 @@ class Compiler:
                 retarget_nodes(rg.graph, entry.device)
         if self.fp8 is not None:         # before fusion, which would otherwise take a linear's bias out
             rg.modules.extend(rewrite_fp8_linears(rg.graph, self.fp8_table(entry), self.fp8.recipe,
-                                                  cap.param_names.get, self._role_of(entry), suffix, self.cp))
+                                                  cap.param_names.get, self._split_dim(entry), suffix, self.cp))
         if self.fuse:
             fuse(rg.graph, lambda target: fetch_attr(cap.gm, target), captured=cap.gm.graph, modules=rg.modules)
         rg.tables = outline_tables(rg.graph, attr, cap.param_names, "tables" + suffix, lambda n: _example_value(n, by_name))
@@ -153,9 +153,9 @@ class Compiler:
         return rg
 
 
-    def _role_of(self, entry: Compiled) -> Callable[[str], str | None]:
-        """A linear weight's tensor-parallel role: column (its output features split) or row (input)."""
-        return lambda name: {0: "column", 1: "row"}.get(getattr(entry.plan.params.get(name), "dim", None))
+    def _split_dim(self, entry: Compiled) -> Callable[[str], int | None]:
+        """The dim of a parameter tensor parallelism splits, else None."""
+        return lambda name: getattr(entry.plan.params.get(name), "dim", None)
 
     def fp8_table(self, entry: Compiled) -> dict[str, str | None]:
         """precision="fp8": each linear weight -> None (FP8) or why it stays bf16 (passes/fp8_linears.py)."""
