@@ -172,7 +172,8 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
 
 def _fp8_options(model: nn.Module, precision: str | None, recipe: str, fuse: bool) -> Fp8Options | None:
     """precision="fp8"'s options: the recipe, and the weights the model's structure keeps in its
-    dtype: the output embedding (the LM head) and the linears beside an MoE block's experts (routers)."""
+    dtype: the output embedding (the LM head), the linears beside an MoE block's experts (routers) and
+    the experts' stacked weights."""
     if precision is None:
         return None
     if precision != "fp8":
@@ -190,9 +191,14 @@ def _fp8_options(model: nn.Module, precision: str | None, recipe: str, fuse: boo
         keep[names[id(head.weight)]] = "lm_head"
     for path, module in model.named_modules():
         if hasattr(module, "experts"):            # an MoE block: its other linears route the tokens
-            for child in module.children():
-                if isinstance(child, nn.Linear) and id(child.weight) in names:
-                    keep[names[id(child.weight)]] = "router"
+            for child in module.children():      # nn.Linear, or a router module holding its [experts, H] weight
+                weight = child._parameters.get("weight") if child is not module.experts else None
+                if weight is not None and weight.dim() == 2 and id(weight) in names:
+                    keep[names[id(weight)]] = "router"
+    for module in expert_modules(model).values():     # their grouped matmuls: not in float8 (yet), said so
+        for p in module.parameters():
+            if p.dim() == 3 and id(p) in names:
+                keep[names[id(p)]] = "experts"
     return Fp8Options(recipe, keep)
 
 

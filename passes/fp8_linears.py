@@ -10,7 +10,8 @@ a row-parallel one whose bias it adds after g), w [in, out]: `LINEAR_FORMS` says
 keeps its operands.
 `KEEP_BF16`'s rows are tried in order; the first whose test holds keeps the linear in bf16 and
 gives the reason `print(prog)` shows. `keep` names the weights the model's structure picks out
-(autoshard/api.py reads them off the model): its output embedding (the LM head) and its routers.
+(autoshard/api.py reads them off the model): its output embedding (the LM head), its routers, and
+its experts' stacked weights (listed though no linear reads them: they stay in the model's dtype).
 A linear in FP8 becomes the call of an Fp8Linear module, and its bias an add after it (in bf16,
 as torchao adds it); a Conv1D's weight reaches it transposed, [out, in]. `split_dim(weight)`: the
 dim tensor parallelism splits, else None; the linear is then column-parallel (its output features
@@ -63,6 +64,8 @@ KEEP_BF16: list[tuple[str, Callable[[str, list[list[int]], dict[str, str]], bool
      lambda name, sizes, keep: keep.get(name) == "lm_head"),
     ("a router: it picks each token's experts, and an FP8 error could flip a choice",
      lambda name, sizes, keep: keep.get(name) == "router"),
+    ("experts: their grouped matmuls in float8 are not built; they run in the model's dtype",
+     lambda name, sizes, keep: keep.get(name) == "experts"),
     ("its features are not multiples of 16 (torch._scaled_mm's rule), whole or on a tp shard",
      lambda name, sizes, keep: any(d % 16 for shape in sizes for d in shape)),
 ]
@@ -91,6 +94,9 @@ def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
         shape = list(captured.get_parameter(n.args[form.w].target).shape)
         sizes = [shape, *shards(name, shape)]
         table[name] = next((why for why, test in KEEP_BF16 if test(name, sizes, keep)), None)
+    for name, kind in keep.items():           # weights no linear reads (experts'): listed with their reason
+        if name not in table and kind == "experts":
+            table[name] = next(why for why, test in KEEP_BF16 if test(name, [], keep))
     return table
 
 

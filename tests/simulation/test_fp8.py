@@ -172,6 +172,25 @@ def test_without_the_cp_groups_max_a_context_parallel_fp8_program_differs(recipe
     assert len(_off(grads3, grads1, FP32_TOL)) >= 10 and _worst(grads3, grads1) > 1e-2, _worst(grads3, grads1)
 
 
+def test_an_moe_models_router_and_experts_stay_in_its_dtype_and_dp2_ep2_is_certified():
+    """Mixtral's router is a module holding its [experts, H] weight, not an nn.Linear: before, with 16
+    experts (a multiple of 16) it ran in float8, and its experts' stacked weights were not in the
+    table at all. Now the router is kept saying why, the experts are listed (their grouped matmuls in
+    float8 are not built), and the dense linears' FP8 split at dp=2 x ep=2 is certified against the
+    single-device FP8 model, runtime included."""
+    from autoshard.testing.models import build_moe
+    from autoshard.verify.run import Split, verify_model
+    model = build_moe("mixtral", experts=16)
+    ids = torch.randint(0, 100, (2, 16))
+    prog = autoshard(copy.deepcopy(model), dp=2, ep=2, example_kwargs={"input_ids": ids}, precision="fp8")
+    table = prog.fp8[1]
+    assert table["model.layers.0.mlp.gate.weight"].startswith("a router"), table
+    assert table["model.layers.1.mlp.experts.down_proj"].startswith("experts: their grouped matmuls"), table
+    assert table["model.layers.0.self_attn.q_proj.weight"] is None
+    cert = verify_model(model, Split(dp=2, ep=2, precision="fp8"))
+    assert cert.passed and any("local world" in run for run in cert.runs), cert.render()
+
+
 def test_bad_fp8_arguments_are_refused():
     model = _llama()
     ids = torch.randint(0, 256, (2, 32))
