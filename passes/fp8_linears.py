@@ -11,7 +11,10 @@ keeps its operands.
 `KEEP_BF16`'s rows are tried in order; the first whose test holds keeps the linear in bf16 and
 gives the reason `print(prog)` shows. `keep` names the weights the model's structure picks out
 (autoshard/api.py reads them off the model): its output embedding (the LM head), its routers, and
-its experts' stacked weights (listed though no linear reads them: they stay in the model's dtype).
+its experts' stacked weights. An experts' grouped matmul (x [S, K] grouped by expert, w [E, K, N],
+offsets: transformers' grouped_mm experts) on a weight in FP8 becomes a call of
+parallel/fp8_experts.py's `fp8_grouped_mm`, each expert's matmul an FP8 linear of its own; experts
+weights no grouped matmul reads are listed, kept in the model's dtype.
 A linear in FP8 becomes the call of an Fp8Linear module, and its bias an add after it (in bf16,
 as torchao adds it); a Conv1D's weight reaches it transposed, [out, in]. `split_dim(weight)`: the
 dim tensor parallelism splits, else None; the linear is then column-parallel (its output features
@@ -26,6 +29,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from autoshard.parallel.fp8_experts import GROUPED_MATMULS, fp8_grouped_mm
 from autoshard.parallel.fp8_linear import Fp8LinearSpec
 
 __all__ = ["KEEP_BF16", "LINEAR_FORMS", "Fp8Options", "fp8_table", "rewrite_fp8_linears"]
@@ -58,17 +62,43 @@ LINEAR_FORMS: dict[object, LinearForm] = {
 
 
 # (reason, test(weight name, its [out, in] sizes whole and on each rank, keep)): the first that holds
-# keeps the linear in bf16
+# keeps the linear in bf16. An experts' weight's sizes are one expert's; [] where no grouped matmul
+# reads it.
 KEEP_BF16: list[tuple[str, Callable[[str, list[list[int]], dict[str, str]], bool]]] = [
     ("the LM head: its logits feed the loss, where FP8's error is the largest (Megatron and torchao keep it bf16)",
      lambda name, sizes, keep: keep.get(name) == "lm_head"),
     ("a router: it picks each token's experts, and an FP8 error could flip a choice",
      lambda name, sizes, keep: keep.get(name) == "router"),
-    ("experts: their grouped matmuls in float8 are not built; they run in the model's dtype",
-     lambda name, sizes, keep: keep.get(name) == "experts"),
+    ("experts not run as a grouped matmul (transformers' grouped_mm experts): float8 is built for that form",
+     lambda name, sizes, keep: keep.get(name) == "experts" and not sizes),
+    ("experts split over tp ranks: their scales would need the tp group's max inside the experts call "
+     "(not built)", lambda name, sizes, keep: keep.get(name) == "experts" and any(s != sizes[0] for s in sizes)),
     ("its features are not multiples of 16 (torch._scaled_mm's rule), whole or on a tp shard",
      lambda name, sizes, keep: any(d % 16 for shape in sizes for d in shape)),
 ]
+
+
+def _grouped_weight(n: fx.Node) -> fx.Node | None:
+    """The get_attr a grouped matmul's w [E, K, N] reads, directly or as the transpose of a stored
+    [E, N, K] (transformers' non-transposed experts)."""
+    w = n.args[1] if len(n.args) > 1 else None
+    if isinstance(w, fx.Node) and w.op == "call_function" and w.target is _aten.transpose.int \
+            and sorted(d % 3 for d in w.args[1:]) == [1, 2]:
+        w = w.args[0]
+    return w if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+
+def _grouped(graph: fx.Graph, param_of: Callable[[str], str | None]):
+    """(node, weight name, get_attr) of each grouped matmul (x [S, K], w [E, K, N], offsets) on a
+    parameter, without bias or output dtype."""
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+                or n.target.name().split(".")[0] not in GROUPED_MATMULS:
+            continue
+        w = _grouped_weight(n)
+        extra = {k: v for k, v in n.kwargs.items() if k != "offs" and v is not None}
+        if w is not None and param_of(w.target) is not None and not extra and len(n.args) <= 3:
+            yield n, param_of(w.target), w
 
 
 def _arg(n: fx.Node, i: int | None):
@@ -94,7 +124,11 @@ def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
         shape = list(captured.get_parameter(n.args[form.w].target).shape)
         sizes = [shape, *shards(name, shape)]
         table[name] = next((why for why, test in KEEP_BF16 if test(name, sizes, keep)), None)
-    for name, kind in keep.items():           # weights no linear reads (experts'): listed with their reason
+    for n, name, w in _grouped(captured.graph, param_of):
+        shape = list(captured.get_parameter(w.target).shape)
+        sizes = [s[1:] for s in [shape, *shards(name, shape)]]          # one expert's, whole and on each rank
+        table[name] = next((why for why, test in KEEP_BF16 if test(name, sizes, {**keep, name: "experts"})), None)
+    for name, kind in keep.items():           # experts' weights no grouped matmul reads: listed with their reason
         if name not in table and kind == "experts":
             table[name] = next(why for why, test in KEEP_BF16 if test(name, [], keep))
     return table
@@ -123,4 +157,12 @@ def rewrite_fp8_linears(graph: fx.Graph, table: dict[str, str | None], recipe: s
         n.replace_all_uses_with(y)
         graph.erase_node(n)
         specs.append(spec)
+    for n, name, _ in list(_grouped(graph, param_of)):
+        if table.get(name, "not in the table") is None:
+            offs = n.kwargs.get("offs", n.args[2] if len(n.args) > 2 else None)
+            with graph.inserting_before(n):
+                y = graph.call_function(fp8_grouped_mm, (n.args[0], n.args[1], offs, recipe))
+            y.meta.update({k: v for k, v in n.meta.items() if k in ("captured", "val", "nn_module_stack")})
+            n.replace_all_uses_with(y)
+            graph.erase_node(n)
     return specs

@@ -75,8 +75,10 @@ def _pairs_per_owner(owner: torch.Tensor, size: int) -> list[int]:
 
 
 def dispatch_combine(red: Reducer, xs: list[torch.Tensor], idxs: list[torch.Tensor], ws: list[torch.Tensor],
-                     run_locals: list[RunLocal], per_rank: int, size: int) -> list[torch.Tensor]:
-    """The experts' output for each present rank's tokens, computed by the experts' owners (see above)."""
+                     run_locals: list[RunLocal], per_rank: int, size: int, per_source: bool = False) -> list[torch.Tensor]:
+    """The experts' output for each present rank's tokens, computed by the experts' owners (see above).
+    `per_source`: an owner runs each source rank's pairs as a call of their own (FP8 experts: each
+    call's scales are then those of one rank's tokens, as on one device for its microbatch)."""
     plans = []
     for idx in idxs:
         flat = idx.reshape(-1)                                   # [n * k] expert of each (token, slot)
@@ -90,10 +92,23 @@ def dispatch_combine(red: Reducer, xs: list[torch.Tensor], idxs: list[torch.Tens
                                        for flat, owner, order, _, _ in plans], sends, None)   # [m], no gradient
     x_in, _ = red.all_to_all([x[p[3]] for x, p in zip(xs, plans)], sends, recvs)            # [m, H]
     w_in, _ = red.all_to_all([w.reshape(-1)[p[2]] for w, p in zip(ws, plans)], sends, recvs)  # [m]
-    ys = [run(xi, ids[:, None], wi[:, None]) for run, xi, ids, wi in zip(run_locals, x_in, local_ids, w_in)]
+    if per_source:
+        ys = [_per_source(run, xi, ids, wi, recv) for run, xi, ids, wi, recv in zip(run_locals, x_in, local_ids, w_in,
+                                                                                 recvs)]
+    else:
+        ys = [run(xi, ids[:, None], wi[:, None]) for run, xi, ids, wi in zip(run_locals, x_in, local_ids, w_in)]
     back, _ = red.all_to_all(ys, recvs, sends)                  # [n * k, H] each, in `order`'s order
     return [torch.zeros((x.shape[0], x.shape[-1]), dtype=b.dtype, device=b.device).index_add(0, p[3], b)
             for x, p, b in zip(xs, plans, back)]
+
+
+def _per_source(run: RunLocal, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, recv: list[int]) -> torch.Tensor:
+    """run() on each source rank's received rows (`recv[j]` from rank j, in rank order) apart; a rank
+    that sent none is skipped, unless none sent any (then one call on no rows: the experts' weights
+    still get their zero gradients)."""
+    parts = [(xj, ij, wj) for xj, ij, wj in zip(x.split(recv), ids.split(recv), w.split(recv)) if xj.shape[0]]
+    outs = [run(xj, ij[:, None], wj[:, None]) for xj, ij, wj in parts or [(x, ids, w)]]
+    return torch.cat(outs)
 
 
 def exchange_copies(red: Reducer, xs: list[torch.Tensor], run_locals: list[Callable[[torch.Tensor], torch.Tensor]],

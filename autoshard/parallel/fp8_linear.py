@@ -47,7 +47,7 @@ from typing import Callable
 from autoshard.parallel.comm import SIMULATED, Collective, CommHandle, Ranked, distributed_reducer
 from autoshard.parallel.context_parallel import context_groups
 
-__all__ = ["FP8_RECIPES", "Fp8Linear", "Fp8LinearSpec", "E4M3", "E5M2"]
+__all__ = ["FP8_RECIPES", "Fp8Linear", "Fp8LinearSpec", "E4M3", "E5M2", "fp8_matmuls"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -72,7 +72,13 @@ def _cast(t: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tenso
 
 
 def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """a8 @ b8 with their scales; `_scaled_mm` takes a row-major and b column-major."""
+    """a8 @ b8 with their scales; `_scaled_mm` takes a row-major and b column-major, and a contraction
+    dim that is a multiple of 16: grad_w's is the tokens, any number of them (an expert's), so it is
+    padded with zeros, which add nothing to the sums."""
+    k = a8.shape[1]
+    if k % 16:
+        a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], 16 - k % 16)], 1)
+        b8 = torch.cat([b8, b8.new_zeros(16 - k % 16, b8.shape[1])], 0)
     return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=dtype)
 
 
@@ -125,6 +131,12 @@ class _Fp8Matmul(torch.autograd.Function):
         for d, w, shape in zip(dx, dw, shapes):
             grads_in += [d.reshape(shape), w]
         return tuple(grads_in)
+
+
+def fp8_matmuls(recipe: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """x @ w.T for each (x, w), each its own FP8 linear with its own scales (no group): the experts'
+    matmuls (parallel/fp8_experts.py)."""
+    return list(_Fp8Matmul.apply(recipe, None, None, None, *[t for x, w in pairs for t in (x, w)]))
 
 
 def _grouped_max(groups: list[list[int]]) -> Max:

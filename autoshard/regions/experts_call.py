@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autoshard.parallel.fp8_experts import Fp8GroupedMatmuls, fp8_grouped_mm
 from autoshard.parallel.lockstep import run_lockstep
 from autoshard.parallel.expert_parallel import ExpertGroup, RunLocal, dispatch_combine, exchange_copies
 from autoshard.passes.outline_experts import ExpertRegion
@@ -115,6 +116,9 @@ class ExpertsCall(nn.Module):
         object.__setattr__(self, "_experts", experts)         # plain attributes: not submodules
         object.__setattr__(self, "_sync", (f, g))
         self.ep: ExpertGroup | None = None
+        # the FP8 pass put the experts' grouped matmuls in float8 (passes/fp8_linears.py): bound, the
+        # model's module runs them so too, each source rank's tokens a call of their own
+        self.fp8 = next((n.args[3] for n in body.graph.nodes if n.target is fp8_grouped_mm), None)
 
     def bind(self, ep: ExpertGroup) -> None:
         if self.region.experts != ep.per_rank * ep.size:
@@ -133,7 +137,15 @@ class ExpertsCall(nn.Module):
                 weights[short] = _CountedOnce.apply(weights[short], first)
 
         def run_local(*inputs):
-            return torch.func.functional_call(self._experts, weights, inputs)
+            if self.fp8 is None:
+                return torch.func.functional_call(self._experts, weights, inputs)
+            with Fp8GroupedMatmuls(self.fp8) as mode:
+                out = torch.func.functional_call(self._experts, weights, inputs)
+            if mode.calls == 0 and inputs[0].shape[0] > 0:
+                raise RuntimeError(f"{r.path}: its exported graph ran the experts' grouped matmuls in float8, but "
+                                   f"the model's experts module ran none here ({type(self._experts).__name__}, "
+                                   f"experts implementation {getattr(getattr(self._experts, 'config', None), '_experts_implementation', '?')!r})")
+            return out
         if r.index is None:        # every expert's copy of the tokens: no index, no weights
             return args[r.hidden], None, None, run_local
         return args[r.hidden], args[r.index], args[r.weights], run_local
@@ -148,7 +160,8 @@ class ExpertsCall(nn.Module):
         if idx is None:
             out, = self._stacked(exchange_copies(self.ep.reducer(), [x], [run_local], self.ep.per_rank, self.ep.size))
         else:
-            out, = dispatch_combine(self.ep.reducer(), [x], [idx], [w], [run_local], self.ep.per_rank, self.ep.size)
+            out, = dispatch_combine(self.ep.reducer(), [x], [idx], [w], [run_local], self.ep.per_rank, self.ep.size,
+                                    per_source=self.fp8 is not None)
         if self.region.tensor_parallel and self.region.reduced:
             out = g(out)
         return (out.to(x.dtype),)
@@ -185,7 +198,7 @@ class ExpertsCall(nn.Module):
             else:
                 got = dispatch_combine(ep.reducer(), [xs[i] for i in members], [inputs[i][1] for i in members],
                                        [ws[i] for i in members], [inputs[i][3] for i in members], ep.per_rank,
-                                       ep.size)
+                                       ep.size, per_source=mods[0].fp8 is not None)
             for i, o in zip(members, got):
                 outs[i] = o
         if mods[0].region.tensor_parallel and mods[0].region.reduced:
