@@ -116,10 +116,12 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     schedules.
     precision: "fp8" runs the linears' matmuls (forward and both backward) in float8 through
     torch._scaled_mm, with dynamic scales (`fp8_recipe`: "tensorwise", the default, or "rowwise";
-    parallel/fp8_linear.py says what each scales and which amaxes are taken over the tp group); the
-    rest runs in the model's dtype (bf16 for training). Which linears stay in the model's dtype,
-    and why (the LM head, routers, features not multiples of 16), is passes/fp8_linears.py's table,
-    printed by print(prog). Default None: every op in the model's dtype.
+    parallel/fp8_linear.py says what each scales and which amaxes are taken over the tp and cp
+    groups), and transformers' grouped_mm experts' matmuls too, per expert (parallel/fp8_experts.py);
+    the rest runs in the model's dtype (bf16 for training). Which linears stay in the model's dtype,
+    and why (the LM head, routers, experts split over tp, features not multiples of 16), is
+    passes/fp8_linears.py's table, printed by print(prog). Composes with fuse (the FP8 pass runs
+    first). Default None: every op in the model's dtype.
     sequence_parallel: between tensor-parallel regions (norms, dropout, residuals) each rank keeps
     1/tp of the sequence (Korthikanti et al. 2022); the sequence length must be divisible by tp,
     and each new input shape is compiled once (sizes are exported static).
@@ -145,7 +147,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
         raise ShardingError(f"cp={cp} with world_size={world_size}: world_size plans tp, pp and dp without "
                             "context parallelism; see autoshard.plan(..., context_parallel=True) and give "
                             "tp/pp/dp/cp yourself")
-    fp8 = _fp8_options(model, precision, fp8_recipe, fuse)
+    fp8 = _fp8_options(model, precision, fp8_recipe)
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     common = dict(cp=cp, cp_attention=cp_attention, vocab_parallel=vocab_parallel, gather_output=gather_output,
                   sequence_parallel=sequence_parallel, fuse=fuse, hardware=hardware, stage_cuts=stage_cuts, fp8=fp8)
@@ -170,7 +172,7 @@ def autoshard(model: nn.Module, *, tp: int | None = None, pp: int | None = None,
     return fastest_that_fits(candidates, get_hardware(hardware), build, world_size)
 
 
-def _fp8_options(model: nn.Module, precision: str | None, recipe: str, fuse: bool) -> Fp8Options | None:
+def _fp8_options(model: nn.Module, precision: str | None, recipe: str) -> Fp8Options | None:
     """precision="fp8"'s options: the recipe, and the weights the model's structure keeps in its
     dtype: the output embedding (the LM head), the linears beside an MoE block's experts (routers) and
     the experts' stacked weights."""
@@ -181,9 +183,6 @@ def _fp8_options(model: nn.Module, precision: str | None, recipe: str, fuse: boo
                             f"the model (model.to(torch.bfloat16)) and leave precision unset")
     if recipe not in FP8_RECIPES:
         raise ShardingError(f"fp8_recipe={recipe!r}: one of {', '.join(map(repr, FP8_RECIPES))}")
-    if fuse:
-        raise ShardingError("precision=\"fp8\" with fuse=True is not built yet: the fused ops would take the "
-                            "linears' biases out before the FP8 pass sees them; leave fuse off")
     names = {id(p): n for n, p in model.named_parameters()}
     keep = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

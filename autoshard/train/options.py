@@ -230,9 +230,6 @@ def parse(argv: list[str]) -> TrainOptions:
                              "(and not --in-process)")
         if (problem := rendezvous_problem(opts, endpoint_needed=not opts.slurm_script)) is not None:
             raise TrainError(problem)
-    if opts.precision == "fp8" and opts.fuse:
-        raise TrainError("--precision fp8 with --fuse is not built yet (the fused ops would take the linears' "
-                         "biases out before the FP8 pass); leave --fuse off")
     if opts.slurm_script and (opts.nnodes is None or opts.nproc_per_node is None):
         raise TrainError("--slurm-script writes a job for --nnodes nodes x --nproc-per-node processes: give both")
     given = opts.dp is not None or opts.microbatches is not None or \

@@ -39,7 +39,7 @@ def test_too_few_gpus_are_named(tmp_path):
 
 def test_fp8_is_refused_in_one_line_on_a_gpu_without_fp8_tensor_cores(tmp_path, monkeypatch):
     """An A100 (8.0) has no FP8 tensor cores; an H100 (9.0) and an L4 (8.9) do; the CPU runs FP8
-    (slowly, for checking). --fuse with it is not built yet."""
+    (slowly, for checking). --fuse composes with it (before, it was refused)."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
     opts = _opts(tmp_path, "--precision", "fp8")
     for capability, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
@@ -51,8 +51,7 @@ def test_fp8_is_refused_in_one_line_on_a_gpu_without_fp8_tensor_cores(tmp_path, 
                                                  r"8\.0\) has no FP8 tensor cores"):
                 placement(opts, {}, cuda_devices=1)
     assert placement(_opts(tmp_path, "--precision", "fp8", "--device", "cpu"), {}, 0).precision == "fp8"
-    with pytest.raises(TrainError, match="--precision fp8 with --fuse is not built yet"):
-        _opts(tmp_path, "--precision", "fp8", "--fuse")
+    assert _opts(tmp_path, "--precision", "fp8", "--fuse").fuse
 
 
 def test_a_runtime_moves_to_another_device_with_its_graphs(one_process_group):
