@@ -327,7 +327,7 @@ def _wait_for(path, procs, timeout=300.0) -> None:
 
 # GPT-2 at tp=2 x pp=2: its embedding tied across the two stages, dropout 0.1 (masks drawn per step)
 GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--batch", "8",
-        "--warmup", "5", "--lr", "1e-3", "--tp", "2", "--pp", "2", "--steps", "12", "--save-every", "3", "--clip", "0"]
+        "--warmup", "5", "--lr", "1e-3", "--tp", "2", "--pp", "2", "--steps", "9", "--save-every", "3", "--clip", "0"]
 
 
 @pytest.mark.slow
@@ -335,11 +335,12 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
     """Two "nodes" (torchrun agents on localhost, 2 processes each) train GPT-2 at tp=2 x pp=2: the
     first started by `autoshard train --nnodes 2 --max-restarts 3`, the second by a hand-written
     `torchrun --nnodes 2 ... -m autoshard.train ... --nproc-per-node 2`, whose ranks run as given and
-    launch nothing (each replacement too). The second node is lost twice, agent and ranks killed at
-    once: while the step-6 checkpoint is being written (its ranks wrote their shards and hang before
-    the index: tests/harness/hang_in_checkpoint.py), then after the step-9 checkpoint is complete. Each time a
-    replacement agent joins, the survivor restarts the group and every rank resumes from the newest
-    complete checkpoint: 3 (never the one cut short), then 9.
+    launch nothing (its replacement too). The second node is lost, agent and ranks killed at once,
+    while the step-6 checkpoint is being written (its ranks wrote their shards and hang before the
+    index: tests/harness/hang_in_checkpoint.py). When a replacement agent joins, the survivor restarts
+    the group and every rank resumes from the newest complete checkpoint: 3, never the one cut short.
+    (A second loss, after the step-9 checkpoint, was dropped for the suite's time: it took the same
+    path, a resume from a complete checkpoint.)
 
     The run ends as the uninterrupted run of the same 4 ranks on one machine in this process (a local
     world) ends, bit for bit: every step's loss (the same sequences and dropout masks at the same
@@ -350,7 +351,6 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
 
     from safetensors.torch import load_file
 
-    from autoshard import checkpoint as ck
     _train(tmp_path / "one", *GPT2, nproc=4)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -395,10 +395,6 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
             _wait_for(six / part, [first, node])
         lose(node)
         assert not (six / "index.json").exists()
-        node = second_node()
-        _wait_for(out / "checkpoints" / "step-00000009" / "index.json", [first, node])
-        lose(node)
-        newest = ck.latest(str(out / "checkpoints"))        # 9, or 12 had the step-9 kill come late
         last = second_node()
         assert first.wait(timeout=600) == 0 and last.wait(timeout=600) == 0, \
             "".join(log.read_text()[-2000:] for log in logs)
@@ -409,12 +405,11 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_to_the_bit_of_one_uninterru
     said = [log.read_text() for log in logs]
     everything = "".join(said)
     assert f"resumed from {six.parent / 'step-00000003'} at step 3" in everything, everything[-3000:]
-    assert f"resumed from {newest} at step {int(newest[-8:])}" in everything, everything[-3000:]
     assert all("started by torchrun" in log and "no launch of our own" in log for log in said[1:]), said[1]
     two, one = _rows(out), _rows(tmp_path / "one")
-    assert [r["loss"] for r in two] == [r["loss"] for r in one] and len(two) == 12
+    assert [r["loss"] for r in two] == [r["loss"] for r in one] and len(two) == 9
     assert all(abs(float(a["grad_norm"]) / float(b["grad_norm"]) - 1) <= 1e-12 for a, b in zip(two, one))
-    step = os.path.join("checkpoints", "step-00000012")
+    step = os.path.join("checkpoints", "step-00000009")
     files = sorted(f for f in os.listdir(out / step) if f.endswith(".safetensors"))
     assert len(files) == 4 and files == sorted(f for f in os.listdir(tmp_path / "one" / step) if f.endswith(".safetensors"))
     for f in files:

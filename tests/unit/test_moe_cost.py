@@ -88,7 +88,8 @@ def test_the_all_to_all_formula_is_what_the_runtime_sends_under_even_routing():
 
 
 def test_the_planner_searches_ep_for_moe_models_only():
+    # 16 GPUs: ep 1, 2, 4 and 8 are all searched and one ep > 1 wins (64 GPUs took 16 s in the suite)
     shape = ModelShape(**MIXTRAL_8X7B)
-    moe_plans = plan(shape, gpus=64, global_batch=256, moe=MoEShape(8, 2, 14336))
-    assert moe_plans[0].ep > 1 and {e.ep for e in moe_plans} > {1}
-    assert {e.ep for e in plan(shape, gpus=64, global_batch=256)} == {1}
+    moe_plans = plan(shape, gpus=16, global_batch=256, moe=MoEShape(8, 2, 14336))
+    assert moe_plans[0].ep > 1 and {e.ep for e in moe_plans} == {1, 2, 4, 8}
+    assert {e.ep for e in plan(shape, gpus=16, global_batch=256)} == {1}
