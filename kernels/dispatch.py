@@ -3,7 +3,7 @@ names its launch function and what it reads in each argument slot; every other c
 another shape, an empty tensor, a dtype the kernels lack), a kernel that failed its first-use check
 (kernels/self_check.py), and any CPU tensor while the CPU executor is off run the op's exact torch
 implementation. `register` puts this in front of each custom op for CUDA tensors (when
-CuPy imports) and for CPU tensors."""
+CuPy imports) and for CPU tensors, and the autograd that calls it directly (kernels/eager_autograd.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from autoshard.kernels import cpu_executor, self_check
+from autoshard.kernels.eager_autograd import eager_autograd
 from autoshard.kernels.launch import KERNEL_DTYPES
 from autoshard.kernels.reference import result_dtype
 
@@ -121,7 +122,12 @@ def register(op: FusedOp) -> None:
         name = custom._name.split("::")[-1]
         # custom._init_fn: the function the op was defined with, its exact torch implementation
         run, reference = _with_fallback(name, op.kernels[name], custom._init_fn), custom._init_fn
-        _DISPATCH.impl(name, lambda *args, run=run, reference=reference:
-                       run(*args) if cpu_executor.active() else reference(*args), "CPU")
+        on_cpu = lambda *args, run=run, reference=reference: \
+            run(*args) if cpu_executor.active() else reference(*args)     # noqa: E731
+        _DISPATCH.impl(name, on_cpu, "CPU")
         if has_cupy:
             _DISPATCH.impl(name, run, "CUDA")
+        # autograd on plain tensors straight to those (kernels/eager_autograd.py): the custom op's own
+        # autograd costs the host more than the eager ops a fused op replaces
+        _DISPATCH.impl(name, eager_autograd(custom, on_cpu), "AutogradCPU")
+        _DISPATCH.impl(name, eager_autograd(custom, run if has_cupy else reference), "AutogradCUDA")
