@@ -8,9 +8,11 @@ in under 95 s):
     kernels        every kernel against float64 on CUDA, forward and backward, and the fusion fuzz on CUDA
     fused          fused rank programs against unfused ones on CUDA (simulation: all ranks on one GPU)
     train          `autoshard train` on one GPU (bf16, fused, NCCL), and its exported folder trained again
+    fp8            precision="fp8" on CUDA: the tp=2 program against the single-device FP8 one, and the
+                   CPU's losses against the GPU's (tests/gpu/test_fp8_cuda.py)
     bench-kernels  benchmarks/kernels.py: each kernel's bandwidth against the copy rate (RESULTS.md)
-    bench-mfu      benchmarks/mfu.py --fused: a 1.3B GPT's step time and model FLOP utilization, fused
-                   and unfused beside the plain model (RESULTS.md)
+    bench-mfu      benchmarks/mfu.py --fused --fp8: a 1.3B GPT's step time and model FLOP utilization,
+                   fused, unfused and FP8 beside the plain model (RESULTS.md)
     bench-launch   benchmarks/launch_overhead.py: each fused op's host time per call against eager's
     bench-layers   benchmarks/launch_layers.py: one fused op's host time taken apart, layer by layer
 
@@ -55,7 +57,8 @@ STAGES = (
           ("tests/simulation/test_fuse.py",)),
     Stage("train", True, _pytest("tests/gpu/test_train_cuda.py"), ("tests/gpu/test_train_cuda.py",)),
     Stage("bench-kernels", True, ("benchmarks/kernels.py", "--append"), ("benchmarks/kernels.py",)),
-    Stage("bench-mfu", True, ("benchmarks/mfu.py", "--fused", "--append"), ("benchmarks/mfu.py",)),
+    Stage("fp8", True, _pytest("tests/gpu/test_fp8_cuda.py"), ("tests/gpu/test_fp8_cuda.py",)),
+    Stage("bench-mfu", True, ("benchmarks/mfu.py", "--fused", "--fp8", "--append"), ("benchmarks/mfu.py",)),
     Stage("bench-launch", True, ("benchmarks/launch_overhead.py", "--calls", "500", "--append"),
           ("benchmarks/launch_overhead.py",)),
     Stage("bench-layers", True, ("benchmarks/launch_layers.py", "--append"), ("benchmarks/launch_layers.py",)),

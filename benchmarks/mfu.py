@@ -1,12 +1,14 @@
 """Single-device training-step time and model FLOP utilization of a ~1.3B GPT (tp=1).
 
-    .venv/bin/python benchmarks/mfu.py [--batch 8] [--steps 10] [--fused] [--append]   # on a CUDA GPU
+    .venv/bin/python benchmarks/mfu.py [--batch 8] [--steps 10] [--fused] [--fp8] [--append]   # on a CUDA GPU
     .venv/bin/python benchmarks/mfu.py --quick                                   # tiny, CPU or GPU
 
 The model is autoshard's nanoGPT at GPT-3 XL's shape (24 layers, hidden 2048, 16 heads, sequence
 2048, vocabulary 50304: 1.31B parameters), built on the device, compiled by `autoshard(model, tp=1)`
 and trained with fused AdamW under bf16 autocast (fp32 weights), next to the plain model in the
-same run (alternating steps; with --fused also the program compiled with fuse=True). In the same
+same run (alternating steps; with --fused also the program compiled with fuse=True; with --fp8 the
+program compiled with precision="fp8", its linears' matmuls in float8, the LM head in bf16: the
+issue's target is FP8 step / bf16 step <= 0.75 on an H100-class GPU). In the same
 run the device's bf16 matrix-multiply rate is measured (8192^3 products on random data, rotating
 over three operand sets, median). MFU counts the model's
 FLOPs as Megatron does without recomputation (`flops_no_recompute` in autoshard/planning/cost_formulas.py)
@@ -51,6 +53,8 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true",
                     help="also time the program compiled with fuse=True (the fused ops, opt-in since the "
                          "first GPU run: `autoshard train --fuse`) beside the unfused one")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the program compiled with precision=\"fp8\" (float8 linears) beside the bf16 one")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -69,6 +73,8 @@ def main() -> None:
     programs = {"autoshard": autoshard(model, tp=1, example_inputs=batches[0]).rank(0), "plain": model}
     if args.fused:
         programs["autoshard fused"] = autoshard(model, tp=1, fuse=True, example_inputs=batches[0]).rank(0)
+    if args.fp8:
+        programs["autoshard fp8"] = autoshard(model, tp=1, precision="fp8", example_inputs=batches[0]).rank(0)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=cuda) for name, m in programs.items()}
 
     def step(name: str, i: int) -> None:
@@ -101,10 +107,11 @@ def main() -> None:
     summary = (f"{device_name}; measured {'bf16' if cuda else 'fp32'} matmul {peak:.1f} TFLOP/s; "
                f"model {params / 1e9:.2f}B parameters, batch {batch} x {cfg.block_size}, "
                f"{flops / 1e12:.1f} TFLOP per step; step time against plain: "
-               + ", ".join(f"{name} {r:.3f}" for name, r in ratios.items()))
+               + ", ".join(f"{name} {r:.3f}" for name, r in ratios.items())
+               + (f"; fp8 / bf16 step {ratios['autoshard fp8'] / ratios['autoshard']:.3f}" if args.fp8 else ""))
     report(table, summary, append=args.append and not args.quick, title="Single-device MFU",
            command=".venv/bin/python benchmarks/mfu.py " + ("--quick" if args.quick else f"--batch {batch}")
-           + (" --fused" if args.fused else ""),
+           + (" --fused" if args.fused else "") + (" --fp8" if args.fp8 else ""),
            what=f"{args.steps} alternating steps after {args.warmup} warm-up, median")
 
 

@@ -7,8 +7,8 @@ schedule, and the step's end added.
 
 Per action (F, B or W of one stage and microbatch), from planning/op_cost.py's count of its ops:
 
-    compute     max(matmul FLOPs / the GEMM rate + attention FLOPs / the attention rate,
-                    their bytes / the memory rate)
+    compute     max(matmul FLOPs / the GEMM rate + attention FLOPs / the attention rate
+                    + float8 matmul FLOPs / the FP8 rate, their bytes / the memory rate)
                 + the other ops' bytes / the op-bytes rate + ops x the per-op overhead
     collectives each one its group's alpha-beta time (collective_timing.py) over the link its
                 group's ranks use (inside a node or across: node_links.py): an all-reduce, an
@@ -60,7 +60,9 @@ def work_seconds(work: OpWork, hw: Hardware) -> float:
     memory_rate = hw.hbm_gb_s * 1e9 * hw.memory_efficiency
     op_rate = hw.op_bytes_gb_s * 1e9 if hw.op_bytes_gb_s else memory_rate
     attention_rate = hw.attention_tflops * 1e12 if hw.attention_tflops else gemm_rate
-    matmul = work.matmul_flops / gemm_rate + work.attention_flops / attention_rate
+    # float8 matmuls at the FP8 rate; a profile without one (the CPU's) at its GEMM rate
+    fp8_rate = hw.fp8_tflops * 1e12 * hw.matmul_efficiency if hw.fp8_tflops else gemm_rate
+    matmul = work.matmul_flops / gemm_rate + work.attention_flops / attention_rate + work.fp8_flops / fp8_rate
     if hw.gemm_traffic:
         matmul = max(matmul, work.matmul_bytes / memory_rate)
     return matmul + work.other_bytes / op_rate + work.ops * hw.op_overhead_s

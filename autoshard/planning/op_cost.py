@@ -1,6 +1,7 @@
 """What the aten ops inside a block cost: matmul and attention FLOPs (torch.utils.flop_counter's
-table: mm, bmm, addmm, SDPA's kernels, convolutions; and planning/op_flops.py's: the CPU attention
-kernel, grouped expert products), bytes read and written by the others, and how many ops ran.
+table: mm, bmm, addmm, SDPA's kernels, convolutions, float8's _scaled_mm, kept apart; and
+planning/op_flops.py's: the CPU attention kernel, grouped expert products), bytes read and written
+by the others, and how many ops ran.
 
     with OpCost() as cost:              # on meta tensors too: only shapes are read
         ...
@@ -32,6 +33,7 @@ class OpWork:
     other_bytes: float = 0.0         # every other op's tensors, read and written
     ops: int = 0
     attention_flops: float = 0.0     # fused attention kernels' (SDPA's), not in matmul_flops
+    fp8_flops: float = 0.0           # float8 matmuls' (torch._scaled_mm: precision="fp8"), not in matmul_flops
 
     def add(self, other: "OpWork") -> "OpWork":
         return OpWork(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -72,6 +74,8 @@ class OpCost(TorchDispatchMode):
         if counted is not None:
             if counted.kind == "attention":
                 work.attention_flops += counted.flops
+            elif func is torch.ops.aten._scaled_mm.default:
+                work.fp8_flops += counted.flops
             else:
                 work.matmul_flops += counted.flops
             work.matmul_bytes += _bytes(ins + outs)

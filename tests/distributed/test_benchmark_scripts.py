@@ -45,9 +45,10 @@ def test_self_check_cost_benchmark_checks_every_op():
 
 
 def test_mfu_benchmark_runs_every_program():
-    out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1", "--fused")
-    assert "| autoshard " in out and "| plain" in out and "| autoshard fused" in out, out
+    out = _run("mfu.py", "--quick", "--steps", "2", "--warmup", "1", "--fused", "--fp8")
+    assert "| autoshard " in out and "| plain" in out and "| autoshard fused" in out and "| autoshard fp8" in out, out
     assert "step time against plain: autoshard " in out and ", autoshard fused " in out, out
+    assert "; fp8 / bf16 step " in out, out
 
 
 def test_launch_overhead_benchmark_times_every_op():

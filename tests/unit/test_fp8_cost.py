@@ -44,3 +44,31 @@ def test_the_planner_plans_fp8_runs_faster():
     bf16 = plan(shape, gpus=8, global_batch=64, hardware="h100-80gb", top=1)[0]
     fp8 = plan(shape, gpus=8, global_batch=64, hardware="h100-80gb", top=1, precision="fp8")[0]
     assert fp8.seconds_per_iteration < bf16.seconds_per_iteration
+
+
+def test_the_graphs_step_time_counts_float8_matmuls_at_the_fp8_rate():
+    """planning/graph_time.py reads the program's own ops: its _scaled_mm calls are counted apart from
+    the bf16 matmuls and priced at the FP8 rate. The FP8 program's linears move from one count to the
+    other (the same FLOPs: the forward and both backward products); the LM head stays a bf16 matmul."""
+    import copy
+
+    import torch
+
+    from autoshard import autoshard
+    from autoshard.planning.graph_memory import walk
+    from autoshard.planning.graph_time import work_seconds
+    from autoshard.planning.op_cost import OpWork
+    from tests.simulation.test_fp8 import _llama
+    work = OpWork()
+    work.fp8_flops = 1e15
+    assert work_seconds(work, H100) == pytest.approx(1e15 / (H100.fp8_tflops * 1e12 * H100.matmul_efficiency))
+    model = _llama()
+    ids = torch.randint(0, 256, (2, 32))
+    counts = {}
+    for precision in (None, "fp8"):
+        prog = autoshard(copy.deepcopy(model), example_kwargs={"input_ids": ids, "labels": ids}, precision=precision)
+        works = [a.work for a in walk(prog, 0).step.actions]
+        counts[precision] = (sum(w.matmul_flops for w in works), sum(w.fp8_flops for w in works))
+    (bf16, none), (rest, fp8) = counts[None], counts["fp8"]
+    assert none == 0 and fp8 > 0 and rest > 0
+    assert rest + fp8 == pytest.approx(bf16, rel=1e-6), (bf16, rest, fp8)

@@ -31,8 +31,8 @@ def test_without_a_gpu_only_the_cpu_stages_run():
     mod = _module()
     run, skipped = mod.plan([], gpu=False)
     assert [s.name for s in run] == ["cpu"]
-    assert {s.name for s in skipped} == {"kernels", "fused", "train", "bench-kernels", "bench-mfu", "bench-launch",
-                                         "bench-layers"}
+    assert {s.name for s in skipped} == {"kernels", "fused", "train", "fp8", "bench-kernels", "bench-mfu",
+                                         "bench-launch", "bench-layers"}
     run, skipped = mod.plan(["train", "cpu"], gpu=True)
     assert [s.name for s in run] == ["cpu", "train"] and skipped == []
     with pytest.raises(SystemExit, match="unknown stage"):
