@@ -36,3 +36,28 @@ def test_the_runtimes_fp8_ranks_step_as_one_device(split):
             if use is not None:
                 full = full.narrow(use.dim, r * g.shape[use.dim], g.shape[use.dim])
             assert (g - full).norm() <= FP32_TOL * full.norm() + 1e-12, name
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_zero_bubble_schedules_run_fp8_as_1f1b_does(schedule):
+    """The zero-bubble schedules split each stage's backward into B (input gradients) and W (weight
+    gradients, runtime/backward_split.py): an Fp8Linear's backward computes both at once, so its
+    node is a frontier W runs again for the weight side (its tp and cp maxima included). The losses
+    and every gradient equal 1F1B's bit for bit at pp=2, 4 microbatches (ZBV: 2 chunks per rank)."""
+    model = _llama(layers=4).float()
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name in ("1f1b", schedule):
+        prog = autoshard(copy.deepcopy(model), pp=2, microbatches=4, schedule=name, precision="fp8",
+                         virtual=2 if name == "zbv" else 1, example_kwargs={"input_ids": ids[:1], "labels": ids[:1]})
+
+        def rank(r, prog=prog):
+            rt = prog.distributed(mesh=True)
+            loss = rt.train_step(input_ids=ids, labels=ids)
+            return float(loss), {n: p.grad.clone() for n, p in rt.named_parameters() if p.grad is not None}
+        out[name] = LocalWorld(2).run(rank)
+    # every parameter's gradient, from whichever rank holds it (ZBV places the chunks in a V)
+    grads_a, grads_b = ({n: g for _, grads in out[k] for n, g in grads.items()} for k in ("1f1b", schedule))
+    assert [loss for loss, _ in out["1f1b"]] == [loss for loss, _ in out[schedule]]
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == len(dict(model.named_parameters()))
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

@@ -25,9 +25,9 @@ from autoshard.testing.models import build_model
 FP32_TOL, BF16_LOSS_TOL = 1e-5, 1e-2
 
 
-def _llama(ffn: int = 128) -> LlamaForCausalLM:
+def _llama(ffn: int = 128, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():                   # biases and norm weights away from their initial values
