@@ -90,15 +90,45 @@ def _kernel_args(args: tuple, slots: dict[int, str], promote: bool) -> tuple | N
     return tuple(a.to(dtype) if (i == 0 or i in values) and a.dtype != dtype else a for i, a in enumerate(args))
 
 
+def _signature(args: tuple, ints: bool) -> tuple:
+    """What the choice of road reads in a call: each tensor's shape, strides, dtype, device and
+    16-byte alignment, flags, which optionals are None, and (`ints`: where a further test reads them)
+    the integers; not float values (scales, probabilities), nor integers otherwise (seeds)."""
+    return tuple((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                 else a if a is None or isinstance(a, (bool, str)) or (ints and isinstance(a, int))
+                 else type(a) for a in args)
+
+
+_PLANS_PER_OP = 4096      # signatures remembered per op (a new sequence length is a new signature)
+
+
 def _with_fallback(name: str, kernel: Kernel, reference: Callable):
     """Run the kernel when it takes these arguments (and passed its first-use check for their dtype,
-    device, variant and layout), else the exact torch implementation."""
+    device, variant and layout), else the exact torch implementation. The choice (and the kernel's
+    dtype and variant) is remembered per call signature: the checks cost the host more per call
+    than some whole eager ops (benchmarks/launch_overhead.py), and their answer is a function of it."""
+    plans: dict[tuple, tuple | None] = {}       # signature -> (dtype, variant), or None: the torch path
+
     def run(*args):
-        ok = kernel.takes is None or kernel.takes(args)
-        kernel_args = _kernel_args(args, kernel.slots, kernel.promote) if ok else None
-        if kernel_args is None:
+        sig = _signature(args, kernel.takes is not None)
+        plan = plans.get(sig, ())
+        if plan is None:
             return reference(*args)
-        return self_check.checked(name, kernel_args, lambda: kernel.impl(*kernel_args), reference, args)
+        if plan:
+            dtype, variant = plan
+            values = kernel.slots
+            kernel_args = tuple(a.to(dtype) if (i == 0 or values.get(i) in _VALUES) and a is not None
+                                and a.dtype != dtype else a for i, a in enumerate(args))
+        else:
+            ok = kernel.takes is None or kernel.takes(args)
+            kernel_args = _kernel_args(args, kernel.slots, kernel.promote) if ok else None
+            variant = None if kernel_args is None else self_check.variant_of(kernel_args)
+            if len(plans) < _PLANS_PER_OP:
+                plans[sig] = None if kernel_args is None else (kernel_args[0].dtype, variant)
+            if kernel_args is None:
+                return reference(*args)
+        return self_check.checked(name, kernel_args, lambda: kernel.impl(*kernel_args), reference, args,
+                                  variant=variant)
     return run
 
 

@@ -24,7 +24,7 @@ import torch
 
 from autoshard.kernels import cpu_executor
 
-__all__ = ["checked", "TOLERANCE", "RESULTS", "reset"]
+__all__ = ["checked", "variant_of", "TOLERANCE", "RESULTS", "reset"]
 
 # norm-relative difference kernel vs torch implementation allowed per storage dtype: both compute
 # in fp32 and round once, so they differ by at most an ulp of the storage type here and there
@@ -104,7 +104,7 @@ def _layout(t: torch.Tensor) -> str:
     return "+".join(kinds) or "dense"
 
 
-def _variant(args: tuple) -> tuple:
+def variant_of(args: tuple) -> tuple:
     """What selects a kernel's code path: flags, whether each optional tensor is there and its
     layout (sizes, seeds, probabilities and scales do not; each slot's shape is fixed by the
     dispatch table)."""
@@ -120,12 +120,13 @@ def _variant(args: tuple) -> tuple:
     return tuple(one(a) for a in args)
 
 
-def checked(name: str, args: tuple, kernel: Callable[[], object], reference: Callable, call: tuple) -> object:
+def checked(name: str, args: tuple, kernel: Callable[[], object], reference: Callable, call: tuple,
+            variant: tuple | None = None) -> object:
     """Op `name` on `call` (the call's arguments; `args`, the kernel's): `kernel()` where its check
     for this key passed (or is off), else `reference(*call)`. The first call of a key runs both and
     compares (module doc)."""
     first = args[0]
-    key = (name, first.dtype, str(first.device), _variant(args))
+    key = (name, first.dtype, str(first.device), variant_of(args) if variant is None else variant)
     if key in RESULTS:
         return kernel() if RESULTS[key][0] else reference(*call)
     if not _wanted(first.device):

@@ -114,3 +114,31 @@ def test_the_first_use_check_runs_on_the_calls_own_operands():
                             ("tensor:broadcast", "tensor", "none", "none")}, variants
     finally:
         self_check.reset()
+
+
+def test_the_road_is_remembered_per_call_signature(monkeypatch):
+    """kernels/dispatch.py remembers which road a call signature takes: a second call of the same
+    shapes, strides, dtypes and flags skips the checks (counted here) and takes the same road; a call
+    that differs in a stride, in an operand's shape, or in the integer a further test reads (rotary's
+    half) is checked again and may take the other road."""
+    from autoshard.kernels import dispatch
+    checks = []
+    real = dispatch._kernel_args
+    monkeypatch.setattr(dispatch, "_kernel_args", lambda *a: checks.append(1) or real(*a))
+    x, b = torch.randn(6, 48), torch.randn(48)
+    with cpu_executor.enabled():
+        for _ in range(3):
+            before = _launches()
+            ops.bias_gelu(x, b)
+            assert _launches() == before + 1                    # the kernel each time
+        assert len(checks) == 1
+        before = _launches()
+        ops.bias_gelu(x, torch.randn(6, 48))                    # a full tensor where the bias is read
+        assert _launches() == before and len(checks) == 2       # checked again: the torch road
+        ops.bias_gelu(x.t().contiguous().t(), b)                # another layout: checked again
+        assert len(checks) == 3
+        q, cos, sin = torch.randn(1, 2, 8, 16), torch.randn(1, 8, 16), torch.randn(1, 8, 16)
+        before = _launches()
+        torch.ops.autoshard.rotary(q, cos, sin, False, 8)       # the kernel's half: d / 2
+        torch.ops.autoshard.rotary(q, cos, sin, False, 4)       # not what the kernel rotates at
+        assert _launches() == before + 1
