@@ -52,6 +52,16 @@ def _worst(grads, want) -> float:
                for k, g in want.items() if g is not None and g.norm() > 0)
 
 
+def _scaling_alone(prog):
+    """`prog` with every Fp8Linear scaling by its own rank's amaxes (no tp or cp max): the wrong program
+    the comparisons must tell apart."""
+    for rank in prog.ranks():
+        for m in rank.modules():
+            if isinstance(m, Fp8Linear):
+                m.reduce = False
+    return prog
+
+
 def _off(grads, want, tol: float) -> list[str]:
     return [k for k, g in want.items() if g is not None and g.norm() > 0
             and (grads[k].float() - g.float()).norm().item() > tol * g.float().norm().item()]
@@ -82,12 +92,7 @@ def test_the_tp2_fp8_program_equals_the_single_device_fp8_program(recipe, split)
     # each rank scaling by its own shard's amax: not the single-device model's numbers
     if split:
         return
-    alone = autoshard(copy.deepcopy(model), tp=2, **kw)
-    for rank in alone.ranks():
-        for m in rank.modules():
-            if isinstance(m, Fp8Linear):
-                m.reduce = False
-    _, grads3 = _run(alone, ids)
+    _, grads3 = _run(_scaling_alone(autoshard(copy.deepcopy(model), tp=2, **kw)), ids)
     assert _worst(grads3, grads1) > 1e-2, _worst(grads3, grads1)
 
 
@@ -141,12 +146,7 @@ def test_gpt2s_conv1d_linears_run_in_fp8_as_on_one_device(recipe):
     assert abs(loss2 - loss1) / loss1 <= FP32_TOL and _worst(grads2, grads1) <= FP32_TOL
     _, grads4 = _run(autoshard(copy.deepcopy(model), tp=2, fuse=True, **kw), ids)    # the c_fc bias + GeLU fused
     assert _worst(grads4, grads1) <= FP32_TOL
-    alone = autoshard(copy.deepcopy(model), tp=2, **kw)
-    for rank in alone.ranks():
-        for m in rank.modules():
-            if isinstance(m, Fp8Linear):
-                m.reduce = False
-    _, grads3 = _run(alone, ids)
+    _, grads3 = _run(_scaling_alone(autoshard(copy.deepcopy(model), tp=2, **kw)), ids)
     assert _worst(grads3, grads1) > 1e-2, _worst(grads3, grads1)
 
 
@@ -168,12 +168,8 @@ def test_without_the_cp_groups_max_a_context_parallel_fp8_program_differs(recipe
     off = _off(grads2, grads1, FP32_TOL)
     assert len(off) <= 1 and _worst(grads2, grads1) <= 1e-3, off
     alone = autoshard(copy.deepcopy(model), tp=1, cp=2, **kw)
-    for rank in alone.ranks():
-        for m in rank.modules():
-            if isinstance(m, Fp8Linear):
-                assert m.cp == 2
-                m.reduce = False
-    _, grads3 = _run(alone, ids)
+    assert {m.cp for rank in alone.ranks() for m in rank.modules() if isinstance(m, Fp8Linear)} == {2}
+    _, grads3 = _run(_scaling_alone(alone), ids)
     assert len(_off(grads3, grads1, FP32_TOL)) >= 10 and _worst(grads3, grads1) > 1e-2, _worst(grads3, grads1)
 
 
