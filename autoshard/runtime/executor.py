@@ -183,6 +183,12 @@ class MeshRuntime(nn.Module):
         self.device = self.transfer.device = next(self.parameters()).device
 
     # ---- one step ----------------------------------------------------------------------------
+    @property
+    def rank_program(self):
+        """This process's rank program: the graphs its stages were cut from (what a caller reads a
+        signature's graph off, `graph_for`)."""
+        return self._program
+
     def train_step(self, *args, max_norm: float | None = None,
                    loss_fn: Callable[[object, object], torch.Tensor] | None = None, targets: object = None,
                    loss_reduction: str = "mean", ignore_index: int = -100, local_batch: bool = False,

@@ -54,24 +54,26 @@ def _pieces(prog, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tenso
     return [mb for mbs in per_slice for mb in mbs]
 
 
-def _loss_factors(prog, pieces: list[dict[str, torch.Tensor]]) -> list[float]:
+def _loss_factors(program, pieces: list[dict[str, torch.Tensor]]) -> list[float]:
     """Each piece's weight in the step's loss, as the runtime weighs its microbatches (its own
-    token count: a patched runtime is the one verified)."""
-    graphs = [prog.rank(0).graph_for((), p) for p in pieces]
+    token count: a patched runtime is the one verified), read off `program`'s graphs (a rank program)."""
+    graphs = [program.graph_for((), p) for p in pieces]
     counter = loss_tokens.loss_tokens(graphs[0][0])
     factors, _ = loss_tokens.loss_factors(counter, [g[1] for g in graphs], [None] * len(pieces), False, "mean", -100,
                                           None, None)
     return factors
 
 
-def microbatch_reference(prog, model: nn.Module, inputs: dict[str, torch.Tensor]):
+def microbatch_reference(prog, model: nn.Module, inputs: dict[str, torch.Tensor], program=None):
     """`model` run on each data slice's microbatches one at a time, their losses weighed and added as
     the runtime adds its microbatches' (gradient accumulation): (the loss, each piece's outputs in
     data-slice-major order). What an FP8 split is compared with: its scales are per microbatch, as a
-    single-device FP8 model's are on the same microbatch."""
+    single-device FP8 model's are on the same microbatch. `program`: the rank program whose graphs
+    count the tokens (a runtime's own: in a process of a real run the program's weights are released
+    and no other rank can be cut); default rank 0's."""
     pieces = [mb for mbs in _per_slice(prog, inputs) for mb in mbs]
     outs = [model(**p) for p in pieces]
-    loss = sum(pick_loss(o) * f for o, f in zip(outs, _loss_factors(prog, pieces)))
+    loss = sum(pick_loss(o) * f for o, f in zip(outs, _loss_factors(program or prog.rank(0), pieces)))
     return loss, outs
 
 
@@ -128,7 +130,7 @@ def _one_step(prog, model: nn.Module, inputs: dict[str, torch.Tensor], tolerance
     prog.zero_grad()
     model.zero_grad(set_to_none=True)
     pieces = _pieces(prog, inputs)
-    factors = _loss_factors(prog, pieces)
+    factors = _loss_factors(prog.rank(0), pieces)
     prog.train()
     total, outs = 0.0, []
     for piece, factor in zip(pieces, factors):

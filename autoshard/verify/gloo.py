@@ -13,6 +13,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import tempfile
 
 import torch
@@ -35,6 +36,14 @@ __all__ = ["run_in_processes", "worker", "gather_and_write"]
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
+def _failure(proc) -> str:
+    """The line that says why a torchrun job failed: its last exception (a rank's traceback's last
+    line), not torchrun's closing banner; else its last line, else its exit code."""
+    lines = [line.strip() for line in (proc.stderr or proc.stdout or "").splitlines() if line.strip()]
+    raised = [line for line in lines if re.search(r"(^|: )[\w.]*(Error|Exception)\b:", line)]
+    return (raised or lines or [f"exit code {proc.returncode}"])[-1]
+
+
 def run_in_processes(spec: dict, world: int, *, target: str = "autoshard.verify.gloo", timeout: int = 600,
                      rendezvous: list[str] | None = None) -> tuple[list[Item], str | None]:
     """Launch `world` gloo processes of `target` (a module whose main calls `worker`) on `spec`
@@ -48,8 +57,7 @@ def run_in_processes(spec: dict, world: int, *, target: str = "autoshard.verify.
             json.dump({**spec, "result": result}, f)
         proc = torchrun(target, ["--spec", path], world, timeout=timeout, rendezvous=rendezvous)
         if not os.path.isfile(result):
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-            return [], f"the gloo run failed: {tail[0][:200]}"
+            return [], f"the gloo run failed: {_failure(proc)[:300]}"
         with open(result) as f:
             rows = json.load(f)
     return [Item(kind, group, err, where, spec["tolerance"]) for kind, group, err, where in rows], None

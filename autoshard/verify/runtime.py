@@ -93,7 +93,8 @@ def rank_rows(prog, rt, reference: nn.Module, steps: list[tuple[str, dict]], *, 
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
         loss = rt.train_step(**inputs)
-        ref_loss = microbatch_reference(prog, reference, inputs)[0] if by_microbatch else pick_loss(reference(**inputs))
+        ref_loss = microbatch_reference(prog, reference, inputs, rt.rank_program)[0] if by_microbatch \
+            else pick_loss(reference(**inputs))
         ref_loss.backward()
         grads = {} if sharded else scaled_errors({n: p.grad for n, p in mine.items()},      # sharded: no .grad,
                                                  {n: local_slice(prog, rt, n, ref[n].grad) for n in mine})   # owned only

@@ -61,3 +61,33 @@ def test_zero_bubble_schedules_run_fp8_as_1f1b_does(schedule):
     assert [loss for loss, _ in out["1f1b"]] == [loss for loss, _ in out[schedule]]
     assert grads_a.keys() == grads_b.keys() and len(grads_a) == len(dict(model.named_parameters()))
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_verify_rows_read_the_runtimes_own_graphs_where_the_weights_are_released():
+    """Regression: `autoshard verify --precision fp8 --gloo` at dp=2 x ep=2 failed in every process
+    (and said only torchrun's closing banner): the single-device FP8 reference weighs its microbatches'
+    losses by token counts read off a rank program's graphs, and it asked `prog.rank(0)`, which a
+    torchrun process cannot cut once distributed() has released the model's weights. It now reads
+    its own runtime's program. Here the release is done by hand in a local world, as a torchrun
+    process does it; the rows still compare."""
+    from autoshard.testing.models import build_moe
+    from autoshard.verify.fp8_model import to_fp8_model
+    from autoshard.verify.runtime import rank_rows
+    from autoshard.world import current
+    model = build_moe("mixtral")
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    prog = autoshard(copy.deepcopy(model), dp=2, ep=2, precision="fp8",
+                     example_kwargs={"input_ids": ids[:2], "labels": ids[:2]})
+
+    def rank(r):
+        reference = copy.deepcopy(model)
+        to_fp8_model(reference, prog.fp8[1], prog.fp8[0])
+        rt = prog.distributed(mesh=True)
+        current().barrier()
+        if r == 0:
+            prog._release()                      # what distributed() does in a torchrun process
+        current().barrier()
+        return rank_rows(prog, rt, reference, [("step", {"input_ids": ids, "labels": ids})], sharded=False,
+                         run="runtime", by_microbatch=True)
+    rows = [row for rows in LocalWorld(2).run(rank) for row in rows]
+    assert rows and all(err <= 1e-2 for _, _, err, _ in rows), rows

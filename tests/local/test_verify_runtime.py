@@ -58,3 +58,18 @@ def test_zero3_is_certified_and_a_stale_gather_fails_it():
         planted = verify_model(build_model("llama", layers=2), split)
     failing = [i for i in planted.items if not i.holds]
     assert failing and all("runtime rank" in i.where and "step 1" not in i.where for i in failing), failing
+
+
+def test_a_failed_gloo_run_is_reported_by_its_exception_not_torchruns_banner():
+    """Before, `verify --gloo` reported the last line of torchrun's stderr: the '=====' of its
+    closing summary, which says nothing."""
+    from types import SimpleNamespace
+
+    from autoshard.verify.gloo import _failure
+    stderr = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in <module>\n"
+              "[rank0]: autoshard.errors.ShardingError: distributed() released the model's weights\n"
+              "E1129 torch/distributed/elastic/multiprocessing/api.py failed (exitcode: 1)\n"
+              "============================================================\n")
+    assert _failure(SimpleNamespace(stderr=stderr, stdout="", returncode=1)) == \
+        "[rank0]: autoshard.errors.ShardingError: distributed() released the model's weights"
+    assert _failure(SimpleNamespace(stderr="", stdout="", returncode=3)) == "exit code 3"
