@@ -6,8 +6,9 @@ in bf16, each with its reason.
 
 A linear is `aten.linear(x, w[, b])` with `w` a parameter (`param_of(get_attr target)` names it),
 w [out, in]; or GPT-2's Conv1D, `aten.addmm(b, x, w)` (or `aten.mm(x, w)`, as tp's rewrite leaves
-a row-parallel one whose bias it adds after g), w [in, out]: `LINEAR_FORMS` says where each form
-keeps its operands.
+a row-parallel one whose bias it adds after g), w [in, out]; or `aten.matmul(x, w)`: `LINEAR_FORMS`
+says where each form keeps its operands. A weight read through a transpose (Falcon's
+`x @ self.weight.T`) has its output dim on the other side.
 `KEEP_BF16`'s rows are tried in order; the first whose test holds keeps the linear in bf16 and
 gives the reason `print(prog)` shows. `keep` names the weights the model's structure picks out
 (autoshard/api.py reads them off the model): its output embedding (the LM head), its routers, and
@@ -58,7 +59,11 @@ LINEAR_FORMS: dict[object, LinearForm] = {
     _aten.linear.default: LinearForm(x=0, w=1, bias=2, out_dim=0),      # nn.Linear, F.linear
     _aten.addmm.default: LinearForm(x=1, w=2, bias=0, out_dim=1),       # GPT-2's Conv1D: b + x @ w
     _aten.mm.default: LinearForm(x=0, w=1, bias=None, out_dim=1),       # a row-parallel Conv1D, its bias after g
+    _aten.matmul.default: LinearForm(x=0, w=1, bias=None, out_dim=1),   # x @ w, x [..., in]
 }
+# a weight read through one of these is the transpose of the stored one (Falcon's x @ self.weight.T):
+# its output dim is the other one
+_TRANSPOSES = (_aten.t.default, _aten.numpy_T.default, _aten.transpose.int, _aten.permute.default)
 
 
 # (reason, test(weight name, its [out, in] sizes whole and on each rank, keep)): the first that holds
@@ -73,9 +78,20 @@ KEEP_BF16: list[tuple[str, Callable[[str, list[list[int]], dict[str, str]], bool
      lambda name, sizes, keep: keep.get(name) == "experts" and not sizes),
     ("experts split over tp ranks: their scales would need the tp group's max inside the experts call "
      "(not built)", lambda name, sizes, keep: keep.get(name) == "experts" and any(s != sizes[0] for s in sizes)),
+    ("rows held by several tp ranks (kv heads fewer than tp): a rank's gradient for them is a partial "
+     "sum until their sync, and FP8 would scale and round the partials, not the single-device sum",
+     lambda name, sizes, keep: _held_twice(sizes)),
     ("its features are not multiples of 16 (torch._scaled_mm's rule), whole or on a tp shard",
      lambda name, sizes, keep: any(d % 16 for shape in sizes for d in shape)),
 ]
+
+
+def _held_twice(sizes: list[list[int]]) -> bool:
+    """Whether the tp shards (sizes[1:]) of a weight (sizes[0]) hold more rows of a split dim than it
+    has: some are held by several ranks."""
+    whole, shards = sizes[0], sizes[1:]
+    return any(len(shards) > 1 and any(s[d] != whole[d] for s in shards) and sum(s[d] for s in shards) > whole[d]
+               for d in range(len(whole)))
 
 
 def _grouped_weight(n: fx.Node) -> fx.Node | None:
@@ -105,14 +121,26 @@ def _arg(n: fx.Node, i: int | None):
     return n.args[i] if i is not None and i < len(n.args) else None
 
 
+def _stored(w: object) -> tuple[fx.Node | None, bool]:
+    """The get_attr a linear's weight operand reads, and whether through a transpose of its two dims."""
+    if isinstance(w, fx.Node) and w.op == "call_function" and w.target in _TRANSPOSES and len(w.users) == 1:
+        dims = [d % 2 for d in (w.args[1] if w.target is _aten.permute.default else w.args[1:])]
+        if w.target in (_aten.t.default, _aten.numpy_T.default) or dims in ([1, 0], [0, 1]):
+            return (w.args[0] if isinstance(w.args[0], fx.Node) and w.args[0].op == "get_attr" else None), True
+    return (w if isinstance(w, fx.Node) and w.op == "get_attr" else None), False
+
+
 def _linears(graph: fx.Graph, param_of: Callable[[str], str | None]):
-    """(node, weight name, form) of each linear on a parameter: w 2-D, the plain matmul form only."""
+    """(node, weight name, form, the weight's get_attr, its output dim) of each linear on a 2-D
+    parameter, read directly or through a transpose; the plain matmul forms only."""
     for n in graph.nodes:
         form = LINEAR_FORMS.get(n.target) if n.op == "call_function" else None
-        w = _arg(n, form.w) if form is not None else None
-        if isinstance(w, fx.Node) and w.op == "get_attr" and param_of(w.target) is not None \
-                and not n.kwargs and (n.target is not _aten.addmm.default or len(n.args) == 3):
-            yield n, param_of(w.target), form
+        if form is None or n.kwargs or (n.target is _aten.addmm.default and len(n.args) != 3):
+            continue
+        w, flipped = _stored(_arg(n, form.w))
+        val = w.meta.get("val") if w is not None else None
+        if w is not None and param_of(w.target) is not None and (val is None or val.dim() == 2):
+            yield n, param_of(w.target), form, w, 1 - form.out_dim if flipped else form.out_dim
 
 
 def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
@@ -120,8 +148,8 @@ def fp8_table(captured: fx.GraphModule, param_of: Callable[[str], str | None],
     """Every linear's weight -> None where it runs in FP8, else the reason it stays bf16 (see the
     module doc), read off the captured graph; `shards(name, shape)`: its shape on each tp rank."""
     table: dict[str, str | None] = {}
-    for n, name, form in _linears(captured.graph, param_of):
-        shape = list(captured.get_parameter(n.args[form.w].target).shape)
+    for n, name, form, w, _ in _linears(captured.graph, param_of):
+        shape = list(captured.get_parameter(w.target).shape)
         sizes = [shape, *shards(name, shape)]
         table[name] = next((why for why, test in KEEP_BF16 if test(name, sizes, keep)), None)
     for n, name, w in _grouped(captured.graph, param_of):
@@ -140,15 +168,15 @@ def rewrite_fp8_linears(graph: fx.Graph, table: dict[str, str | None], recipe: s
     """Each linear the table runs in FP8 becomes an Fp8Linear module's call (+ its bias), in place;
     returns the modules' specs."""
     specs = []
-    for n, name, form in list(_linears(graph, param_of)):
+    for n, name, form, w, out_dim in list(_linears(graph, param_of)):
         if table.get(name, "not in the table") is not None:
             continue
         dim = split_dim(name)
-        role = None if dim is None else "column" if dim == form.out_dim else "row"
+        role = None if dim is None else "column" if dim == out_dim else "row"
         spec = Fp8LinearSpec(f"fp8_{n.name}{suffix}", recipe, role, cp)
-        x, w, bias = _arg(n, form.x), _arg(n, form.w), _arg(n, form.bias)
+        x, operand, bias = _arg(n, form.x), _arg(n, form.w), _arg(n, form.bias)
         with graph.inserting_before(n):
-            if form.out_dim == 1:
+            if out_dim == 1:
                 w = graph.call_function(_aten.t.default, (w,))          # [in, out] -> [out, in]
             y = call = graph.call_module(spec.module, (x, w))
             if bias is not None:
@@ -156,6 +184,8 @@ def rewrite_fp8_linears(graph: fx.Graph, table: dict[str, str | None], recipe: s
         call.meta.update({k: v for k, v in n.meta.items() if k in ("captured", "val")})    # read as the linear
         n.replace_all_uses_with(y)
         graph.erase_node(n)
+        if operand is not w and isinstance(operand, fx.Node) and not operand.users:
+            graph.erase_node(operand)                                  # the transpose it read the weight through
         specs.append(spec)
     for n, name, _ in list(_grouped(graph, param_of)):
         if table.get(name, "not in the table") is None:

@@ -58,8 +58,9 @@ Max = Callable[[Ranked], Ranked]       # each rank's amax -> its group's max, fo
 
 
 def _scale(amaxes: list[torch.Tensor], over: list[Max | None], fmt: torch.dtype) -> list[torch.Tensor]:
-    """fp32 scales from each rank's amaxes, after the max over each group in `over` (None: none)."""
-    amaxes = [a.float() for a in amaxes]
+    """fp32 scales from each rank's amaxes, after the max over each group in `over` (None: none);
+    float64 ones from float64 operands (see `_mm`)."""
+    amaxes = [a if a.dtype == torch.float64 else a.float() for a in amaxes]
     for group_max in over:
         if group_max is not None:
             amaxes = group_max(amaxes)
@@ -68,13 +69,21 @@ def _scale(amaxes: list[torch.Tensor], over: list[Max | None], fmt: torch.dtype)
 
 def _cast(t: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     limit = torch.finfo(fmt).max
-    return (t.float() / scale).clamp(-limit, limit).to(fmt)
+    return (t.to(scale.dtype) / scale).clamp(-limit, limit).to(fmt)
 
 
 def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a8 @ b8 with their scales; `_scaled_mm` takes a row-major and b column-major, and a contraction
     dim that is a multiple of 16: grad_w's is the tokens, any number of them (an expert's), so it is
-    padded with zeros, which add nothing to the sums."""
+    padded with zeros, which add nothing to the sums.
+
+    A float64 result (what `autoshard verify` computes in: _scaled_mm has no float64) is the same
+    float8 values times their scales, summed in float64: the casts, and so the recipe, are the same,
+    the products exact, and the sums lose nothing, so two programs that differ only in summation
+    order elsewhere agree to float64's precision instead of parting wherever an fp32 ulp moved a
+    value across a float8 rounding step."""
+    if dtype == torch.float64:
+        return (a8.to(dtype) * sa.to(dtype)) @ (b8.to(dtype) * sb.to(dtype))
     k = a8.shape[1]
     if k % 16:
         a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], 16 - k % 16)], 1)
@@ -105,7 +114,7 @@ class _Fp8Matmul(torch.autograd.Function):
             ctx.save_for_backward(*xs, *ws)
         ctx.args = (recipe, column, tokens, len(ws), [x.shape for x in xw[0::2]], [w.dtype for w in ws],
                     [x.dtype for x in xs])
-        return tuple(y.reshape(*shape[:-1], y.shape[-1]) for y, shape in zip(ys, ctx.args[4]))
+        return tuple(ys)        # [M, N] each: the caller takes them back to x's leading dims (_matmuls)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -136,7 +145,16 @@ class _Fp8Matmul(torch.autograd.Function):
 def fp8_matmuls(recipe: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """x @ w.T for each (x, w), each its own FP8 linear with its own scales (no group): the experts'
     matmuls (parallel/fp8_experts.py)."""
-    return list(_Fp8Matmul.apply(recipe, None, None, None, *[t for x, w in pairs for t in (x, w)]))
+    return _matmuls(recipe, None, None, None, [t for x, w in pairs for t in (x, w)])
+
+
+def _matmuls(recipe: str, row: Max | None, column: Max | None, tokens: Max | None,
+             xw: list[torch.Tensor]) -> list[torch.Tensor]:
+    """_Fp8Matmul's [M, N] outputs as [..., N], x's leading dims: reshaped outside the function, so
+    that they are autograd's ordinary views (the model may write into them in place: Falcon adds its
+    bias with +=), not views made inside a custom Function, which autograd forbids writing into."""
+    outs = _Fp8Matmul.apply(recipe, row, column, tokens, *xw)
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y, x in zip(outs, xw[0::2])]
 
 
 def _grouped_max(groups: list[list[int]]) -> Max:
@@ -197,7 +215,7 @@ class Fp8Linear(Collective):
 
     def _apply(self, tp_max: Max | None, cp_max: Max | None, *xw: torch.Tensor) -> tuple[torch.Tensor, ...]:
         row, column = (tp_max, None) if self.role == "row" else (None, tp_max)
-        return _Fp8Matmul.apply(self.recipe, row, column, cp_max, *xw)
+        return tuple(_matmuls(self.recipe, row, column, cp_max, list(xw)))
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe}, role={self.role}" + (f", cp={self.cp}" if self.cp > 1 else "") \

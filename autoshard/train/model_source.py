@@ -76,7 +76,9 @@ def apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
         setattr(cfg, "intermediate_size" if hasattr(cfg, "intermediate_size") else "n_inner", opts.ffn)
     if opts.kv_heads is None and hasattr(cfg, "num_key_value_heads") and opts.heads is not None:
         cfg.num_key_value_heads = opts.heads
-    if getattr(cfg, "head_dim", None) is not None and (opts.hidden or opts.heads):
+    derived = getattr(type(cfg), "head_dim", None)       # Falcon's: a property of hidden and heads, no setter
+    if getattr(cfg, "head_dim", None) is not None and (opts.hidden or opts.heads) \
+            and not (isinstance(derived, property) and derived.fset is None):
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):   # the config's ids for a vocabulary it no longer has
         value = getattr(cfg, attr, None)

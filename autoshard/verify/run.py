@@ -123,9 +123,8 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
     original = copy.deepcopy(model)          # dropout kept: its regions are checked on their own
     dropped = without_dropout(model)
     fp8 = split.get("precision") == "fp8"
-    # float8 matmuls take no float64: an FP8 split is compared in float32 around its float8 linears
-    wide, dtype_note = (copy.deepcopy(model).float(), "float32 around the float8 linears (_scaled_mm takes no "
-                        "float64)") if fp8 else _widest(model, batch.inputs)
+    # FP8 splits too: their float8 products are summed in float64 there (parallel/fp8_linear.py's _mm)
+    wide, dtype_note = _widest(model, batch.inputs)
     dtype = next(wide.parameters()).dtype
     cert = Certificate(type(model).__name__, {k: split[k] for k in _SPLIT_KEYS if k in split}, dtype_note,
                        TOLERANCES[dtype], "", batch.description, twin=list(twin or []))
@@ -177,8 +176,10 @@ def verify_model(model: nn.Module, split: dict[str, object], *, vocab: int | Non
         # each step from the same weights: a float8 step's difference in one gradient moves its weight,
         # the weights' amaxes move every value of a tensor, and two runs part within a few steps
         cert.tolerance = FP8_TOLERANCE
-        cert.tolerance_reason = ("float32 summation order, which now and then moves a value across a float8 "
-                                 "rounding boundary: one element a whole float8 step (1/8 in e4m3); a few such per "
+        cert.tolerance_reason = (f"{str(dtype).removeprefix('torch.')} summation order, which can move a value "
+                                 "across a float8 rounding boundary: one element a whole float8 step (1/8 in e4m3). "
+                                 "In float64 (the float8 products summed there too) only a value at a rounding tie "
+                                 "can move, as structured weights make; in float32 any within an ulp. A few such per "
                                  "tensor stay under this, a shard scaled by its own amax misses by several times it; "
                                  "each step from the same weights on both sides")
     cert.fallbacks = _fallbacks(prog)

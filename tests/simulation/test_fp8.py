@@ -109,7 +109,8 @@ def test_the_bf16_fp8_programs_loss_agrees_within_bf16s_tolerance():
 def test_the_table_keeps_the_lm_head_and_odd_sizes_in_bf16_and_print_says_so():
     """At tp=4 an MLP of 96 features holds 24 on each rank: not a multiple of 16, so gate, up and
     down stay bf16 (whole, 96 would do). k and v: 2 kv heads of 16 over 4 ranks, a head shared by
-    two ranks: 16 rows each, FP8."""
+    two ranks: bf16 (test_kv_rows_held_by_several_tp_ranks_stay_in_the_models_dtype says why; before
+    they ran in FP8 and this test said so)."""
     model = _llama(ffn=96)
     ids = torch.randint(0, 256, (2, 32))
     prog = autoshard(model, tp=4, example_kwargs={"input_ids": ids, "labels": ids}, precision="fp8")
@@ -117,10 +118,12 @@ def test_the_table_keeps_the_lm_head_and_odd_sizes_in_bf16_and_print_says_so():
     assert recipe == "tensorwise" and table["lm_head.weight"].startswith("the LM head")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert "not multiples of 16" in table[f"model.layers.1.mlp.{proj}.weight"]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    for proj in ("q_proj", "o_proj"):
         assert table[f"model.layers.0.self_attn.{proj}.weight"] is None
+    for proj in ("k_proj", "v_proj"):
+        assert table[f"model.layers.0.self_attn.{proj}.weight"].startswith("rows held by several tp ranks")
     text = str(prog)
-    assert "fp8 (tensorwise scaling): 8 of 15 linears run in float8" in text, text
+    assert "fp8 (tensorwise scaling): 4 of 15 linears run in float8" in text, text
     assert "  lm_head.weight: the LM head" in text
 
 
@@ -148,6 +151,41 @@ def test_gpt2s_conv1d_linears_run_in_fp8_as_on_one_device(recipe):
     assert _worst(grads4, grads1) <= FP32_TOL
     _, grads3 = _run(_scaling_alone(autoshard(copy.deepcopy(model), tp=2, **kw)), ids)
     assert _worst(grads3, grads1) > 1e-2, _worst(grads3, grads1)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_kv_rows_held_by_several_tp_ranks_stay_in_the_models_dtype(recipe):
+    """2 kv heads at tp=4: each k and v row is held by two ranks, whose gradients for it are partial
+    sums until their sync; cast to float8 each partial is scaled and rounded on its own, where one
+    device casts the sum. Before, k_proj and v_proj ran in FP8 and the tp=4 program missed the
+    single-device FP8 model (with the same table) by 10% (tensorwise) and 6.5% (rowwise), measured.
+    They stay in the model's dtype, saying why; the program is then the single-device one's."""
+    from autoshard.verify.fp8_model import to_fp8_model
+    model = _llama().double()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    prog = autoshard(copy.deepcopy(model), tp=4, example_kwargs={"input_ids": ids, "labels": ids}, precision="fp8",
+                     fp8_recipe=recipe)
+    table = prog.fp8[1]
+    assert table["model.layers.0.self_attn.k_proj.weight"].startswith("rows held by several tp ranks"), table
+    assert table["model.layers.0.self_attn.q_proj.weight"] is None
+    reference = copy.deepcopy(model)
+    to_fp8_model(reference, table, recipe)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    _, grads = _run(prog, ids)
+    assert _worst(grads, {n: p.grad for n, p in reference.named_parameters()}) <= FP32_TOL
+
+
+def test_falcons_transposed_weights_run_in_fp8_and_a_wide_mlp_is_certified(capsys):
+    """Falcon reads its weights as `x @ self.weight.T` (aten.matmul of a transpose): before, none of its
+    linears ran in FP8 (the table held only the LM head), and `verify --model falcon` with --hidden or
+    --heads crashed setting its head_dim (a property). Its 18176-wide MLP at tp=2 is certified: in
+    float64, the float8 products summed there too (in float32 an ulp of summation order moved values
+    across float8 steps and one gradient missed by 2.5%, measured)."""
+    from autoshard.verify.command import main
+    assert main(["--model", "falcon", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128",
+                 "--max-positions", "64", "--tp", "2", "--precision", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 (tensorwise): 8 of 9 linears in float8" in out and "tolerance 1e-02: float64 summation order" in out, out
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -290,7 +328,7 @@ def test_the_verify_command_certifies_fp8_over_data_parallel_ranks_per_microbatc
     assert main([*small, "--dp", "2", "--precision", "fp8"]) == 0
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("VERIFIED") and "fp8 (tensorwise): " in out, out
-    assert "tolerance 1e-02: float32 summation order" in out and "on the same microbatches" in out, out
+    assert "tolerance 1e-02: float64 summation order" in out and "on the same microbatches" in out, out
     assert "the runtime, 4 ranks on a local world" in out, out
     assert main([*small, "--fp8-recipe", "rowwise"]) == 2
     assert "--fp8-recipe rowwise: a recipe for --precision fp8" in capsys.readouterr().err
