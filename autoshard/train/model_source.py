@@ -43,7 +43,11 @@ class ModelSource:
 
 
 # the feed-forward widths a config may hold: the dense MLP's, each expert's, the shared experts'
-_FFN_WIDTHS = ("intermediate_size", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size")
+_FFN_WIDTHS = ("intermediate_size", "ffn_hidden_size", "ffn_dim", "n_inner", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
+# where --ffn goes: the dense MLP's width, by the name the config gives it (Falcon: ffn_hidden_size,
+# OPT: ffn_dim, GPT-2: n_inner)
+_DENSE_FFN = ("intermediate_size", "ffn_hidden_size", "ffn_dim", "n_inner")
 
 
 def _ffn_widths(cfg, opts: TrainOptions) -> dict[str, int]:
@@ -73,7 +77,11 @@ def apply_sizes(cfg, opts: TrainOptions, byte_tokenizer: bool) -> None:
         if value is not None:
             setattr(cfg, attr, value)
     if opts.ffn is not None:
-        setattr(cfg, "intermediate_size" if hasattr(cfg, "intermediate_size") else "n_inner", opts.ffn)
+        attr = next((a for a in _DENSE_FFN if hasattr(cfg, a)), None)
+        if attr is None:          # before: set as n_inner, which such a config never reads
+            raise TrainError(f"--ffn {opts.ffn}: {type(cfg).__name__} has no feed-forward width to set (none of "
+                             f"{', '.join(_DENSE_FFN)}; its MLP's width follows the hidden size)")
+        setattr(cfg, attr, opts.ffn)
     if opts.kv_heads is None and hasattr(cfg, "num_key_value_heads") and opts.heads is not None:
         cfg.num_key_value_heads = opts.heads
     derived = getattr(type(cfg), "head_dim", None)       # Falcon's: a property of hidden and heads, no setter

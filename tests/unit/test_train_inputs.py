@@ -90,6 +90,21 @@ def test_special_token_ids_beyond_a_smaller_vocabulary_are_dropped(tmp_path, tex
     assert cfg.vocab_size == BYTE_VOCAB and cfg.pad_token_id is None and cfg.bos_token_id == 1
 
 
+def test_falcons_and_opts_sizes_reach_their_own_config_names(tmp_path, text):
+    """Before: Falcon's head_dim (a property of hidden and heads) crashed `--hidden`, `--ffn` went to an
+    `n_inner` neither Falcon nor OPT reads, and with `--hidden` alone their MLPs kept the full model's
+    width (Falcon's 18176 beside a hidden size of 32). A config with no MLP width (Bloom) refuses --ffn."""
+    def cfg(*args):
+        return build(parse(["--layers", "1", "--hidden", "32", "--heads", "2", "--data", text, "--out", str(tmp_path),
+                            *args]), byte_tokenizer=True).model.config
+    falcon = cfg("--model", "falcon")
+    assert falcon.ffn_hidden_size == 128 and falcon.head_dim == 16     # 4 x hidden, as the full model has
+    assert cfg("--model", "falcon", "--ffn", "64").ffn_hidden_size == 64
+    assert cfg("--model", "opt", "--ffn", "64").ffn_dim == 64
+    with pytest.raises(TrainError, match="--ffn 64: BloomConfig has no feed-forward width to set"):
+        cfg("--model", "bloom", "--ffn", "64")
+
+
 def test_sequence_length_beyond_the_model_and_a_small_vocabulary_are_named(tmp_path, text):
     opts = _opts(text, tmp_path, "--layers", "1", "--hidden", "32", "--heads", "2", "--max-positions", "64",
                  "--seq-len", "128")
