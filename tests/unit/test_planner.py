@@ -1,4 +1,5 @@
 """The planner: legal splits only, fastest first; autoshard(model, world_size=N) compiles its choice."""
+import functools
 import warnings
 
 import pytest
@@ -13,8 +14,14 @@ from autoshard.testing.models import build_model
 GPT76B = ModelShape(hidden=10240, layers=60, heads=80, vocab=51200, seq=2048)   # Table 1, 76.1B
 
 
+@functools.cache
+def _plans_76b() -> list:
+    """The planner's search for the paper's 76B on 1024 GPUs (two tests read it: searched once)."""
+    return plan(GPT76B, gpus=1024, global_batch=1792)
+
+
 def test_plans_are_legal_fitting_and_sorted():
-    plans = plan(GPT76B, gpus=1024, global_batch=1792)
+    plans = _plans_76b()
     assert [e.seconds_per_iteration for e in plans] == sorted(e.seconds_per_iteration for e in plans)
     for e in plans:
         assert e.fits and e.gpus == 1024 and GPT76B.heads % e.tp == 0 and e.tp <= 8 and e.pp <= GPT76B.layers
@@ -24,7 +31,7 @@ def test_plans_are_legal_fitting_and_sorted():
 
 
 def test_explain_names_what_the_runners_up_lose():
-    text = explain(plan(GPT76B, gpus=1024, global_batch=1792))
+    text = explain(_plans_76b())
     assert text.startswith("1. tp=8 pp=4") and "slower than 1., mostly in" in text and "3. " in text
 
 
