@@ -194,7 +194,7 @@ def _fp8_options(model: nn.Module, precision: str | None, recipe: str) -> Fp8Opt
                 weight = child._parameters.get("weight") if child is not module.experts else None
                 if weight is not None and weight.dim() == 2 and id(weight) in names:
                     keep[names[id(weight)]] = "router"
-    for module in expert_modules(model).values():     # their grouped matmuls: not in float8 (yet), said so
+    for module in expert_modules(model).values():     # listed even where no grouped matmul reads them
         for p in module.parameters():
             if p.dim() == 3 and id(p) in names:
                 keep[names[id(p)]] = "experts"

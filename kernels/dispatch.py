@@ -86,8 +86,14 @@ def _kernel_args(args: tuple, slots: dict[int, str], promote: bool) -> tuple | N
     dtype = result_dtype(x, *(args[i] for i in values)) if promote else x.dtype
     if dtype not in KERNEL_DTYPES or (not promote and any(args[i].dtype != dtype for i in values)):
         return None
-    # (a tensor already of the dtype is passed as it is: `.to` would only cost the call)
-    return tuple(a.to(dtype) if (i == 0 or i in values) and a.dtype != dtype else a for i, a in enumerate(args))
+    return _in_dtype(args, dtype, slots)
+
+
+def _in_dtype(args: tuple, dtype: torch.dtype, slots: dict[int, str]) -> tuple:
+    """x and the value slots given (not None) in `dtype`; a tensor already of it is passed as it is
+    (`.to` would only cost the call)."""
+    return tuple(a.to(dtype) if (i == 0 or (slots.get(i) in _VALUES and a is not None)) and a.dtype != dtype else a
+                 for i, a in enumerate(args))
 
 
 def _signature(args: tuple, ints: bool) -> tuple:
@@ -116,9 +122,7 @@ def _with_fallback(name: str, kernel: Kernel, reference: Callable):
             return reference(*args)
         if plan:
             dtype, variant = plan
-            values = kernel.slots
-            kernel_args = tuple(a.to(dtype) if (i == 0 or values.get(i) in _VALUES) and a is not None
-                                and a.dtype != dtype else a for i, a in enumerate(args))
+            kernel_args = _in_dtype(args, dtype, kernel.slots)
         else:
             ok = kernel.takes is None or kernel.takes(args)
             kernel_args = _kernel_args(args, kernel.slots, kernel.promote) if ok else None

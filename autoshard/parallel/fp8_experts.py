@@ -39,14 +39,12 @@ def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         ends = [(e + 1) * x.shape[0] // w.shape[0] for e in range(w.shape[0])]
     else:
         ends = [int(e) for e in offs.tolist()]
-    starts = [0, *ends[:-1]]
-    groups = [(e, a, b) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
-    outs = fp8_matmuls(recipe, [(x[a:b], w[e].t()) for e, a, b in groups]) if groups else []
-    tail = x.shape[0] - (ends[-1] if ends else 0)
-    pieces = [*outs, *([x.new_zeros(tail, w.shape[-1])] if tail else [])]
+    groups = [(e, a, b) for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends)) if b > a]
     if not groups:       # no expert has a token: zeros, still a function of w (its gradient zeros, not None)
         return x.new_zeros(x.shape[0], w.shape[-1]) + w.flatten()[:0].sum() + x.flatten()[:0].sum()
-    return torch.cat(pieces)
+    outs = fp8_matmuls(recipe, [(x[a:b], w[e].t()) for e, a, b in groups])
+    tail = x.shape[0] - ends[-1]
+    return torch.cat([*outs, *([x.new_zeros(tail, w.shape[-1])] if tail else [])])
 
 
 def _op_name(func) -> str | None:

@@ -39,10 +39,9 @@ values, and the data-parallel reduction sums the parts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-from typing import Callable
 
 from autoshard.parallel.comm import SIMULATED, Collective, CommHandle, Ranked, distributed_reducer
 from autoshard.parallel.context_parallel import context_groups
